@@ -1,0 +1,146 @@
+"""Attention over a paged KV cache: the backend interface and the plain-torch backend.
+
+A step's tokens arrive flattened (`[num_tokens, ...]`, sequences back to back). Each
+sequence contributes `query_len` new tokens whose K/V are written to `slot_mapping` and
+which attend to the first `context_len` slots of its block table (cached + new).
+The torch backend runs on CPU and as the GPU fallback; faster backends (Triton,
+FlashInfer) implement the same two methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+# Sequences with at most this many query tokens (decodes, speculative verification) are
+# batched together with padding; longer ones (prefill chunks) run one by one unpadded.
+SMALL_QUERY_LEN = 16
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """What the runner knows about one step, in host lists (backend-independent)."""
+
+    query_lens: list[int]
+    context_lens: list[int]  # tokens each query attends to, new ones included
+    block_tables: list[list[int]]
+    block_size: int
+
+
+@dataclass
+class _Group:
+    q_index: torch.Tensor  # [S, Qm] flat token index of each (seq, query row); pads repeat
+    q_valid: torch.Tensor  # [S, Qm] bool
+    ctx_slots: torch.Tensor  # [S, Cm] cache slot of each context position
+    mask: torch.Tensor  # [S, 1, Qm, Cm] bool, True = may attend
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where the new K/V go
+    groups: list[_Group]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def build_metadata(
+        self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
+    ) -> object: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def _slots(block_table: list[int], num_positions: int, block_size: int) -> torch.Tensor:
+    positions = torch.arange(num_positions)
+    table = torch.tensor(block_table, dtype=torch.long)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _group(
+    members: list[int], batch: AttentionBatch, starts: list[int], device: torch.device
+) -> _Group:
+    q_max = max(batch.query_lens[i] for i in members)
+    c_max = max(batch.context_lens[i] for i in members)
+    num = len(members)
+    q_index = torch.zeros(num, q_max, dtype=torch.long)
+    q_valid = torch.zeros(num, q_max, dtype=torch.bool)
+    ctx_slots = torch.zeros(num, c_max, dtype=torch.long)
+    mask = torch.zeros(num, 1, q_max, c_max, dtype=torch.bool)
+    for row, i in enumerate(members):
+        q_len, ctx_len = batch.query_lens[i], batch.context_lens[i]
+        q_index[row, :q_len] = torch.arange(starts[i], starts[i] + q_len)
+        q_index[row, q_len:] = starts[i]
+        q_valid[row, :q_len] = True
+        ctx_slots[row, :ctx_len] = _slots(batch.block_tables[i], ctx_len, batch.block_size)
+        # Query j sits at absolute position ctx_len - q_len + j and sees positions <= it.
+        q_pos = torch.arange(q_len)[:, None] + (ctx_len - q_len)
+        mask[row, 0, :q_len, :ctx_len] = torch.arange(ctx_len)[None, :] <= q_pos
+        mask[row, 0, q_len:, 0] = True  # padded rows see one slot: no NaN, result discarded
+    return _Group(
+        q_index.to(device), q_valid.to(device), ctx_slots.to(device), mask.to(device)
+    )
+
+
+class TorchPagedAttention:
+    """Gathers each sequence's context from the paged cache and calls SDPA."""
+
+    name = "torch"
+
+    def build_metadata(
+        self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
+    ) -> TorchAttentionMetadata:
+        starts, total = [], 0
+        for q_len in batch.query_lens:
+            starts.append(total)
+            total += q_len
+        small = [i for i, q in enumerate(batch.query_lens) if q <= SMALL_QUERY_LEN]
+        large = [i for i, q in enumerate(batch.query_lens) if q > SMALL_QUERY_LEN]
+        groups = [_group([i], batch, starts, device) for i in large]
+        if small:
+            groups.append(_group(small, batch, starts, device))
+        return TorchAttentionMetadata(slot_mapping.to(device), groups)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        # kv_cache: [2, num_slots, num_kv_heads, head_dim]
+        kv_cache[0].index_copy_(0, metadata.slot_mapping, k)
+        kv_cache[1].index_copy_(0, metadata.slot_mapping, v)
+        out = torch.empty_like(q)
+        for g in metadata.groups:
+            qg = q[g.q_index].transpose(1, 2)  # [S, H, Qm, D]
+            kg = kv_cache[0][g.ctx_slots].transpose(1, 2)  # [S, KVH, Cm, D]
+            vg = kv_cache[1][g.ctx_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True
+            )
+            og = og.transpose(1, 2)  # [S, Qm, H, D]
+            out[g.q_index[g.q_valid]] = og[g.q_valid]
+        return out
+
+
+def select_backend(device: torch.device, preferred: str | None = None) -> AttentionBackend:
+    """The attention backend for `device`. Only the torch backend exists so far; GPU
+    backends register here and are imported lazily (flashinfer is GPU-only)."""
+    if preferred not in (None, "torch"):
+        raise ValueError(f"attention backend {preferred!r} is not available (have: torch)")
+    return TorchPagedAttention()

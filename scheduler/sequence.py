@@ -1,0 +1,69 @@
+"""The scheduler's view of one request: its tokens, where its images sit, and how much
+of it has KV in the cache. No torch here: the runner owns tensors."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal
+
+SequenceStatus = Literal["waiting", "running", "finished"]
+
+_arrival = itertools.count()
+
+
+@dataclass
+class ImagePlaceholder:
+    """One image of a prompt: the positions of its placeholder tokens, in the order its
+    embeddings fill them, and the hash of its raw content (for prefix caching)."""
+
+    content_hash: bytes
+    positions: list[int]
+    data: object = None  # what the runner needs to encode it; opaque to the scheduler
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    images: list[ImagePlaceholder] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    status: SequenceStatus = "waiting"
+    # Invariant: tokens [0, num_computed_tokens) have their KV in the cache.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
+    num_preemptions: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Chained hashes of the full blocks so far (prefix cache); extended lazily.
+    block_hashes: list[bytes] = field(default_factory=list)
+    arrival: int = field(default_factory=lambda: next(_arrival))
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+        self._image_keys: dict[int, tuple[bytes, int]] = {
+            pos: (img.content_hash, offset)
+            for img in self.images
+            for offset, pos in enumerate(img.positions)
+        }
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def token_key(self, position: int) -> int | tuple[bytes, int]:
+        """What identifies the KV at `position`: the token id, or for an image placeholder
+        (image content hash, offset in the image) since all placeholders share one id."""
+        return self._image_keys.get(position, self.token_ids[position])

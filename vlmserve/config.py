@@ -1,0 +1,52 @@
+"""Engine configuration: one frozen dataclass per subsystem, composed in EngineConfig.
+Environment variables are read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from scheduler.config import CacheConfig, SchedulerConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_device() -> str:
+    return os.environ.get("VLMSERVE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    device: str = field(default_factory=default_device)
+    # None: float32 on CPU (bfloat16 matmul is ~100x slower there), bfloat16 on GPU.
+    dtype: str | None = None
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    max_images_per_request: int = 16
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if not Path(self.path).is_dir():
+            raise ValueError(f"model path {self.path!r} is not a directory")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.max_images_per_request < 0:
+            raise ValueError(f"max_images_per_request={self.max_images_per_request} must be >= 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return _DTYPES[self.dtype]
+        return torch.float32 if self.device == "cpu" else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,211 @@
+"""The engine loop: requests in, tokens out.
+
+`add_request` validates and tokenises, `step` runs one scheduler plan through the model
+and returns what each touched request produced, `generate` drives both to completion.
+The HTTP server drives the same `add_request / step` loop from its own thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from scheduler.planner import Scheduler, StepPlan
+from scheduler.sequence import Sequence
+from vlmserve.config import EngineConfig
+from vlmserve.errors import PromptTooLongError, RequestError
+from vlmserve.processing import HFPromptProcessor, Request
+from vlmserve.runner import ModelRunner
+from vlmserve.sampling import SamplerState, SamplingParams, sample
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)  # since the previous step
+    text: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_image_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _State:
+    seq: Sequence
+    params: SamplingParams
+    sampler: SamplerState
+    max_tokens: int
+    output: RequestOutput
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        model = self.runner.model
+        self.processor = HFPromptProcessor(
+            config.model.path, model, config.model.max_images_per_request
+        )
+        self.tokenizer = self.processor.tokenizer
+        context = model.decoder.cfg.max_position_embeddings
+        self.max_model_len = min(config.model.max_model_len or context, context)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+        self.eos_token_ids = _eos_token_ids(config.model.path, model.config, self.tokenizer)
+        self._states: dict[str, _State] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens actually run (cache misses)
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> str:
+        """Validate and queue `request`; returns its id. Raises RequestError (or
+        ValueError) for a request that cannot be served; nothing else is disturbed."""
+        request_id = request.request_id or f"req-{next(self._ids)}"
+        if request_id in self._states:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        params = request.sampling or SamplingParams()
+        prompt = self.processor.process(request)
+        num_prompt = len(prompt.token_ids)
+        if num_prompt >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt is {num_prompt} tokens, the model's context is {self.max_model_len} "
+                "tokens (and at least one must be left to generate)"
+            )
+        max_tokens = min(params.max_tokens, self.max_model_len - num_prompt)
+        self._check_fits(num_prompt, max_tokens)
+        seq = Sequence(request_id, list(prompt.token_ids), prompt.images)
+        output = RequestOutput(
+            request_id,
+            num_prompt_tokens=num_prompt,
+            num_image_tokens=sum(image.num_tokens for image in prompt.images),
+        )
+        self._states[request_id] = _State(seq, params, SamplerState(params), max_tokens, output)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        block_manager = self.scheduler.block_manager
+        needed = block_manager.blocks_for(num_prompt + max_tokens)
+        if needed > block_manager.num_blocks:
+            raise RequestError(
+                f"request needs {needed} KV blocks ({num_prompt} prompt + {max_tokens} "
+                f"output tokens), the KV pool holds {block_manager.num_blocks}"
+            )
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and num_prompt > sched.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"prompt is {num_prompt} tokens, over max_num_batched_tokens="
+                f"{sched.max_num_batched_tokens} with chunked prefill off"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        self._finish(state, "abort")
+        return state.output
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: plan, run, sample, advance. Returns the outputs of requests that
+        produced tokens or finished in this step."""
+        plan = self.scheduler.schedule()
+        for seq in plan.preempted:
+            self.runner.release(seq.request_id)
+        if plan.is_empty:
+            return []
+        logits = self.runner.execute(plan)
+        rows = [self._states[item.seq.request_id].sampler for item in plan.scheduled if item.sample]
+        tokens = iter(sample(logits, rows))
+        sampled = [[next(tokens)] if item.sample else [] for item in plan.scheduled]
+        self._count_prompt_work(plan)
+        self.scheduler.update(plan, sampled)
+        self.num_steps += 1
+        outputs = []
+        for item, new in zip(plan.scheduled, sampled, strict=True):
+            if new:
+                state = self._states[item.seq.request_id]
+                self._append(state, new)
+                outputs.append(state.output)
+        return outputs
+
+    def _count_prompt_work(self, plan: StepPlan) -> None:
+        for item in plan.scheduled:
+            start = item.seq.num_computed_tokens
+            end = min(start + item.num_new_tokens, item.seq.num_prompt_tokens)
+            self.num_computed_prompt_tokens += max(0, end - start)
+
+    def _append(self, state: _State, new: list[int]) -> None:
+        out, params = state.output, state.params
+        out.new_token_ids = list(new)
+        out.token_ids.extend(new)
+        reason: FinishReason | None = None
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.eos_token_ids
+        if new[-1] in stops:
+            reason = "stop"
+        out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        for stop in params.stop:
+            cut = out.text.find(stop)
+            if cut >= 0:
+                out.text, reason = out.text[:cut], "stop"
+        if reason is None and (
+            len(out.token_ids) >= state.max_tokens or state.seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self._finish(state, reason)
+
+    def _finish(self, state: _State, reason: FinishReason) -> None:
+        state.output.finished = True
+        state.output.finish_reason = reason
+        state.output.num_cached_tokens = state.seq.num_cached_tokens
+        self.scheduler.finish(state.seq)
+        self.runner.release(state.seq.request_id)
+        del self._states[state.seq.request_id]
+
+    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+        """Run `requests` to completion. A request that cannot be served gets an output
+        with `error` set; the others are unaffected."""
+        outputs: list[RequestOutput] = []
+        for request in requests:
+            try:
+                request_id = self.add_request(request)
+                outputs.append(self._states[request_id].output)
+            except ValueError as e:  # RequestError and input validation
+                rid = request.request_id or f"req-{next(self._ids)}"
+                outputs.append(
+                    RequestOutput(rid, finished=True, finish_reason="error", error=str(e))
+                )
+        while self.has_unfinished():
+            self.step()
+        return outputs
+
+
+def _eos_token_ids(path: str, config: dict, tokenizer: object) -> set[int]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    sources = []
+    gen_path = Path(path) / "generation_config.json"
+    if gen_path.is_file():
+        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    sources += [config.get("eos_token_id"), config.get("text_config", {}).get("eos_token_id")]
+    sources.append(getattr(tokenizer, "eos_token_id", None))
+    for value in sources:
+        if value is not None:
+            return set(value) if isinstance(value, list) else {int(value)}
+    return set()

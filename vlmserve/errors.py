@@ -1,0 +1,26 @@
+"""Typed errors for bad requests. Each fails only its own request; the HTTP layer maps
+`status` to the response code, the CLIs print the message."""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given."""
+
+    status: int = 400
+
+
+class ImageDecodeError(RequestError):
+    """An image that is corrupt, truncated, empty or in an unsupported format."""
+
+
+class ImageTooLargeError(RequestError):
+    status = 413
+
+
+class TooManyImagesError(RequestError):
+    pass
+
+
+class PromptTooLongError(RequestError):
+    pass

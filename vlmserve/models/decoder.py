@@ -1,0 +1,182 @@
+"""Llama / Qwen2 family decoder over a flat token batch and a paged KV cache.
+
+RMSNorm, RoPE (scaling variants in `rope.py`), GQA or MHA, SwiGLU, optional q/k/v bias
+(Qwen2), tied or untied embeddings. The LM head runs only on the rows the caller asks
+for (article §8: computing logits for every prompt position is the prefill logits trap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionBackend
+from vlmserve.models.rope import RopeConfig, RotaryEmbedding, apply_rope, rope_config_from_hf
+from vlmserve.models.weights import CheckpointError, load_into
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, text_config: dict, *, qkv_bias: bool, tie: bool) -> DecoderConfig:
+        if text_config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {text_config['hidden_act']!r}: only silu is supported")
+        num_heads = text_config["num_attention_heads"]
+        head_dim = text_config.get("head_dim") or text_config["hidden_size"] // num_heads
+        return cls(
+            vocab_size=text_config["vocab_size"],
+            hidden_size=text_config["hidden_size"],
+            intermediate_size=text_config["intermediate_size"],
+            num_layers=text_config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=text_config.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=text_config.get("rms_norm_eps", 1e-6),
+            rope=rope_config_from_hf(text_config, head_dim),
+            max_position_embeddings=text_config.get("max_position_embeddings", 2048),
+            qkv_bias=qkv_bias or bool(text_config.get("attention_bias", False)),
+            tie_word_embeddings=tie,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as the reference (normalise in float32, scale in the input dtype).
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+@dataclass
+class StepContext:
+    """Per-step inputs shared by every layer."""
+
+    cos: torch.Tensor  # [num_tokens, head_dim]
+    sin: torch.Tensor
+    attn_metadata: object
+    kv_caches: list[torch.Tensor]  # per layer [2, num_slots, num_kv_heads, head_dim]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.cfg, self.backend = cfg, backend
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, layer: int) -> torch.Tensor:
+        n, c = x.shape[0], self.cfg
+        q = apply_rope(self.q_proj(x).view(n, c.num_heads, c.head_dim), ctx.cos, ctx.sin)
+        k = apply_rope(self.k_proj(x).view(n, c.num_kv_heads, c.head_dim), ctx.cos, ctx.sin)
+        v = self.v_proj(x).view(n, c.num_kv_heads, c.head_dim)
+        out = self.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.attn_metadata, self.scale)
+        return self.o_proj(out.reshape(n, c.num_heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The language model: embeddings in, hidden states out, logits for chosen rows."""
+
+    def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rope)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: object,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        # inputs_embeds: [num_tokens, hidden]; positions: [num_tokens]
+        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        ctx = StepContext(cos, sin, attn_metadata, kv_caches)
+        x = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, i)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_rows, hidden] -> [num_rows, vocab], float32 for sampling
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load(self, tensors: Mapping[str, torch.Tensor], prefix: str, lm_head_name: str) -> None:
+        """Copy HF Llama/Qwen2 weights: `prefix` is where `embed_tokens.weight` lives."""
+        names = {}
+        for ours, _ in self.named_parameters():
+            if ours == "lm_head.weight":
+                names[ours] = lm_head_name
+            else:
+                names[ours] = prefix + ours
+        if self.lm_head is not None and lm_head_name not in tensors:
+            raise CheckpointError(
+                f"missing weight {lm_head_name!r} and the config does not tie word embeddings"
+            )
+        load_into(self, tensors, names)

@@ -1,0 +1,189 @@
+"""Tiny random checkpoints in the real HF formats, built from the transformers config
+classes and written with `save_pretrained` (safetensors + config.json + tokenizer +
+processor). Tests, benchmarks and demos use them: nothing can be downloaded here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+WORDS = (
+    "a an the is are what where how many colour color red green blue yellow circle square "
+    "triangle star cross left right top bottom centre center one two three four there image "
+    "picture describe this of in on and with word written small large big please tell me "
+    "user assistant system User: Assistant: System:"
+).split()
+NUM_FILLER_WORDS = 160
+
+_QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} "
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image> "
+    "{% else %}{{ p['text'] }} {% endif %}{% endfor %}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+_IDEFICS3_TEMPLATE = (
+    "<|begin_of_text|> {% for m in messages %}{{ m['role'] | capitalize }}: "
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image> "
+    "{% else %}{{ p['text'] }} {% endif %}{% endfor %}<end_of_utterance> {% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+
+
+def word_tokenizer(special: list[str], eos: str):
+    """A whitespace word-level tokenizer over WORDS + filler words + `special`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_list = ["<unk>", "<pad>", *special, *WORDS, *(f"w{i}" for i in range(NUM_FILLER_WORDS))]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys(vocab_list))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token=eos,
+        additional_special_tokens=special,
+    )
+
+
+def _text_config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                 **extra):  # fmt: skip
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = Qwen2Config if kind == "qwen2" else LlamaConfig
+    return cls(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        **extra,
+    )
+
+
+def make_text_checkpoint(
+    path: str | Path,
+    kind: Literal["llama", "qwen2"] = "llama",
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 256,
+    seed: int = 0,
+    **extra,
+) -> Path:
+    """A random text-only decoder (Llama or Qwen2 class) with a word-level tokenizer."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = _text_config(kind, vocab, hidden, layers, heads, kv_heads, **extra)
+    model = (Qwen2ForCausalLM if kind == "qwen2" else LlamaForCausalLM)(config)
+    path = Path(path)
+    model.save_pretrained(path)
+    word_tokenizer(["<s>", "</s>"], "</s>").save_pretrained(path)
+    return path
+
+
+def make_vlm_checkpoint(
+    path: str | Path,
+    family: Literal["llava_onevision", "idefics3"],
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 256,
+    tile: int = 32,
+    patch: int = 8,
+    seed: int = 0,
+) -> Path:
+    """A random VLM with its HF processor (tokenizer, image processor, chat template)."""
+    from transformers import SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=tile, patch_size=patch,
+    )  # fmt: skip
+    path = Path(path)
+    if family == "llava_onevision":
+        _make_llava_onevision(path, vision, vocab, hidden, layers, heads, kv_heads, tile)
+    else:
+        _make_idefics3(path, vision, vocab, hidden, layers, heads, kv_heads, tile)
+    return path
+
+
+def _make_llava_onevision(path, vision, vocab, hidden, layers, heads, kv_heads, tile):  # noqa: PLR0913
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+    )
+
+    special = ["<image>", "<video>", "<|im_start|>", "<|im_end|>"]
+    tokenizer = word_tokenizer(special, "<|im_end|>")
+    pinpoints = [[tile * i, tile * j] for i in range(1, 4) for j in range(1, 4)]
+    config = LlavaOnevisionConfig(
+        text_config=_text_config("qwen2", vocab, hidden, layers, heads, kv_heads),
+        vision_config=vision,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        video_token_index=tokenizer.convert_tokens_to_ids("<video>"),
+        image_grid_pinpoints=pinpoints,
+        vision_aspect_ratio="anyres_max_4",
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+    )
+    LlavaOnevisionForConditionalGeneration(config).save_pretrained(path)
+    size = {"height": tile, "width": tile}
+    processor = LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=pinpoints),
+        tokenizer=tokenizer,
+        video_processor=LlavaOnevisionVideoProcessor(size=size),
+        num_image_tokens=(tile // vision.patch_size) ** 2,
+        vision_feature_select_strategy="full",
+        vision_aspect_ratio="anyres_max_4",
+        chat_template=_QWEN_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+
+
+def _make_idefics3(path, vision, vocab, hidden, layers, heads, kv_heads, tile):  # noqa: PLR0913
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+    )
+
+    special = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+               "<|begin_of_text|>", *(f"<row_{i}_col_{j}>" for i in range(1, 7)
+                                      for j in range(1, 7))]  # fmt: skip
+    tokenizer = word_tokenizer(special, "<end_of_utterance>")
+    scale = 2
+    config = Idefics3Config(
+        text_config=_text_config("llama", vocab, hidden, layers, heads, kv_heads),
+        vision_config=vision,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=scale,
+    )
+    Idefics3ForConditionalGeneration(config).save_pretrained(path)
+    image_processor = Idefics3ImageProcessor(
+        size={"longest_edge": tile * 3},
+        max_image_size={"longest_edge": tile},
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=(tile // vision.patch_size) ** 2 // scale**2,
+        chat_template=_IDEFICS3_TEMPLATE,
+    )
+    processor.save_pretrained(path)

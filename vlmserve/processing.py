@@ -1,0 +1,132 @@
+"""From a request (chat messages or a raw prompt, plus images) to prompt token ids and
+the placeholder layout of each image.
+
+For the HF families this calls the checkpoint's own HF processor (chat template, image
+processor, placeholder expansion); the project's pipelined pool replaces it on the
+serving path in a later step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+from scheduler.sequence import ImagePlaceholder
+from vlmserve.errors import TooManyImagesError
+from vlmserve.images import ImageSource, load_image
+from vlmserve.models.loader import LoadedModel
+
+
+@dataclass
+class Request:
+    """One generation request. Either `messages` (OpenAI-style chat: content is a string
+    or a list of parts `{"type": "text", "text": ...}` / `{"type": "image", "image": src}`)
+    or `prompt` (already templated text) with `images` in placeholder order."""
+
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    images: list[ImageSource] = field(default_factory=list)
+    sampling: object = None  # vlmserve.sampling.SamplingParams; None = defaults
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    token_ids: list[int]
+    images: list[ImagePlaceholder]
+
+
+def split_messages(messages: list[dict]) -> tuple[list[dict], list[ImageSource]]:
+    """Messages for the chat template (image parts reduced to `{"type": "image"}`) and the
+    image sources in order."""
+    templated, images = [], []
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(f"a message must be a dict with a role, got {message!r}")
+        content = message.get("content", "")
+        if isinstance(content, str):
+            templated.append({"role": message["role"], "content": [{"type": "text", "text": content}]})
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type")
+            if kind == "text":
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image":
+                parts.append({"type": "image"})
+                images.append(part["image"])
+            else:
+                raise ValueError(f"unsupported content part type {kind!r}")
+        templated.append({"role": message["role"], "content": parts})
+    return templated, images
+
+
+class HFPromptProcessor:
+    """Wraps the checkpoint's HF processor (or tokenizer, for text-only models)."""
+
+    def __init__(self, path: str, model: LoadedModel, max_images: int) -> None:
+        from transformers import AutoProcessor, AutoTokenizer
+
+        self.model = model
+        self.max_images = max_images
+        if model.vision is not None:
+            self.processor = AutoProcessor.from_pretrained(path)
+            self.tokenizer = self.processor.tokenizer
+        else:
+            self.processor = None
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def render(self, request: Request) -> tuple[str, list[ImageSource], bool]:
+        """(prompt text, image sources, whether special tokens are still to be added)."""
+        if request.messages is not None:
+            templated, sources = split_messages(request.messages)
+            owner = self.processor or self.tokenizer
+            if getattr(owner, "chat_template", None) is None:
+                raise ValueError("this checkpoint has no chat template: send a raw prompt")
+            text = owner.apply_chat_template(templated, add_generation_prompt=True, tokenize=False)
+            return text, sources, False  # the template wrote BOS and friends
+        if request.prompt is None:
+            raise ValueError("a request needs messages or a prompt")
+        return request.prompt, list(request.images), True
+
+    def process(self, request: Request) -> ProcessedPrompt:
+        text, sources, add_special = self.render(request)
+        if len(sources) > self.max_images:
+            raise TooManyImagesError(
+                f"request has {len(sources)} images, the limit is {self.max_images}"
+            )
+        if not sources:
+            ids = self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
+            return ProcessedPrompt(list(ids), [])
+        if self.model.vision is None:
+            raise ValueError("this model is text-only and cannot take images")
+        loaded = [load_image(source) for source in sources]
+        images, hashes = [img for img, _ in loaded], [h for _, h in loaded]
+        return self._with_images(text, images, hashes, add_special)
+
+    def _with_images(
+        self, text: str, images: list[Image.Image], hashes: list[bytes], add_special: bool
+    ) -> ProcessedPrompt:
+        from encoders.vision import vision_inputs_from_hf
+
+        family = self.model.family
+        batch_images = [images] if family == "idefics3" else images
+        outputs = self.processor(
+            text=[text], images=batch_images, return_tensors="pt", add_special_tokens=add_special
+        )
+        token_ids = outputs["input_ids"][0].tolist()
+        inputs = vision_inputs_from_hf(family, outputs)
+        positions = [i for i, t in enumerate(token_ids) if t == self.model.image_token_id]
+        placeholders, cursor = [], 0
+        for vision_input, digest in zip(inputs, hashes, strict=True):
+            count = self.model.vision.num_image_tokens(vision_input)
+            span = positions[cursor : cursor + count]
+            placeholders.append(ImagePlaceholder(digest, span, vision_input))
+            cursor += count
+        if cursor != len(positions):
+            raise ValueError(
+                f"prompt has {len(positions)} image placeholder tokens, "
+                f"its images need {cursor}"
+            )
+        return ProcessedPrompt(token_ids, placeholders)

@@ -1,0 +1,141 @@
+"""The model runner: owns the device, the weights and the KV cache; turns a StepPlan
+into one forward pass and returns the logits of the rows that sample."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import AttentionBatch, select_backend
+from scheduler.planner import StepPlan
+from scheduler.sequence import ImagePlaceholder, Sequence
+from vlmserve.config import EngineConfig
+from vlmserve.models.loader import LoadedModel, load_model
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.device = torch.device(config.model.device)
+        self.dtype = config.model.torch_dtype
+        self.backend = select_backend(self.device, config.model.attention_backend)
+        self.model: LoadedModel = load_model(
+            config.model.path, self.dtype, self.device, self.backend
+        )
+        self.block_size = config.cache.block_size
+        self.num_blocks = config.cache.num_blocks or self._blocks_that_fit(config)
+        cfg = self.model.decoder.cfg
+        # Per layer [2 (k, v), num_slots, num_kv_heads, head_dim]; slot = block * size + offset.
+        shape = (2, self.num_blocks * self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(cfg.num_layers)
+        ]
+        # Pooled image embeddings of prompts still in prefill, by (request id, image index).
+        self._image_embeds: dict[tuple[str, int], torch.Tensor] = {}
+        self.num_encoded_images = 0
+
+    @property
+    def block_bytes(self) -> int:
+        cfg = self.model.decoder.cfg
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _blocks_that_fit(self, config: EngineConfig) -> int:
+        budget = config.cache.memory_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.85)
+        return max(1, budget // self.block_bytes)
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (finished, aborted or preempted)."""
+        for key in [k for k in self._image_embeds if k[0] == request_id]:
+            del self._image_embeds[key]
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run `plan`; returns logits [num_sampling_rows, vocab] in plan order."""
+        token_ids, positions, slots, sample_rows = [], [], [], []
+        query_lens, context_lens, block_tables = [], [], []
+        image_rows: list[tuple[torch.Tensor, torch.Tensor, tuple[str, int]]] = []
+        self._encode_images(plan)
+        row = 0
+        for item in plan.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            token_ids += seq.token_ids[start:end]
+            pos = torch.arange(start, end)
+            positions.append(pos)
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            query_lens.append(n)
+            context_lens.append(end)
+            block_tables.append(seq.block_table)
+            for index, image in enumerate(seq.images):
+                where = _rows_in_chunk(image, start, end)
+                if where is not None:
+                    offsets, chunk_pos = where
+                    image_rows.append((offsets, chunk_pos - start + row, (seq.request_id, index)))
+            row += n
+            if item.sample:
+                sample_rows.append(row - 1)
+
+        decoder = self.model.decoder
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        embeds = decoder.embed(ids)  # [num_tokens, hidden]
+        for offsets, rows, key in image_rows:
+            embeds[rows.to(self.device)] = self._image_embeds[key][offsets.to(self.device)]
+        batch = AttentionBatch(query_lens, context_lens, block_tables, self.block_size)
+        slot_mapping = torch.cat(slots)
+        metadata = self.backend.build_metadata(batch, slot_mapping, self.device)
+        hidden = decoder(embeds, torch.cat(positions).to(self.device), metadata, self.kv_caches)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = decoder.compute_logits(hidden[rows])
+        self._drop_finished_images(plan)
+        return logits
+
+    def _encode_images(self, plan: StepPlan) -> None:
+        """Run the vision tower once over every image this step's chunks need."""
+        wanted: list[tuple[tuple[str, int], ImagePlaceholder]] = []
+        for item in plan.scheduled:
+            seq = item.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
+            for index, image in enumerate(seq.images):
+                key = (seq.request_id, index)
+                if key not in self._image_embeds and _rows_in_chunk(image, start, end):
+                    wanted.append((key, image))
+        if not wanted:
+            return
+        assert self.model.vision is not None, "image placeholders in a text-only model"
+        embeds = self.model.vision.encode([image.data for _, image in wanted])
+        for (key, image), emb in zip(wanted, embeds, strict=True):
+            assert emb.shape[0] == image.num_tokens, (
+                f"image gave {emb.shape[0]} embeddings for {image.num_tokens} placeholders"
+            )
+            self._image_embeds[key] = emb.to(self.dtype)
+        self.num_encoded_images += len(wanted)
+
+    def _drop_finished_images(self, plan: StepPlan) -> None:
+        for item in plan.scheduled:
+            seq = item.seq
+            end = seq.num_computed_tokens + item.num_new_tokens
+            for index, image in enumerate(seq.images):
+                if image.positions and image.positions[-1] < end:
+                    self._image_embeds.pop((seq.request_id, index), None)
+
+
+def _rows_in_chunk(
+    image: ImagePlaceholder, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(offsets into the image's embeddings, prompt positions) of its placeholders inside
+    [start, end), or None when the chunk holds none of them."""
+    if not image.positions or image.positions[-1] < start or image.positions[0] >= end:
+        return None
+    positions = torch.tensor(image.positions, dtype=torch.long)
+    inside = (positions >= start) & (positions < end)
+    if not inside.any():
+        return None
+    return inside.nonzero().squeeze(1), positions[inside]
+
+
+def sequences_of(plan: StepPlan) -> list[Sequence]:
+    return [item.seq for item in plan.scheduled]
