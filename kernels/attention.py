@@ -88,9 +88,7 @@ def _group(
         q_pos = torch.arange(q_len)[:, None] + (ctx_len - q_len)
         mask[row, 0, :q_len, :ctx_len] = torch.arange(ctx_len)[None, :] <= q_pos
         mask[row, 0, q_len:, 0] = True  # padded rows see one slot: no NaN, result discarded
-    return _Group(
-        q_index.to(device), q_valid.to(device), ctx_slots.to(device), mask.to(device)
-    )
+    return _Group(q_index.to(device), q_valid.to(device), ctx_slots.to(device), mask.to(device))
 
 
 class TorchPagedAttention:

@@ -66,7 +66,7 @@ class BlockManager:
         """Make the full blocks `block_table[i]` findable under `hashes[i]`."""
         if not self.enable_prefix_caching:
             return
-        for h, block_id in zip(hashes, block_table):
+        for h, block_id in zip(hashes, block_table, strict=False):  # only full blocks hash
             block = self.blocks[block_id]
             if block.hash is None and h not in self._cached:
                 block.hash = h

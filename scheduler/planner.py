@@ -52,6 +52,7 @@ class Scheduler:
         self.admission = admission or FcfsAdmission(num_blocks, cache.watermark)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     @property
     def block_size(self) -> int:
@@ -78,6 +79,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = "waiting"
         self.waiting.appendleft(seq)
 

@@ -25,9 +25,7 @@ def load_image(source: ImageSource, max_pixels: int = 64_000_000) -> tuple[Image
     """(RGB image, content hash). Raises ImageDecodeError / ImageTooLargeError."""
     if isinstance(source, Image.Image):
         image = source
-        digest = content_hash(
-            f"{image.mode}:{image.size}:".encode() + image.tobytes()
-        )
+        digest = content_hash(f"{image.mode}:{image.size}:".encode() + image.tobytes())
     else:
         if isinstance(source, (str, Path)):
             try:

@@ -46,7 +46,9 @@ def split_messages(messages: list[dict]) -> tuple[list[dict], list[ImageSource]]
             raise ValueError(f"a message must be a dict with a role, got {message!r}")
         content = message.get("content", "")
         if isinstance(content, str):
-            templated.append({"role": message["role"], "content": [{"type": "text", "text": content}]})
+            templated.append(
+                {"role": message["role"], "content": [{"type": "text", "text": content}]}
+            )
             continue
         parts = []
         for part in content:
@@ -116,6 +118,11 @@ class HFPromptProcessor:
             text=[text], images=batch_images, return_tensors="pt", add_special_tokens=add_special
         )
         token_ids = outputs["input_ids"][0].tolist()
+        if family == "idefics3" and len(images) > 1:
+            # The Idefics3 processor drops each image's tile grid from its output; only the
+            # image processor reports it, and it is needed to split the tiles per image.
+            grid = self.processor.image_processor(images, return_row_col_info=True)
+            outputs = {**outputs, "rows": grid["rows"], "cols": grid["cols"]}
         inputs = vision_inputs_from_hf(family, outputs)
         positions = [i for i, t in enumerate(token_ids) if t == self.model.image_token_id]
         placeholders, cursor = [], 0
@@ -126,7 +133,6 @@ class HFPromptProcessor:
             cursor += count
         if cursor != len(positions):
             raise ValueError(
-                f"prompt has {len(positions)} image placeholder tokens, "
-                f"its images need {cursor}"
+                f"prompt has {len(positions)} image placeholder tokens, its images need {cursor}"
             )
         return ProcessedPrompt(token_ids, placeholders)

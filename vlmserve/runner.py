@@ -26,8 +26,7 @@ class ModelRunner:
         # Per layer [2 (k, v), num_slots, num_kv_heads, head_dim]; slot = block * size + offset.
         shape = (2, self.num_blocks * self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(cfg.num_layers)
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
         ]
         # Pooled image embeddings of prompts still in prefill, by (request id, image index).
         self._image_embeds: dict[tuple[str, int], torch.Tensor] = {}

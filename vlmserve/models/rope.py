@@ -95,7 +95,9 @@ def _yarn(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
     return inv_freq, float(attention)
 
 

@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny random checkpoints in the real HF formats, built once per run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlmserve.models.random_checkpoint import make_text_checkpoint, make_vlm_checkpoint
+
+
+@pytest.fixture(scope="session")
+def llava_ov_path(tmp_path_factory):
+    """LLaVA-OneVision: SigLIP + Qwen2 with GQA (4 query heads over 2 KV heads)."""
+    return make_vlm_checkpoint(tmp_path_factory.mktemp("llava_ov"), "llava_onevision")
+
+
+@pytest.fixture(scope="session")
+def idefics3_path(tmp_path_factory):
+    """Idefics3: SigLIP + Llama with MHA (4 query heads, 4 KV heads)."""
+    return make_vlm_checkpoint(tmp_path_factory.mktemp("idefics3"), "idefics3", kv_heads=4)
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory):
+    return make_text_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def random_image():
+    """random_image(seed, width, height): a noisy, never-blank RGB image (Idefics3 drops
+    all-zero tiles)."""
+
+    def make(seed: int, width: int, height: int) -> Image.Image:
+        rng = np.random.default_rng(seed)
+        return Image.fromarray(rng.integers(1, 255, (height, width, 3), dtype=np.uint8))
+
+    return make

@@ -1,0 +1,184 @@
+"""The engine against transformers, and its batching, prefix cache and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scheduler.config import CacheConfig, SchedulerConfig
+from vlmserve.config import EngineConfig, ModelConfig
+from vlmserve.engine import Engine
+from vlmserve.errors import ImageDecodeError, PromptTooLongError, TooManyImagesError
+from vlmserve.processing import Request
+from vlmserve.sampling import SamplingParams
+
+GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(path, *, num_blocks=256, block_size=4, budget=64, **model) -> Engine:
+    return Engine(
+        EngineConfig(
+            ModelConfig(str(path), **model),
+            CacheConfig(num_blocks=num_blocks, block_size=block_size),
+            SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16),
+        )
+    )
+
+
+def run_checked(engine: Engine, requests: list[Request]) -> list:
+    """generate(), checking the block manager after every step and on drain."""
+    outputs = []
+    for request in requests:
+        rid = engine.add_request(request)
+        outputs.append(engine._states[rid].output)
+    while engine.has_unfinished():
+        engine.step()
+        engine.scheduler.block_manager.check_integrity()
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked after the queue drained"
+    return outputs
+
+
+def chat(images, text: str, params: SamplingParams = GREEDY_32, **kw) -> Request:
+    content = [{"type": "image", "image": image} for image in images]
+    content.append({"type": "text", "text": text})
+    return Request(messages=[{"role": "user", "content": content}], sampling=params, **kw)
+
+
+def hf_greedy(path, family: str, images, text: str, max_new_tokens: int = 32) -> list[int]:
+    from transformers import (
+        AutoProcessor,
+        Idefics3ForConditionalGeneration,
+        LlavaOnevisionForConditionalGeneration,
+    )
+
+    cls = {
+        "llava_onevision": LlavaOnevisionForConditionalGeneration,
+        "idefics3": Idefics3ForConditionalGeneration,
+    }[family]
+    model = cls.from_pretrained(path).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    messages = [{"role": "user", "content": [{"type": "image"}] * len(images)
+                 + [{"type": "text", "text": text}]}]  # fmt: skip
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    batch_images = [images] if family == "idefics3" else images
+    inputs = processor(
+        text=[prompt], images=batch_images, return_tensors="pt", add_special_tokens=False
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return inputs["input_ids"][0].tolist(), out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("family", "sizes"),
+    [
+        ("llava_onevision", [(90, 50)]),  # anyres grid with unpadding
+        ("llava_onevision", [(40, 40), (100, 30)]),  # multi-image: base tile + newline each
+        ("idefics3", [(70, 45)]),
+        ("idefics3", [(33, 90), (64, 64)]),
+    ],
+)
+def test_greedy_matches_transformers(family, sizes, request, random_image):
+    path = request.getfixturevalue(
+        "llava_ov_path" if family == "llava_onevision" else "idefics3_path"
+    )
+    images = [random_image(i, w, h) for i, (w, h) in enumerate(sizes)]
+    text = "what colour is the star on the left"
+    ref_ids, ref_tokens = hf_greedy(path, family, images, text)
+    engine = make_engine(path)
+    assert engine.processor.process(chat(images, text)).token_ids == ref_ids
+    [out] = run_checked(engine, [chat(images, text)])
+    assert len(ref_tokens) == 32
+    assert out.token_ids == ref_tokens
+    assert out.num_image_tokens == sum(ref_ids[p] == engine.runner.model.image_token_id
+                                       for p in range(len(ref_ids)))  # fmt: skip
+
+
+def test_text_only_llama_gqa_matches_transformers(llama_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(llama_path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(llama_path)
+    prompt = "describe the picture of a red star on the left " * 3
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :].tolist()
+    [out] = run_checked(
+        make_engine(llama_path, budget=8), [Request(prompt=prompt, sampling=GREEDY_32)]
+    )
+    assert out.token_ids == ref
+
+
+def mixed_requests(random_image) -> list[Request]:
+    """8 requests: different prompt lengths, image counts and sizes, max_tokens."""
+    words = "where is the blue circle and how many squares are there".split()
+    requests = []
+    for i in range(8):
+        images = [random_image(10 + i * 3 + j, 30 + 20 * i, 60 - 4 * i) for j in range(i % 3)]
+        params = SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True)
+        text = " ".join(words[: 3 + i])
+        requests.append(chat(images, text, params, request_id=f"r{i}"))
+    return requests
+
+
+def test_concurrent_requests_match_each_alone(llava_ov_path, random_image):
+    alone = []
+    for request in mixed_requests(random_image):
+        [out] = run_checked(make_engine(llava_ov_path, budget=512), [request])
+        alone.append(out.token_ids)
+    # Together, with a small dense budget so prefills are chunked across steps and mixed
+    # with other requests' decodes.
+    together = run_checked(make_engine(llava_ov_path, budget=24), mixed_requests(random_image))
+    assert [out.token_ids for out in together] == alone
+    assert [len(t) for t in alone] == [4 + 3 * i for i in range(8)]
+
+
+def test_second_question_about_same_image_reuses_its_blocks(llava_ov_path, random_image):
+    image = random_image(7, 80, 50)
+    engine = make_engine(llava_ov_path, budget=512)
+    run_checked(engine, [chat([image], "what colour is the star")])
+    before = engine.num_computed_prompt_tokens
+    [second] = run_checked(engine, [chat([image], "how many circles are there")])
+    computed = engine.num_computed_prompt_tokens - before
+    assert second.num_image_tokens > 0
+    assert computed <= second.num_prompt_tokens - second.num_image_tokens
+    assert second.num_cached_tokens >= second.num_image_tokens
+    # Same tokens as without the cache.
+    [fresh] = run_checked(make_engine(llava_ov_path), [chat([image], "how many circles are there")])
+    assert second.token_ids == fresh.token_ids
+
+
+def test_tiny_kv_pool_preempts_and_still_gives_the_same_tokens(llava_ov_path, random_image):
+    reference = run_checked(make_engine(llava_ov_path, budget=64), mixed_requests(random_image))
+    engine = make_engine(llava_ov_path, num_blocks=60, budget=64)
+    squeezed = run_checked(engine, mixed_requests(random_image))
+    assert [o.token_ids for o in squeezed] == [o.token_ids for o in reference]
+    preemptions = engine.scheduler.num_preemptions
+    assert preemptions > 0, "the pool was meant to be too small to hold every request"
+
+
+def test_prompt_longer_than_context_names_both_lengths(llama_path):
+    engine = make_engine(llama_path, max_model_len=32)
+    with pytest.raises(PromptTooLongError, match=r"40 tokens.*context is 32"):
+        engine.add_request(Request(prompt="w1 " * 40))
+
+
+def test_too_many_images_is_rejected(llava_ov_path, random_image):
+    engine = make_engine(llava_ov_path, max_images_per_request=2)
+    images = [random_image(i, 32, 32) for i in range(3)]
+    with pytest.raises(TooManyImagesError, match="3 images, the limit is 2"):
+        engine.add_request(chat(images, "describe"))
+
+
+def test_unreadable_image_fails_only_its_request(llava_ov_path, random_image):
+    engine = make_engine(llava_ov_path)
+    good = [chat([random_image(1, 40, 40)], "describe this", request_id="good-1"),
+            chat([b"\xff\xd8\xff\xe0 definitely not a jpeg"], "describe", request_id="bad"),
+            chat([random_image(2, 50, 30)], "where is the star", request_id="good-2")]  # fmt: skip
+    outputs = engine.generate(good)
+    assert [o.finish_reason for o in outputs] == ["length", "error", "length"]
+    assert "cannot decode image" in outputs[1].error
+    assert len(outputs[0].token_ids) == 32 and len(outputs[2].token_ids) == 32
+    with pytest.raises(ImageDecodeError):
+        engine.add_request(chat([b""], "describe"))

@@ -1,0 +1,108 @@
+"""The `vlmserve` command: info, generate, demo, estimate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _engine(args: argparse.Namespace):
+    from scheduler.config import CacheConfig, SchedulerConfig
+    from vlmserve.config import EngineConfig, ModelConfig
+    from vlmserve.engine import Engine
+
+    return Engine(
+        EngineConfig(
+            ModelConfig(args.model, max_model_len=args.max_model_len),
+            CacheConfig(memory_bytes=args.kv_cache_mb << 20),
+            SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
+        )
+    )
+
+
+def _add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    parser.add_argument("--model", required=model_required, help="checkpoint folder")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-mb", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from vlmserve import info
+
+    data = info.collect()
+    print(json.dumps(data, indent=2) if args.json else info.render(data))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from vlmserve.processing import Request
+    from vlmserve.sampling import SamplingParams
+
+    engine = _engine(args)
+    content = [{"type": "image", "image": path} for path in args.image]
+    content.append({"type": "text", "text": args.prompt})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    request = Request(messages=[{"role": "user", "content": content}], sampling=params)
+    start = time.perf_counter()
+    [out] = engine.generate([request])
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 2
+    print(out.text)
+    print(
+        f"[{out.num_prompt_tokens} prompt tokens ({out.num_image_tokens} image), "
+        f"{len(out.token_ids)} output, {time.perf_counter() - start:.2f}s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from vlmserve.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlmserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="versions, PIL build, device, attention backend")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("generate", help="one offline multimodal generation")
+    _add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="the main job on the default model")
+    _add_engine_args(p, model_required=False)
+    p.set_defaults(func=cmd_demo)
+
+    try:
+        from vlmserve import estimate_cli
+    except ImportError:  # the estimator is optional while it is being built
+        estimate_cli = None
+    if estimate_cli is not None:
+        estimate_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:  # bad input: a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""What `vlmserve info` reports: versions, the PIL build, the device and the attention
+backend that would serve."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import platform
+from pathlib import Path
+
+import torch
+
+from kernels.attention import select_backend
+from vlmserve.config import default_device
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def pil_variant() -> dict[str, object]:
+    """Which distribution owns the importable PIL, and whether its SIMD paths can run."""
+    import PIL
+    from PIL import features
+
+    owner = "pillow"
+    simd_version = _version("pillow-simd")
+    if simd_version is not None:
+        dist = metadata.distribution("pillow-simd")
+        init = Path(PIL.__file__).resolve()
+        files = {Path(dist.locate_file(f)).resolve() for f in dist.files or []}
+        if init in files:
+            owner = "pillow-simd"
+    cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {
+        "variant": owner,
+        "version": PIL.__version__,
+        # pillow-simd is built with -mavx2 by ./dev; its SIMD paths run where the CPU has it.
+        "simd": owner == "pillow-simd" and " avx2" in cpu_flags,
+        "libjpeg_turbo": bool(features.check_feature("libjpeg_turbo")),
+    }
+
+
+def collect() -> dict[str, object]:
+    device = default_device()
+    info: dict[str, object] = {
+        "python": platform.python_version(),
+        **{name: _version(name) for name in ("vlmserve", "torch", "transformers", "timm")},
+        "pil": pil_variant(),
+        "device": device,
+        "attention_backend": select_backend(torch.device(device)).name,
+        "threads": torch.get_num_threads(),
+    }
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def render(info: dict[str, object]) -> str:
+    lines = []
+    for key, value in info.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        lines.append(f"{key:<18} {value}")
+    return "\n".join(lines)
