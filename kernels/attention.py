@@ -91,6 +91,24 @@ def _group(
     return _Group(q_index.to(device), q_valid.to(device), ctx_slots.to(device), mask.to(device))
 
 
+def _buckets(members: list[int], context_lens: list[int], max_waste: float = 1.3):
+    """Split sequences into groups of similar context length, so that padding each group
+    to its longest context gathers at most `max_waste` times the useful KV."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i in sorted(members, key=lambda i: context_lens[i]):
+        ctx = context_lens[i]
+        if current and ctx * (len(current) + 1) > max_waste * (total + ctx):
+            groups.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += ctx
+    if current:
+        groups.append(current)
+    return groups
+
+
 class TorchPagedAttention:
     """Gathers each sequence's context from the paged cache and calls SDPA."""
 
@@ -106,8 +124,7 @@ class TorchPagedAttention:
         small = [i for i, q in enumerate(batch.query_lens) if q <= SMALL_QUERY_LEN]
         large = [i for i, q in enumerate(batch.query_lens) if q > SMALL_QUERY_LEN]
         groups = [_group([i], batch, starts, device) for i in large]
-        if small:
-            groups.append(_group(small, batch, starts, device))
+        groups += [_group(m, batch, starts, device) for m in _buckets(small, batch.context_lens)]
         return TorchAttentionMetadata(slot_mapping.to(device), groups)
 
     def forward(

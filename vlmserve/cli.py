@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from vlmserve import estimate_cli
+
 
 def _engine(args: argparse.Namespace):
     from scheduler.config import CacheConfig, SchedulerConfig
@@ -86,12 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p, model_required=False)
     p.set_defaults(func=cmd_demo)
 
-    try:
-        from vlmserve import estimate_cli
-    except ImportError:  # the estimator is optional while it is being built
-        estimate_cli = None
-    if estimate_cli is not None:
-        estimate_cli.register(sub)
+    estimate_cli.register(sub)
     return parser
 
 

@@ -22,10 +22,12 @@ from vlmserve.models.loader import LoadedModel
 class Request:
     """One generation request. Either `messages` (OpenAI-style chat: content is a string
     or a list of parts `{"type": "text", "text": ...}` / `{"type": "image", "image": src}`)
-    or `prompt` (already templated text) with `images` in placeholder order."""
+    or `prompt` (already templated text) with `images` in placeholder order, or
+    `prompt_token_ids` (text only)."""
 
     messages: list[dict] | None = None
     prompt: str | None = None
+    prompt_token_ids: list[int] | None = None  # text-only, already tokenised
     images: list[ImageSource] = field(default_factory=list)
     sampling: object = None  # vlmserve.sampling.SamplingParams; None = defaults
     request_id: str | None = None
@@ -93,6 +95,8 @@ class HFPromptProcessor:
         return request.prompt, list(request.images), True
 
     def process(self, request: Request) -> ProcessedPrompt:
+        if request.prompt_token_ids is not None:
+            return self._from_ids(request)
         text, sources, add_special = self.render(request)
         if len(sources) > self.max_images:
             raise TooManyImagesError(
@@ -106,6 +110,18 @@ class HFPromptProcessor:
         loaded = [load_image(source) for source in sources]
         images, hashes = [img for img, _ in loaded], [h for _, h in loaded]
         return self._with_images(text, images, hashes, add_special)
+
+    def _from_ids(self, request: Request) -> ProcessedPrompt:
+        if request.images or request.messages is not None or request.prompt is not None:
+            raise ValueError("prompt_token_ids cannot be combined with messages, prompt or images")
+        vocab = self.model.decoder.cfg.vocab_size
+        ids = [int(t) for t in request.prompt_token_ids]
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if not ids or bad:
+            raise ValueError(
+                f"prompt_token_ids must be non-empty ids in [0, {vocab}), got {bad[:3]}"
+            )
+        return ProcessedPrompt(ids, [])
 
     def _with_images(
         self, text: str, images: list[Image.Image], hashes: list[bytes], add_special: bool

@@ -55,10 +55,10 @@ def _text_config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv
     from transformers import LlamaConfig, Qwen2Config
 
     cls = Qwen2Config if kind == "qwen2" else LlamaConfig
+    extra.setdefault("intermediate_size", hidden * 2)
     return cls(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=hidden * 2,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
