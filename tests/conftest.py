@@ -36,3 +36,15 @@ def random_image():
         return Image.fromarray(rng.integers(1, 255, (height, width, 3), dtype=np.uint8))
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests skip cleanly without an NVIDIA GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,52 @@
+"""The one script to run on a machine with an NVIDIA GPU (under 8 minutes).
+
+1. the `gpu`-marked tests (device correctness against the CPU path);
+2. the offline throughput benchmark on the GPU with a larger random model (bfloat16),
+   engine against transformers `generate` in the same run;
+3. a short table, printed last.
+
+    python -m benchmarks.gpu_check
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible; nothing to check", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"],
+        timeout=240,
+    )
+    from benchmarks.offline_throughput import main as offline
+
+    result = offline(
+        [
+            "--device", "cuda", "--dtype", "bfloat16", "--layers", "24", "--hidden", "2048",
+            "--heads", "16", "--kv-heads", "4", "--intermediate", "5632", "--num-requests", "128",
+            "--token-budget", "8192", "--hf-batch-size", "16", "--name", "offline_throughput_gpu",
+        ]
+    )  # fmt: skip
+    rows = {r["system"]: r for r in result["rows"]}
+    print("\n=== gpu_check summary ===")
+    print(f"gpu                  {torch.cuda.get_device_name(0)}")
+    print(f"gpu tests            {'passed' if tests.returncode == 0 else 'FAILED'}")
+    for name, row in rows.items():
+        print(f"{name[:20]:<20} {row['output_tok_per_s']:,.0f} output tok/s")
+    speedup = result["speedup_vs_transformers"]
+    print(f"speed-up             {speedup:.2f}x" if speedup else "speed-up             n/a")
+    print(f"roofline fraction    {result['engine_roofline']['roofline_fraction']:.1%}")
+    print(f"wall time            {time.perf_counter() - start:.0f}s")
+    return tests.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
