@@ -13,7 +13,6 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +37,9 @@ from search.presets import (
     get_model,
     get_weight_precision,
 )
+from vlmserve.estimate_plot import Curve, draw
 
 Row = tuple[str, str]
-
-
-@dataclass(frozen=True)
-class Curve:
-    """One plot panel: y against x, with labelled reference lines."""
-
-    xs: list[float]
-    ys: list[float]
-    xlabel: str
-    ylabel: str
-    log_x: bool = True
-    log_y: bool = False
-    hlines: tuple[tuple[float, str], ...] = ()
-    vlines: tuple[tuple[float, str], ...] = ()
 
 
 # A command returns its JSON payload, its table rows and (lazily) its plot's curves.
@@ -192,7 +178,7 @@ def _run(args: argparse.Namespace, command: Callable[[argparse.Namespace], Outco
             raise ValueError(f"--workspace-gb must be >= 0, got {args.workspace_gb}")
         payload, rows, curves = command(args)
         if plot is not None:
-            _draw(plot, payload["title"], curves())
+            draw(plot, payload["title"], curves())
     except (ValueError, OSError) as exc:
         print(f"vlmserve estimate {name}: error: {exc}", file=sys.stderr)
         return 2
@@ -444,33 +430,3 @@ def _batching(args: argparse.Namespace) -> Outcome:
         return [Curve(batches, intensity, "batch", ylabel, True, True, ceilings, marks)]
 
     return payload, rows, curves
-
-
-# --- plotting -------------------------------------------------------------------------
-
-
-def _draw(path: Path, title: str, curves: list[Curve]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never open a window
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(curves), figsize=(max(8.0, 5.5 * len(curves)), 4.5))
-    fig.suptitle(title, fontsize=9, wrap=True)
-    for ax, c in zip(fig.axes, curves, strict=True):
-        ax.plot(c.xs, c.ys, marker="o")
-        for y, label in c.hlines:
-            ax.axhline(y, ls="--", lw=0.8, color="gray")
-            ax.annotate(label, (c.xs[0], y), fontsize=8, va="bottom")
-        for x, label in c.vlines:
-            ax.axvline(x, ls="-.", lw=0.8, color="black")
-            ax.annotate(label, (x, min(c.ys)), rotation=90, fontsize=8)
-        if c.log_x:
-            ax.set_xscale("log", base=2)
-        if c.log_y:
-            ax.set_yscale("log")
-        ax.set_xlabel(c.xlabel)
-        ax.set_ylabel(c.ylabel)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
