@@ -1,4 +1,4 @@
-"""The `vlmserve` command: info, generate, demo, estimate."""
+"""The `vlmserve` command: info, generate, demo, serve, caption, estimate."""
 
 from __future__ import annotations
 
@@ -7,28 +7,9 @@ import json
 import sys
 import time
 
-from vlmserve import estimate_cli
-
-
-def _engine(args: argparse.Namespace):
-    from scheduler.config import CacheConfig, SchedulerConfig
-    from vlmserve.config import EngineConfig, ModelConfig
-    from vlmserve.engine import Engine
-
-    return Engine(
-        EngineConfig(
-            ModelConfig(args.model, max_model_len=args.max_model_len),
-            CacheConfig(memory_bytes=args.kv_cache_mb << 20),
-            SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
-        )
-    )
-
-
-def _add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
-    parser.add_argument("--model", required=model_required, help="checkpoint folder")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-mb", type=int, default=1024)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+from vlmserve import caption, estimate_cli
+from vlmserve.engine_args import add_engine_args, engine_config_from_args
+from vlmserve.server import serve_cli
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -40,10 +21,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from vlmserve.engine import Engine
     from vlmserve.processing import Request
     from vlmserve.sampling import SamplingParams
 
-    engine = _engine(args)
+    engine = Engine(engine_config_from_args(args))
     content = [{"type": "image", "image": path} for path in args.image]
     content.append({"type": "text", "text": args.prompt})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -77,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="one offline multimodal generation")
-    _add_engine_args(p)
+    add_engine_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -85,10 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="the main job on the default model")
-    _add_engine_args(p, model_required=False)
+    add_engine_args(p, model_required=False)
     p.set_defaults(func=cmd_demo)
 
     estimate_cli.register(sub)
+    serve_cli.register(sub)
+    caption.register(sub)
     return parser
 
 

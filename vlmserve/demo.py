@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from scheduler.config import CacheConfig, SchedulerConfig
-from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine import Engine
+from vlmserve.engine_args import engine_config_from_args
 from vlmserve.processing import Request
 from vlmserve.sampling import SamplingParams
 
@@ -46,13 +45,8 @@ def default_model_path() -> Path:
 
 def run_demo(args: argparse.Namespace) -> int:
     path = Path(args.model) if args.model else default_model_path()
-    engine = Engine(
-        EngineConfig(
-            ModelConfig(str(path), max_model_len=args.max_model_len),
-            CacheConfig(memory_bytes=args.kv_cache_mb << 20),
-            SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens),
-        )
-    )
+    args.model = str(path)
+    engine = Engine(engine_config_from_args(args))
     questions = ["describe this image", "what colour is the circle", "where is the star"]
     sizes = [(96, 64), (64, 64), (40, 96)]
     requests = [
@@ -78,5 +72,6 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"Q: {question}\nA: {out.error or out.text}")
         print(f"   [{out.num_prompt_tokens} prompt tokens, {out.num_image_tokens} from the image]")
     num_tokens = sum(len(o.token_ids) for o in outputs)
-    print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f}s, {engine.num_steps} steps")
+    steps = engine.num_steps
+    print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f}s, {steps} steps")
     return 0 if all(o.error is None for o in outputs) else 1

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: app factory, engine thread, media fetch, metrics."""

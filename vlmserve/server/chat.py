@@ -1,0 +1,270 @@
+"""`POST /v1/chat/completions`: messages → engine Request, then a JSON answer or an SSE
+stream of token deltas. Errors before the first byte are OpenAI error responses with
+their status; a failure after the stream has begun is sent as an `error` event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vlmserve.errors import TooManyImagesError
+from vlmserve.processing import Request
+from vlmserve.sampling import SamplingParams
+from vlmserve.server.engine_loop import Accepted, EngineLoop, Failed, Item, Snapshot
+from vlmserve.server.media import MediaPolicy, check_image_header, load_media
+from vlmserve.server.metrics import ServerMetrics
+from vlmserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ImagePart,
+    chunk_body,
+    completion_body,
+    error_body,
+    make_usage,
+)
+
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    model_name: str
+    media: MediaPolicy
+    max_images_per_request: int
+    default_max_tokens: int
+
+
+class AsyncSink:
+    """The engine thread's callback into this request's asyncio queue."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+
+    def __call__(self, item: Item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def status_of(error: BaseException) -> int:
+    status = getattr(error, "status", None)
+    if isinstance(status, int):
+        return status
+    return 400 if isinstance(error, ValueError) else 500
+
+
+def error_response(error: BaseException) -> JSONResponse:
+    status = status_of(error)
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return JSONResponse(error_body(status, str(error)), status_code=status, headers=headers)
+
+
+async def build_messages(
+    messages: list[ChatMessage], settings: ChatSettings, metrics: ServerMetrics
+) -> list[dict]:
+    """Engine messages: image_url parts fetched (concurrently) and header-checked."""
+    parts = [p for m in messages if isinstance(m.content, list) for p in m.content]
+    urls = [p.image_url.url for p in parts if isinstance(p, ImagePart)]
+    if len(urls) > settings.max_images_per_request:
+        raise TooManyImagesError(
+            f"request has {len(urls)} images, the limit is {settings.max_images_per_request}"
+        )
+    start = time.perf_counter()
+    blobs = await asyncio.gather(*(load_media(url, settings.media) for url in urls))
+    if urls:
+        metrics.stage.observe(time.perf_counter() - start, stage="fetch")
+    for blob in blobs:
+        check_image_header(blob, settings.media.max_image_pixels)
+    images = iter(blobs)
+    converted = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, list):
+            content = [
+                {"type": "image", "image": next(images)}
+                if isinstance(part, ImagePart)
+                else {"type": "text", "text": part.text}
+                for part in content
+            ]
+        role = "system" if message.role == "developer" else message.role
+        converted.append({"role": role, "content": content or ""})
+    return converted
+
+
+class ChatHandler:
+    def __init__(self, loop: EngineLoop, settings: ChatSettings, metrics: ServerMetrics):
+        self.loop, self.settings, self.metrics = loop, settings, metrics
+
+    async def __call__(self, body: ChatCompletionRequest, http: HTTPRequest) -> Response:
+        arrival = time.perf_counter()
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            if body.model is not None and body.model != self.settings.model_name:
+                return self._refuse(
+                    404, f"model {body.model!r} does not exist (this server: "
+                    f"{self.settings.model_name!r})",
+                )  # fmt: skip
+            sampling = body.to_sampling(self.settings.default_max_tokens)
+            messages = await build_messages(body.messages, self.settings, self.metrics)
+            sink = AsyncSink()
+            self.loop.submit(Request(messages, sampling=sampling, request_id=request_id), sink)
+        except Exception as e:  # mapped to its 4xx/5xx
+            return self._failed(e)
+        first = await sink.queue.get()
+        if isinstance(first, Failed):
+            return self._failed(first.error)
+        assert isinstance(first, Accepted), f"first item must be Accepted, got {first!r}"
+        self.metrics.stage.observe(first.process_s, stage="process")
+        track = _Tracker(arrival, self.metrics)
+        if body.stream:
+            state = _StreamState()
+            stream = self._stream(request_id, body.include_usage, sampling, sink, track, state)
+            return _AbortingStream(stream, lambda: self._close_stream(request_id, state))
+        return await self._complete(request_id, sink, track, http)
+
+    def _refuse(self, status: int, message: str) -> JSONResponse:
+        self.metrics.requests.inc(outcome=f"http_{status}")
+        return JSONResponse(error_body(status, message), status_code=status)
+
+    def _failed(self, error: BaseException) -> JSONResponse:
+        self.metrics.requests.inc(outcome=f"http_{status_of(error)}")
+        return error_response(error)
+
+    async def _complete(
+        self, request_id: str, sink: AsyncSink, track: _Tracker, http: HTTPRequest
+    ) -> Response:
+        item: Item | None = None
+        next_check = time.monotonic() + _DISCONNECT_POLL_S
+        try:
+            while not (isinstance(item, Failed) or (isinstance(item, Snapshot) and item.finished)):
+                # Nothing is sent before the end, so a client that left is found by polling.
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + _DISCONNECT_POLL_S
+                    if await http.is_disconnected():
+                        self.loop.abort(request_id)
+                try:
+                    item = await asyncio.wait_for(sink.queue.get(), _DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    continue
+                if isinstance(item, Snapshot):
+                    track.on_snapshot(item)
+        finally:
+            if item is None or isinstance(item, Snapshot) and not item.finished:
+                self.loop.abort(request_id)  # cancelled (server shutting down)
+        if isinstance(item, Failed):
+            return self._failed(item.error)
+        if item.finish_reason == "abort":
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        usage = _usage(item)
+        body = completion_body(
+            request_id, self.settings.model_name, item.text, item.finish_reason, usage
+        )
+        return JSONResponse(body)
+
+    def _close_stream(self, request_id: str, state: _StreamState) -> None:
+        if not state.done:  # the client went away: free its blocks within one step
+            state.done = True
+            self.loop.abort(request_id)
+            self.metrics.requests.inc(outcome="abort")
+
+    async def _stream(
+        self,
+        request_id: str,
+        include_usage: bool,
+        sampling: SamplingParams,
+        sink: AsyncSink,
+        track: _Tracker,
+        state: _StreamState,
+    ) -> AsyncIterator[str]:
+        model, created = self.settings.model_name, int(time.time())
+        # A stop string may still cut text already produced: hold back its length - 1.
+        holdback = max((len(s) for s in sampling.stop), default=1) - 1
+        sent = ""
+        yield _sse(chunk_body(request_id, model, created, {"role": "assistant", "content": ""}))
+        while not state.done:
+            item = await sink.queue.get()
+            if isinstance(item, Failed):
+                state.done = True  # terminal already: nothing to abort
+                self.metrics.requests.inc(outcome=f"http_{status_of(item.error)}")
+                yield _sse(error_body(status_of(item.error), str(item.error)))
+                break
+            track.on_snapshot(item)
+            state.done = item.finished
+            text = item.text if item.finished else _stable_prefix(item.text, holdback)
+            if text.startswith(sent) and len(text) > len(sent):
+                delta, sent = text[len(sent) :], text
+                yield _sse(chunk_body(request_id, model, created, {"content": delta}))
+            if item.finished:
+                yield _sse(chunk_body(request_id, model, created, {}, item.finish_reason))
+                if include_usage:
+                    yield _sse(chunk_body(request_id, model, created, None, None, _usage(item)))
+        yield "data: [DONE]\n\n"
+
+
+@dataclass
+class _StreamState:
+    done: bool = False  # the request reached its terminal item
+
+
+class _AbortingStream(StreamingResponse):
+    """An SSE response that calls `on_close` however it ends, even when the client left
+    before the body iterator started (its own `finally` would then never run)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class _Tracker:
+    """Per-request latency metrics: TTFT, time per output token, end to end."""
+
+    def __init__(self, arrival: float, metrics: ServerMetrics) -> None:
+        self.arrival, self.metrics = arrival, metrics
+        self.first: float | None = None
+
+    def on_snapshot(self, item: Snapshot) -> None:
+        now = time.perf_counter()
+        if self.first is None and item.num_output_tokens > 0:
+            self.first = now
+            self.metrics.ttft.observe(now - self.arrival)
+        if not item.finished:
+            return
+        m = self.metrics
+        m.requests.inc(outcome=item.finish_reason or "unknown")
+        m.e2e.observe(now - self.arrival)
+        if self.first is not None and item.num_output_tokens > 1:
+            m.tpot.observe((now - self.first) / (item.num_output_tokens - 1))
+        m.prompt_tokens.inc(item.num_prompt_tokens)
+        m.cached_tokens.inc(item.num_cached_tokens)
+        m.generation_tokens.inc(item.num_output_tokens)
+
+
+def _usage(item: Snapshot) -> dict:
+    return make_usage(
+        item.num_prompt_tokens, item.num_image_tokens, item.num_cached_tokens,
+        item.num_output_tokens,
+    )  # fmt: skip
+
+
+def _stable_prefix(text: str, holdback: int) -> str:
+    """Text that later steps cannot change: not a possible stop-string start, nor a
+    trailing replacement char from a UTF-8 sequence split across tokens."""
+    if holdback:
+        text = text[: max(0, len(text) - holdback)]
+    return text.rstrip("\ufffd")
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
