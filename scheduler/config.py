@@ -37,3 +37,47 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """n-gram speculative decoding (article §15). Off unless num_speculative_tokens > 0."""
+
+    num_speculative_tokens: int = 0  # γ_max: drafts per sequence per step; 0 = off
+    # Suffix lengths the n-gram proposer tries, longest first.
+    min_n: int = 2
+    max_n: int = 4
+    # Adaptive γ: per step from the ridge (B·(γ+1) ≤ B*), per sequence from its recent
+    # acceptance rate. False: always propose γ_max (still capped by tokens left).
+    adaptive: bool = True
+    # B* (article §11) in query rows; None: the engine derives it for its device.
+    ridge_batch: float | None = None
+    # Cost of one extra verified row relative to a decode step, below the ridge (the
+    # `c` of §15's speed-up E[tokens]/(1 + γ·c)); the per-sequence γ maximises that.
+    row_cost: float = 0.1
+    # The acceptance rate: prior (weighted as one trial) and how fast old evidence fades,
+    # per verification. A sequence switched off retries one draft every probe_interval
+    # decode steps, so a later copy-heavy stretch is noticed.
+    prior_acceptance: float = 0.5
+    acceptance_decay: float = 0.9
+    probe_interval: int = 16
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 0")
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"need 1 <= min_n={self.min_n} <= max_n={self.max_n}")
+        if self.ridge_batch is not None and self.ridge_batch <= 0:
+            raise ValueError(f"ridge_batch={self.ridge_batch} must be > 0")
+        if self.row_cost < 0:
+            raise ValueError(f"row_cost={self.row_cost} must be >= 0")
+        if not 0.0 <= self.prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance={self.prior_acceptance} must be in [0, 1]")
+        if not 0.0 <= self.acceptance_decay < 1.0:
+            raise ValueError(f"acceptance_decay={self.acceptance_decay} must be in [0, 1)")
+        if self.probe_interval < 1:
+            raise ValueError(f"probe_interval={self.probe_interval} must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_speculative_tokens > 0

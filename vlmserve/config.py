@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from scheduler.config import CacheConfig, SchedulerConfig
+from encoders.config import EncoderConfig
+from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,3 +51,5 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)  # preprocessing, cache

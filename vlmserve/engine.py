@@ -7,6 +7,7 @@ The HTTP server drives the same `add_request / step` loop from its own thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -15,11 +16,13 @@ from typing import Literal
 
 from scheduler.planner import Scheduler, StepPlan
 from scheduler.sequence import Sequence
+from scheduler.spec_policy import SpecMetrics
 from vlmserve.config import EngineConfig
 from vlmserve.errors import PromptTooLongError, RequestError
 from vlmserve.processing import HFPromptProcessor, Request
 from vlmserve.runner import ModelRunner
-from vlmserve.sampling import SamplerState, SamplingParams, sample
+from vlmserve.sampling import SamplerState, SamplingParams
+from vlmserve.spec_decode import ridge_batch_for, sample_plan
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -53,12 +56,19 @@ class Engine:
         self.runner = ModelRunner(config)
         model = self.runner.model
         self.processor = HFPromptProcessor(
-            config.model.path, model, config.model.max_images_per_request
-        )
+            config.model.path, model, config.model.max_images_per_request,
+            encoder=config.encoder, encoder_cache=self.runner.encoder_cache,
+        )  # fmt: skip
         self.tokenizer = self.processor.tokenizer
         context = model.decoder.cfg.max_position_embeddings
         self.max_model_len = min(config.model.max_model_len or context, context)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+        speculative = config.speculative
+        if speculative.enabled and speculative.adaptive and speculative.ridge_batch is None:
+            ridge = ridge_batch_for(self.runner.device, self.runner.dtype)
+            speculative = dataclasses.replace(speculative, ridge_batch=ridge)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.runner.num_blocks, speculative=speculative
+        )
         self.eos_token_ids = _eos_token_ids(config.model.path, model.config, self.tokenizer)
         self._states: dict[str, _State] = {}
         self._ids = itertools.count()
@@ -90,7 +100,7 @@ class Engine:
             num_image_tokens=sum(image.num_tokens for image in prompt.images),
         )
         self._states[request_id] = _State(seq, params, SamplerState(params), max_tokens, output)
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, num_prompt + max_tokens)
         return request_id
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
@@ -130,8 +140,10 @@ class Engine:
             return []
         logits = self.runner.execute(plan)
         rows = [self._states[item.seq.request_id].sampler for item in plan.scheduled if item.sample]
-        tokens = iter(sample(logits, rows))
-        sampled = [[next(tokens)] if item.sample else [] for item in plan.scheduled]
+        sampled = sample_plan(plan.scheduled, logits, rows)
+        for i, new in enumerate(sampled):
+            if len(new) > 1:  # accepted drafts: nothing past the token that ends the request
+                sampled[i] = self._cut_at_stop(self._states[plan.scheduled[i].seq.request_id], new)
         self._count_prompt_work(plan)
         self.scheduler.update(plan, sampled)
         self.num_steps += 1
@@ -149,14 +161,33 @@ class Engine:
             end = min(start + item.num_new_tokens, item.seq.num_prompt_tokens)
             self.num_computed_prompt_tokens += max(0, end - start)
 
+    def _stop_token_ids(self, params: SamplingParams) -> set[int]:
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.eos_token_ids
+        return stops
+
+    def _cut_at_stop(self, state: _State, new: list[int]) -> list[int]:
+        """`new` up to and including the first token that would end the request (a stop
+        id, max_tokens, or a completed stop string), as plain decoding would stop."""
+        params, done = state.params, state.output.token_ids
+        stops = self._stop_token_ids(params)
+        for i, token in enumerate(new[:-1]):
+            # max_tokens already caps by the context (see add_request).
+            if token in stops or len(done) + i + 1 >= state.max_tokens:
+                return new[: i + 1]
+            if params.stop:
+                text = self.tokenizer.decode(done + new[: i + 1], skip_special_tokens=True)
+                if any(stop in text for stop in params.stop):
+                    return new[: i + 1]
+        return new
+
     def _append(self, state: _State, new: list[int]) -> None:
         out, params = state.output, state.params
         out.new_token_ids = list(new)
         out.token_ids.extend(new)
         reason: FinishReason | None = None
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= self.eos_token_ids
+        stops = self._stop_token_ids(params)
         if new[-1] in stops:
             reason = "stop"
         out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
@@ -178,6 +209,12 @@ class Engine:
         self.scheduler.finish(state.seq)
         self.runner.release(state.seq.request_id)
         del self._states[state.seq.request_id]
+
+    @property
+    def spec_metrics(self) -> SpecMetrics | None:
+        """Speculation counters (proposed, accepted, mean accepted length); None when off."""
+        policy = self.scheduler.spec_policy
+        return policy.metrics if policy is not None else None
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         """Run `requests` to completion. A request that cannot be served gets an output

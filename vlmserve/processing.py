@@ -1,9 +1,11 @@
 """From a request (chat messages or a raw prompt, plus images) to prompt token ids and
 the placeholder layout of each image.
 
-For the HF families this calls the checkpoint's own HF processor (chat template, image
-processor, placeholder expansion); the project's pipelined pool replaces it on the
-serving path in a later step.
+The checkpoint's HF processor supplies the chat template and the tokenizer. Images of the
+supported families (LLaVA-OneVision, Idefics3 / SmolVLM) take our path instead of the HF
+image processor: header-only layout and exact token count, the placeholder text the HF
+processor would write (so the token ids are identical), tiles from the preprocessing
+pool (`encoders.stage.prepare_images`). Other processors keep the HF image processor.
 """
 
 from __future__ import annotations
@@ -12,6 +14,11 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
+from encoders.cache import EncoderCache
+from encoders.config import EncoderConfig
+from encoders.image_spec import ImageSpec, placeholder_text
+from encoders.preprocess import shared_pool
+from encoders.stage import prepare_images
 from scheduler.sequence import ImagePlaceholder
 from vlmserve.errors import TooManyImagesError
 from vlmserve.images import ImageSource, load_image
@@ -69,14 +76,26 @@ def split_messages(messages: list[dict]) -> tuple[list[dict], list[ImageSource]]
 class HFPromptProcessor:
     """Wraps the checkpoint's HF processor (or tokenizer, for text-only models)."""
 
-    def __init__(self, path: str, model: LoadedModel, max_images: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        model: LoadedModel,
+        max_images: int,
+        encoder: EncoderConfig | None = None,
+        encoder_cache: EncoderCache | None = None,
+    ) -> None:
         from transformers import AutoProcessor, AutoTokenizer
 
         self.model = model
         self.max_images = max_images
+        self.encoder = encoder or EncoderConfig()
+        self.encoder_cache = encoder_cache
+        self.image_spec: ImageSpec | None = None  # None: the HF image processor is used
         if model.vision is not None:
             self.processor = AutoProcessor.from_pretrained(path)
             self.tokenizer = self.processor.tokenizer
+            if self.encoder.use_pool:
+                self.image_spec = ImageSpec.from_hf(self.processor, self.encoder.jpeg_draft)
         else:
             self.processor = None
             self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -107,6 +126,8 @@ class HFPromptProcessor:
             return ProcessedPrompt(list(ids), [])
         if self.model.vision is None:
             raise ValueError("this model is text-only and cannot take images")
+        if self.image_spec is not None:
+            return self._with_pool(text, sources, add_special)
         loaded = [load_image(source) for source in sources]
         images, hashes = [img for img, _ in loaded], [h for _, h in loaded]
         return self._with_images(text, images, hashes, add_special)
@@ -152,3 +173,44 @@ class HFPromptProcessor:
                 f"prompt has {len(positions)} image placeholder tokens, its images need {cursor}"
             )
         return ProcessedPrompt(token_ids, placeholders)
+
+    def _with_pool(
+        self, text: str, sources: list[ImageSource], add_special: bool
+    ) -> ProcessedPrompt:
+        image_token = self.processor.image_token
+        pieces = text.split(image_token)
+        if len(pieces) - 1 != len(sources):
+            raise ValueError(
+                f"prompt has {len(pieces) - 1} {image_token} markers for {len(sources)} images"
+            )
+        workers = self.encoder.resolved_num_workers
+        works = prepare_images(
+            sources,
+            self.image_spec,
+            # As the HF processor is called here (a flat image list): every image of a
+            # prompt gets its full layout, multi-image prompts included.
+            multi_image=False,
+            pool=shared_pool(workers, self.encoder.max_pending) if workers else None,
+            cache=self.encoder_cache,
+            max_pixels=self.encoder.max_pixels,
+            submit_timeout=self.encoder.submit_timeout_s,
+        )
+        for work in works:
+            work.wait()  # a bad image fails its request here, not inside a later step
+        expanded = pieces[0] + "".join(
+            placeholder_text(work.layout, image_token) + piece
+            for work, piece in zip(works, pieces[1:], strict=True)
+        )
+        token_ids = self.tokenizer(expanded, add_special_tokens=add_special)["input_ids"]
+        positions = [i for i, t in enumerate(token_ids) if t == self.model.image_token_id]
+        placeholders, cursor = [], 0
+        for work in works:
+            count = work.layout.num_tokens
+            span = positions[cursor : cursor + count]
+            placeholders.append(ImagePlaceholder(work.cache_key, span, work))
+            cursor += count
+        if cursor != len(positions):
+            raise ValueError(
+                f"prompt has {len(positions)} image placeholder tokens, its images need {cursor}"
+            )
+        return ProcessedPrompt(list(token_ids), placeholders)

@@ -1,10 +1,16 @@
 """The model runner: owns the device, the weights and the KV cache; turns a StepPlan
-into one forward pass and returns the logits of the rows that sample."""
+into one forward pass and returns the logits of the rows that sample.
+
+A speculating decode's drafts are just more query rows of that sequence: they are fed
+after its last token (they are not in `seq.token_ids`, which holds accepted tokens only)
+and each of its 1 + len(drafts) rows returns logits, for verification."""
 
 from __future__ import annotations
 
 import torch
 
+from encoders.cache import EncoderCache
+from encoders.stage import EncoderStage
 from kernels.attention import AttentionBatch, select_backend
 from scheduler.planner import StepPlan
 from scheduler.sequence import ImagePlaceholder, Sequence
@@ -31,6 +37,13 @@ class ModelRunner:
         # Pooled image embeddings of prompts still in prefill, by (request id, image index).
         self._image_embeds: dict[tuple[str, int], torch.Tensor] = {}
         self.num_encoded_images = 0
+        # Pooled image embeddings by image content + settings, across requests.
+        self.encoder_cache = EncoderCache(config.encoder.cache_bytes)
+        self.encoder_stage = (
+            EncoderStage(self.model.vision, self.encoder_cache, self.device, self.dtype)
+            if self.model.vision is not None
+            else None
+        )
 
     @property
     def block_bytes(self) -> int:
@@ -52,7 +65,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run `plan`; returns logits [num_sampling_rows, vocab] in plan order."""
+        """Run `plan`; returns logits [num_sampling_rows, vocab] in plan order: one row per
+        sampling item, 1 + len(draft_token_ids) rows for a speculating one."""
         token_ids, positions, slots, sample_rows = [], [], [], []
         query_lens, context_lens, block_tables = [], [], []
         image_rows: list[tuple[torch.Tensor, torch.Tensor, tuple[str, int]]] = []
@@ -61,7 +75,8 @@ class ModelRunner:
         for item in plan.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            token_ids += seq.token_ids[start:end]
+            token_ids += seq.token_ids[start:end]  # drafts lie past the end of token_ids
+            token_ids += item.draft_token_ids
             pos = torch.arange(start, end)
             positions.append(pos)
             table = torch.tensor(seq.block_table, dtype=torch.long)
@@ -76,7 +91,7 @@ class ModelRunner:
                     image_rows.append((offsets, chunk_pos - start + row, (seq.request_id, index)))
             row += n
             if item.sample:
-                sample_rows.append(row - 1)
+                sample_rows.extend(range(row - 1 - len(item.draft_token_ids), row))
 
         decoder = self.model.decoder
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
@@ -105,7 +120,7 @@ class ModelRunner:
         if not wanted:
             return
         assert self.model.vision is not None, "image placeholders in a text-only model"
-        embeds = self.model.vision.encode([image.data for _, image in wanted])
+        embeds = self.encoder_stage.encode([image.data for _, image in wanted])  # cache + tower
         for (key, image), emb in zip(wanted, embeds, strict=True):
             assert emb.shape[0] == image.num_tokens, (
                 f"image gave {emb.shape[0]} embeddings for {image.num_tokens} placeholders"

@@ -1,0 +1,39 @@
+"""EncoderConfig: the vision side's serving settings (preprocessing pool, encoder cache)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def default_num_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    # Preprocessing pool: worker processes (0 = decode in the calling thread; None = one
+    # per core) and the bound on images queued or in flight (backpressure past it).
+    num_workers: int | None = None
+    max_pending: int = 64
+    submit_timeout_s: float = 30.0
+    max_pixels: int = 64_000_000  # decompression-bomb cap, checked from the header
+    jpeg_draft: bool = True  # decode JPEGs at 1/2..1/8 scale when targets are that small
+    # Encoder-output cache (pooled embeddings on the runner's device); 0 turns it off.
+    cache_bytes: int = 256 << 20
+    # False: keep the checkpoint's HF image processor on the serving path.
+    use_pool: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ValueError(f"num_workers={self.num_workers} must be >= 0 (or None)")
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending={self.max_pending} must be >= 1")
+        if self.max_pixels < 1:
+            raise ValueError(f"max_pixels={self.max_pixels} must be >= 1")
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes={self.cache_bytes} must be >= 0")
+
+    @property
+    def resolved_num_workers(self) -> int:
+        return default_num_workers() if self.num_workers is None else self.num_workers

@@ -1,0 +1,232 @@
+"""One image from encoded bytes to uint8 tiles: header, decode, resize, tile.
+
+Runs inside the preprocessing workers (`encoders.preprocess`), so it imports no torch.
+  * `read_header`: format and size (after EXIF orientation) without decoding pixels, so
+    the exact token count is known before the decode; rejects zero-size images, pixel
+    bombs and unsupported formats early.
+  * `decode_rgb`: JPEG draft mode (libjpeg's DCT downscale by 2/4/8) when every resample
+    target is at least 2x smaller, EXIF orientation, first frame of animations,
+    palette / alpha (composited on white, as transformers does) / CMYK / 16-bit -> RGB.
+  * `tile_image`: the family's resample chain with PIL (pillow-simd when installed),
+    bit-identical to the transformers PIL-backend processor on the same decoded image.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from encoders.image_spec import ImageLayout, ImageSpec
+from encoders.tiling_anyres import AnyresLayout
+from vlmserve.errors import ImageDecodeError, ImageTooLargeError
+
+__all__ = [
+    "CorruptImageError", "ImageHeader", "TruncatedImageError", "UnsupportedImageError",
+    "ZeroSizeImageError", "decode_rgb", "preprocess_bytes", "read_header", "tile_image",
+]  # fmt: skip
+
+SUPPORTED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
+DEFAULT_MAX_PIXELS = 64_000_000
+_SWAPS_AXES = {5, 6, 7, 8}  # EXIF orientations that transpose the image
+
+
+class CorruptImageError(ImageDecodeError):
+    """Bytes that claim a format but do not decode."""
+
+
+class TruncatedImageError(ImageDecodeError):
+    """A file cut short (an interrupted upload)."""
+
+
+class UnsupportedImageError(ImageDecodeError):
+    """Not an image format we accept."""
+
+
+class ZeroSizeImageError(ImageDecodeError):
+    """An image with no pixels (or no bytes)."""
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    format: str
+    width: int  # after EXIF orientation: what the model sees
+    height: int
+    orientation: int
+
+
+def _open(data: bytes) -> Image.Image:
+    if not data:
+        raise ZeroSizeImageError("cannot decode image: it is empty (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise ImageTooLargeError(f"image rejected as a decompression bomb: {e}") from e
+    except UnidentifiedImageError as e:
+        raise UnsupportedImageError(
+            f"cannot decode image: unknown or unsupported format ({e})"
+        ) from e
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        if "truncated" in str(e).lower():
+            raise TruncatedImageError(f"cannot decode image: file is truncated ({e})") from e
+        raise CorruptImageError(f"cannot decode image: corrupt header ({e})") from e
+
+
+def _check_header(image: Image.Image, max_pixels: int) -> ImageHeader:
+    if image.format not in SUPPORTED_FORMATS:
+        raise UnsupportedImageError(
+            f"cannot decode image: format {image.format} is not supported "
+            f"(supported: {', '.join(sorted(SUPPORTED_FORMATS))})"
+        )
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise ZeroSizeImageError(f"cannot decode image: it has zero size {width}x{height}")
+    if width * height > max_pixels:
+        raise ImageTooLargeError(
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}"
+        )
+    orientation = _orientation(image)
+    if orientation in _SWAPS_AXES:
+        width, height = height, width
+    return ImageHeader(image.format, width, height, orientation)
+
+
+def _orientation(image: Image.Image) -> int:
+    """EXIF orientation from what the header parse already read (PNG's `getexif` would
+    decode the whole image to look for a trailing eXIf chunk)."""
+    try:
+        if image.format in ("JPEG", "MPO", "TIFF", "WEBP"):
+            exif = image.getexif()
+        elif "exif" in image.info:
+            exif = Image.Exif()
+            exif.load(image.info["exif"])
+        else:
+            return 1
+        return int(exif.get(0x0112, 1))
+    except Exception:  # noqa: BLE001 - a broken EXIF block is not worth failing the image
+        return 1
+
+
+def read_header(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageHeader:
+    """Format and oriented size from the header alone (no pixel decode)."""
+    return _check_header(_open(data), max_pixels)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any PIL mode -> RGB. Transparency is composited on white (transformers'
+    `convert_to_rgb`); 16/32-bit greyscale is scaled to 8 bits (PIL's plain convert would
+    clip everything above 255 to white)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        array = np.asarray(image, dtype=np.uint32)
+        shift = 8 if image.mode != "I" or array.max(initial=0) > 255 else 0
+        image = Image.fromarray((array >> shift).clip(0, 255).astype(np.uint8), "L")
+    if image.mode == "F":
+        image = Image.fromarray(np.asarray(image).clip(0, 255).astype(np.uint8), "L")
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def decode_rgb(
+    data: bytes,
+    draft_size: tuple[int, int] | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> tuple[Image.Image, ImageHeader]:
+    """Decode to an oriented RGB image. `draft_size` (width, height, oriented): the
+    smallest size the caller resamples to; JPEGs then decode at 1/2, 1/4 or 1/8 scale
+    as long as the result stays at least that big."""
+    image = _open(data)
+    header = _check_header(image, max_pixels)
+    try:
+        image.seek(0)  # first frame of an animation
+        if draft_size is not None and image.format in ("JPEG", "MPO"):
+            width, height = draft_size
+            if header.orientation in _SWAPS_AXES:
+                width, height = height, width
+            image.draft("RGB", (width, height))
+        image.load()
+    except Exception as e:  # noqa: BLE001 - decoders raise OSError, zlib.error, ValueError, ...
+        if isinstance(e, (OSError, EOFError)) and "truncated" in str(e):
+            raise TruncatedImageError(f"cannot decode image: file is truncated ({e})") from e
+        raise CorruptImageError(f"cannot decode image: corrupt data ({e})") from e
+    if header.orientation != 1:
+        from PIL import ImageOps
+
+        image = ImageOps.exif_transpose(image)
+    return to_rgb(image), header
+
+
+def tile_image(image: Image.Image, spec: ImageSpec, layout: ImageLayout) -> np.ndarray:
+    """The family's resize/pad/crop chain -> uint8 tiles [num_tiles, S, S, 3], in the
+    order the tower takes them. Geometry comes from `layout` (computed from the original
+    size), so a draft-decoded smaller `image` lands on the same tiles."""
+    size, resample = spec.tile_size, spec.resample
+    if isinstance(layout, AnyresLayout):
+        if layout.multi_image:
+            side = layout.best_resolution[0]
+            fill = tuple(int(m * 255) for m in spec.image_mean)
+            canvas = Image.new("RGB", (side, side), fill)
+            canvas.paste(image, layout.padding[:2])
+            return np.asarray(canvas.resize((size, size), resample))[None]
+        new_height, new_width = layout.resized
+        canvas_h, canvas_w = layout.best_resolution
+        left, top = layout.padding[:2]
+        grid = np.zeros((canvas_h, canvas_w, 3), dtype=np.uint8)
+        grid[top : top + new_height, left : left + new_width] = image.resize(
+            (new_width, new_height), resample
+        )
+        rows, cols = layout.grid
+        tiles = np.empty((1 + rows * cols, size, size, 3), dtype=np.uint8)
+        tiles[0] = image.resize((size, size), resample)
+        # [rows*S, cols*S, 3] -> [rows*cols, S, S, 3], row-major
+        tiles[1:] = (
+            grid.reshape(rows, size, cols, size, 3).swapaxes(1, 2).reshape(-1, size, size, 3)
+        )
+        return tiles
+    height1, width1 = layout.resized
+    image = image.resize((width1, height1), resample)  # longest edge -> spec.longest_edge
+    if not spec.do_image_splitting:
+        return np.asarray(image.resize((size, size), resample))[None]
+    split_h, split_w = layout.split_size
+    image = image.resize((split_w, split_h), resample)  # sides -> multiples of the tile
+    if layout.grid == (0, 0):
+        return np.asarray(image)[None]  # already one tile
+    rows, cols = layout.grid
+    tiles = np.empty((rows * cols + 1, size, size, 3), dtype=np.uint8)
+    pixels = np.asarray(image)
+    tiles[:-1] = pixels.reshape(rows, size, cols, size, 3).swapaxes(1, 2).reshape(-1, size, size, 3)
+    tiles[-1] = image.resize((size, size), resample)  # the global image, last
+    return tiles
+
+
+@dataclass(frozen=True)
+class Preprocessed:
+    """A worker's result: uint8 tiles plus its stage timings (seconds)."""
+
+    tiles: np.ndarray  # [num_tiles, S, S, 3] uint8
+    decode_s: float
+    resize_s: float
+
+
+def preprocess_bytes(
+    data: bytes, spec: ImageSpec, multi_image: bool, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> Preprocessed:
+    """Encoded bytes -> tiles (what a pool worker runs for one image)."""
+    start = time.perf_counter()
+    header = read_header(data, max_pixels)
+    layout = spec.layout(header.width, header.height, multi_image)
+    draft = spec.draft_size(layout) if spec.jpeg_draft else None
+    image, _ = decode_rgb(data, draft, max_pixels)
+    decoded = time.perf_counter()
+    tiles = tile_image(image, spec, layout)
+    return Preprocessed(tiles, decoded - start, time.perf_counter() - decoded)

@@ -1,0 +1,140 @@
+"""What a checkpoint does to an image before its vision tower, as one frozen record.
+
+`ImageSpec` is read once from the checkpoint's HF processor and then drives everything
+on our side: the tiling layout and exact token count from the image's header size, the
+worker-side resize/tile (`encoders.image_io`), the on-device normalisation
+(`encoders.stage`), the prompt's placeholder text, and the encoder-cache key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from encoders.connectors import max_patches_from_aspect_ratio
+from encoders.tiling_anyres import AnyresLayout, anyres_layout
+from encoders.tiling_idefics3 import Idefics3Layout, idefics3_layout
+
+__all__ = ["ImageLayout", "ImageSpec", "placeholder_text"]
+
+ImageLayout = AnyresLayout | Idefics3Layout
+SpecFamily = Literal["llava_onevision", "idefics3"]
+
+# Idefics3 / SmolVLM prompt tokens (fixed strings in the HF processors)
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
+GLOBAL_IMAGE_TOKEN = "<global-img>"
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """Processing settings of one family/checkpoint. Hashable; part of the cache key."""
+
+    family: SpecFamily
+    tile_size: int
+    resample: int  # PIL.Image.Resampling value
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float = 1 / 255
+    # LLaVA-OneVision
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    num_patches: int = 0  # tokens of one tile (processor.num_image_tokens)
+    max_num_patches: int = 9
+    select_strategy: str = "full"
+    # Idefics3 / SmolVLM
+    longest_edge: int = 0
+    do_image_splitting: bool = True
+    image_seq_len: int = 0
+    # Decoding: JPEG draft mode (DCT-domain downscale) changes pixels slightly.
+    jpeg_draft: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tile_size < 1:
+            raise ValueError(f"tile_size={self.tile_size} must be positive")
+        if self.family == "llava_onevision" and (not self.grid_pinpoints or self.num_patches < 1):
+            raise ValueError("LLaVA-OneVision needs grid_pinpoints and num_patches")
+        if self.family == "idefics3" and (self.longest_edge < 1 or self.image_seq_len < 1):
+            raise ValueError("Idefics3 needs longest_edge and image_seq_len")
+
+    def layout(self, width: int, height: int, multi_image: bool = False) -> ImageLayout:
+        """Tiles and exact token count of a width x height image (header size suffices)."""
+        if self.family == "llava_onevision":
+            return anyres_layout(
+                width, height, tile_size=self.tile_size, grid_pinpoints=self.grid_pinpoints,
+                num_patches=self.num_patches, max_num_patches=self.max_num_patches,
+                select_strategy=self.select_strategy, multi_image=multi_image,
+            )  # fmt: skip
+        return idefics3_layout(
+            width, height, longest_edge=self.longest_edge, tile_size=self.tile_size,
+            tokens_per_tile=self.image_seq_len, do_image_splitting=self.do_image_splitting,
+        )  # fmt: skip
+
+    def draft_size(self, layout: ImageLayout) -> tuple[int, int]:
+        """(width, height): the smallest decode that every resample target still fits in
+        (JPEG draft decodes at 1/2, 1/4, 1/8 only while it stays at least this big)."""
+        if isinstance(layout, AnyresLayout):
+            if layout.multi_image:  # padded at full size first: no draft
+                return layout.width, layout.height
+            return max(layout.resized[1], self.tile_size), max(layout.resized[0], self.tile_size)
+        return layout.resized[1], layout.resized[0]
+
+    @property
+    def key(self) -> bytes:
+        """Digest of every setting that changes the pixels or the tokens."""
+        return hashlib.blake2b(repr(sorted(asdict(self).items())).encode(), digest_size=16).digest()
+
+    @classmethod
+    def from_hf(cls, processor: object, jpeg_draft: bool = True) -> ImageSpec | None:
+        """From a loaded HF processor; None when its settings are outside what we
+        reproduce (then the HF image processor stays on the serving path)."""
+        ip = getattr(processor, "image_processor", None)
+        name = type(processor).__name__
+        if ip is None or not all(
+            getattr(ip, flag, True) for flag in ("do_resize", "do_rescale", "do_normalize")
+        ):
+            return None
+        common = dict(
+            resample=int(ip.resample), image_mean=tuple(float(v) for v in ip.image_mean),
+            image_std=tuple(float(v) for v in ip.image_std),
+            rescale_factor=float(ip.rescale_factor), jpeg_draft=jpeg_draft,
+        )  # fmt: skip
+        if name == "LlavaOnevisionProcessor":
+            size = ip.size
+            height, width = size.get("height"), size.get("width")
+            if not height or height != width or getattr(ip, "do_center_crop", False):
+                return None
+            return cls(
+                "llava_onevision", tile_size=int(height),
+                grid_pinpoints=tuple((int(h), int(w)) for h, w in ip.image_grid_pinpoints),
+                num_patches=int(processor.num_image_tokens),
+                max_num_patches=max_patches_from_aspect_ratio(processor.vision_aspect_ratio),
+                select_strategy=processor.vision_feature_select_strategy or "full", **common,
+            )  # fmt: skip
+        if name in ("Idefics3Processor", "SmolVLMProcessor"):
+            if not getattr(ip, "do_pad", True) or "longest_edge" not in ip.size:
+                return None
+            return cls(
+                "idefics3", tile_size=int(ip.max_image_size["longest_edge"]),
+                longest_edge=int(ip.size["longest_edge"]),
+                do_image_splitting=bool(ip.do_image_splitting),
+                image_seq_len=int(processor.image_seq_len), **common,
+            )  # fmt: skip
+        return None
+
+
+def placeholder_text(layout: ImageLayout, image_token: str) -> str:
+    """The prompt text one image's `<image>` expands to, exactly as the HF processor
+    writes it (so tokenising the expanded prompt gives the HF token ids)."""
+    if isinstance(layout, AnyresLayout):
+        return image_token * layout.num_tokens
+    tokens_per_tile = layout.num_tokens // layout.num_tiles
+    tile = image_token * tokens_per_tile
+    global_image = f"{FAKE_IMAGE_TOKEN}{GLOBAL_IMAGE_TOKEN}{tile}{FAKE_IMAGE_TOKEN}"
+    rows, cols = layout.grid
+    if rows == 0 and cols == 0:
+        return global_image
+    grid = "".join(
+        "".join(f"{FAKE_IMAGE_TOKEN}<row_{r + 1}_col_{c + 1}>{tile}" for c in range(cols)) + "\n"
+        for r in range(rows)
+    )
+    return f"{grid}\n{global_image}"

@@ -1,0 +1,93 @@
+"""The preprocessing pool: same tiles as inline, typed errors per image, backpressure,
+a crashed worker replaced with only its image failed, per-stage timings."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from encoders.image_io import Preprocessed, TruncatedImageError, UnsupportedImageError
+from encoders.image_spec import ImageSpec
+from encoders.preprocess import PreprocessPool, WorkerCrashedError
+
+SPEC = ImageSpec("idefics3", 32, 1, (0.5,) * 3, (0.5,) * 3, longest_edge=96, image_seq_len=4)
+
+
+def jpeg(width: int, height: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def crash_or_tile(data: bytes, *args) -> Preprocessed:
+    """A process_fn whose worker dies on b"crash" and dawdles on b"slow" (module level so
+    spawned workers can import it)."""
+    if data == b"crash":
+        os._exit(3)
+    if data == b"slow":
+        time.sleep(0.5)
+    tiles = np.full((1, 2, 2, 3), len(data) % 256, dtype=np.uint8)
+    return Preprocessed(tiles, 0.001, 0.002)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with PreprocessPool(num_workers=2, max_pending=8) as pool:
+        yield pool
+
+
+def test_pool_gives_the_inline_tiles_and_timings(pool) -> None:
+    images = [jpeg(90, 50, 1), jpeg(640, 480, 2), jpeg(20, 300, 3)]
+    futures = [pool.submit(data, SPEC, False, 10**8) for data in images]
+    with PreprocessPool(num_workers=0) as inline:
+        expected = [inline.submit(data, SPEC, False, 10**8).result() for data in images]
+    for future, want in zip(futures, expected, strict=True):
+        got = future.result(timeout=60)
+        assert got.tiles.dtype == want.tiles.dtype and bool((got.tiles == want.tiles).all())
+        t = got.timings
+        assert t.decode_s > 0 and t.resize_s > 0 and t.handoff_s > 0 and t.queue_s >= 0
+    metrics = pool.metrics()
+    assert metrics["images"] >= 3 and metrics["decode_s_total"] > 0 and metrics["workers"] == 2
+
+
+def test_bad_images_fail_with_their_typed_error_only(pool) -> None:
+    good = jpeg(64, 64)
+    futures = [pool.submit(d, SPEC, False, 10**8) for d in (good[:300], b"nope", good)]
+    with pytest.raises(TruncatedImageError):
+        futures[0].result(timeout=60)
+    with pytest.raises(UnsupportedImageError):
+        futures[1].result(timeout=60)
+    assert futures[2].result(timeout=60).tiles.shape[0] >= 1
+
+
+def test_a_crashed_worker_is_replaced_and_only_its_image_fails() -> None:
+    with PreprocessPool(num_workers=2, max_pending=4, process_fn=crash_or_tile) as pool:
+        before = list(pool.workers)
+        futures = [pool.submit(d, SPEC, False, 0) for d in (b"crash", b"ok", b"fine!")]
+        with pytest.raises(WorkerCrashedError, match="exit code 3"):
+            futures[0].result(timeout=60)
+        assert [f.result(timeout=60).tiles[0, 0, 0, 0].item() for f in futures[1:]] == [2, 5]
+        after = [pool.submit(b"again", SPEC, False, 0) for _ in range(4)]
+        assert all(f.result(timeout=60).tiles[0, 0, 0, 0].item() == 5 for f in after)
+        assert pool.metrics()["crashes"] == 1
+        replaced = [old for old, new in zip(before, pool.workers, strict=True) if old is not new]
+        assert [old.process.exitcode for old in replaced] == [3]
+        assert all(w.process.is_alive() for w in pool.workers)
+
+
+def test_backpressure_bounds_the_pending_images() -> None:
+    with PreprocessPool(num_workers=1, max_pending=2, process_fn=crash_or_tile) as pool:
+        held = [pool.submit(b"slow", SPEC, False, 0) for _ in range(2)]
+        assert pool.num_pending == 2
+        assert pool.try_submit(b"x", SPEC, False, 0) is None  # full: refused, not queued
+        start = time.perf_counter()
+        late = pool.submit(b"x", SPEC, False, 0, timeout=30)  # waits for a free slot
+        assert time.perf_counter() - start > 0.2
+        assert all(f.result(timeout=60) is not None for f in [*held, late])
+        assert pool.num_pending == 0

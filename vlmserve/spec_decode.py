@@ -1,0 +1,95 @@
+"""Verifying n-gram drafts losslessly (article §15).
+
+A speculating sequence's γ drafts come back with γ+1 rows of logits: row i is the
+target's distribution for the token after draft i-1 (row 0: after the last real token).
+- greedy: accept the longest prefix where draft == argmax, then emit the argmax at the
+  first mismatch, or the bonus argmax of row γ when every draft held. The output is
+  exactly that of plain greedy decoding.
+- sampling: the draft is deterministic (q = a point mass on d), so the rejection rule
+  accept-with-min(1, p/q) becomes: accept d with probability p(d); on rejection sample
+  from max(0, p - q) normalised, which is p with d removed and renormalised. Each token
+  is then distributed exactly as plain sampling from p (Leviathan et al., Chen et al.).
+p is the request's filtered distribution (temperature, top-k, top-p) and the draws use
+its own seeded generator, so a request's tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler.planner import ScheduledSeq
+from search.cost_model import b_star
+from search.presets import Precision, get_accelerator, measure_cpu
+from vlmserve.sampling import SamplerState, filtered_probs, sample
+
+
+def verify(logits: torch.Tensor, drafts: tuple[int, ...], state: SamplerState) -> list[int]:
+    """The accepted drafts and one more token. logits: [len(drafts) + 1, vocab] float32."""
+    params = state.params
+    if params.greedy:
+        targets = logits.argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+            accepted += 1
+        return [*drafts[:accepted], targets[accepted]]
+    tokens: list[int] = []
+    for row, draft in zip(logits, drafts, strict=False):
+        probs = filtered_probs(row, params)
+        if float(torch.rand((), generator=state.generator)) < float(probs[draft]):
+            tokens.append(draft)
+            continue
+        probs[draft] = 0.0  # rejected: p without the draft token, renormalised
+        tokens.append(int(torch.multinomial(probs / probs.sum(), 1, generator=state.generator)))
+        return tokens
+    return [*tokens, *sample(logits[-1:], [state])]  # every draft held: the bonus token
+
+
+def sample_plan(
+    scheduled: list[ScheduledSeq], logits: torch.Tensor, samplers: list[SamplerState]
+) -> list[list[int]]:
+    """The tokens each scheduled item emits ([] for a prefill chunk that does not sample).
+    logits: [num_sampling_rows, vocab] as the runner returns them; `samplers` has one
+    state per sampling item, in plan order."""
+    if not any(item.draft_token_ids for item in scheduled):
+        tokens = iter(sample(logits, samplers))
+        return [[next(tokens)] if item.sample else [] for item in scheduled]
+    logits = logits.float().cpu()
+    plain_rows, plain_states, spans = [], [], []
+    row, states = 0, iter(samplers)
+    for item in scheduled:
+        if not item.sample:
+            spans.append(None)
+            continue
+        state, num_rows = next(states), 1 + len(item.draft_token_ids)
+        if item.draft_token_ids:
+            spans.append((row, num_rows, state))
+        else:
+            spans.append(len(plain_rows))
+            plain_rows.append(row)
+            plain_states.append(state)
+        row += num_rows
+    plain = sample(logits[plain_rows], plain_states) if plain_rows else []
+    sampled: list[list[int]] = []
+    for item, span in zip(scheduled, spans, strict=True):
+        if span is None:
+            sampled.append([])
+        elif isinstance(span, int):
+            sampled.append([plain[span]])
+        else:
+            start, num_rows, state = span
+            sampled.append(verify(logits[start : start + num_rows], item.draft_token_ids, state))
+    return sampled
+
+
+_PRESET_KEYS = ("h200", "h100", "b200", "a100", "l40s")
+
+
+def ridge_batch_for(device: torch.device, dtype: torch.dtype) -> float:
+    """B* = s_w·π/(2β) (article §11) for the engine's device and weight dtype: a datasheet
+    preset for a known GPU (the H100 one otherwise), this machine measured for a CPU."""
+    weight = Precision(str(dtype), torch.finfo(dtype).bits / 8, "bf16")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        key = next((k for k in _PRESET_KEYS if k in name), "h100")
+        return b_star(get_accelerator(key), weight)
+    return b_star(measure_cpu(), weight)
