@@ -210,6 +210,35 @@ class Engine:
         self.runner.release(state.seq.request_id)
         del self._states[state.seq.request_id]
 
+    def stats(self) -> dict[str, float]:
+        """Engine-side gauges and counters for metrics: queue, KV pool, prefix and encoder
+        caches, preprocessing stage seconds, speculation."""
+        scheduler, bm = self.scheduler, self.scheduler.block_manager
+        used = bm.num_blocks - bm.num_free_blocks
+        stats = {
+            "waiting": float(len(scheduler.waiting)),
+            "running": float(len(scheduler.running)),
+            "num_blocks": float(bm.num_blocks),
+            "free_blocks": float(bm.num_free_blocks),
+            "used_blocks": float(used),
+            "kv_usage": used / bm.num_blocks,
+            "num_steps": float(self.num_steps),
+            "num_preemptions": float(scheduler.num_preemptions),
+            "computed_prompt_tokens": float(self.num_computed_prompt_tokens),
+        }
+        cache = self.runner.encoder_cache.stats()
+        stats |= {
+            "encoder_cache_hits": float(cache.hits),
+            "encoder_cache_misses": float(cache.misses),
+            "encoder_cache_bytes": float(cache.num_bytes),
+        }
+        pool = self.processor.pool_metrics()
+        stats |= {f"preprocess_{k}": float(v) for k, v in pool.items()}
+        spec = self.spec_metrics
+        if spec is not None:
+            stats |= {"spec_proposed": float(spec.proposed), "spec_accepted": float(spec.accepted)}
+        return stats
+
     @property
     def spec_metrics(self) -> SpecMetrics | None:
         """Speculation counters (proposed, accepted, mean accepted length); None when off."""

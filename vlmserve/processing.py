@@ -174,6 +174,13 @@ class HFPromptProcessor:
             )
         return ProcessedPrompt(token_ids, placeholders)
 
+    def pool_metrics(self) -> dict[str, float]:
+        """The preprocessing pool's counters and per-stage seconds ({} without a pool)."""
+        workers = self.encoder.resolved_num_workers
+        if self.image_spec is None or not workers:
+            return {}
+        return shared_pool(workers, self.encoder.max_pending).metrics()
+
     def _with_pool(
         self, text: str, sources: list[ImageSource], add_special: bool
     ) -> ProcessedPrompt:

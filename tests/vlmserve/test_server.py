@@ -435,6 +435,11 @@ def test_metrics_exposition(served):
     assert samples['vlmserve_preprocess_seconds_count{stage="process"}'] >= 5
     assert samples["vlmserve_kv_blocks_total"] == 1024
     assert samples["vlmserve_prefix_cache_hit_tokens_total"] > 0
+    # Every image went through the encoder-output cache; the repeated one hit it.
+    assert samples["vlmserve_encoder_cache_misses_total"] >= 1
+    assert samples["vlmserve_encoder_cache_hits_total"] >= 1
+    assert samples["vlmserve_encoder_cache_bytes"] > 0
+    assert samples["vlmserve_preprocess_decode_seconds_total"] > 0
     for gauge in ("num_requests_waiting", "num_requests_running", "kv_blocks_used"):
         assert f"vlmserve_{gauge}" in samples
 

@@ -254,19 +254,7 @@ class EngineLoop:
                 _emit(command[2], Failed(command[1].request_id, error))
 
     def _publish(self) -> None:
-        scheduler = self.engine.scheduler
-        bm = scheduler.block_manager
-        used = bm.num_blocks - bm.num_free_blocks
-        self._stats = {
-            "waiting": float(len(scheduler.waiting)),
-            "running": float(len(scheduler.running)),
-            "num_blocks": float(bm.num_blocks),
-            "free_blocks": float(bm.num_free_blocks),
-            "used_blocks": float(used),
-            "kv_usage": used / bm.num_blocks,
-            "num_steps": float(self.engine.num_steps),
-            "computed_prompt_tokens": float(self.engine.num_computed_prompt_tokens),
-        }
+        self._stats = self.engine.stats()
 
 
 def _emit(sink: Sink, item: Item) -> None:

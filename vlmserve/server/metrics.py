@@ -158,10 +158,26 @@ class ServerMetrics:
         gauge("vlmserve_kv_blocks_used", "used_blocks", "KV cache blocks held by requests.")
         gauge("vlmserve_kv_cache_usage_ratio", "kv_usage", "Fraction of KV blocks in use.")
         gauge(
-            "vlmserve_encoder_cache_hits_total",
-            "encoder_cache_hits",
-            "Encoder-output cache hits (0 until the engine has that cache).",
+            "vlmserve_encoder_cache_hits_total", "encoder_cache_hits", "Encoder-output cache hits."
         )
+        gauge(
+            "vlmserve_encoder_cache_misses_total",
+            "encoder_cache_misses",
+            "Encoder-output cache misses.",
+        )
+        gauge(
+            "vlmserve_encoder_cache_bytes",
+            "encoder_cache_bytes",
+            "Bytes of pooled image embeddings held by the encoder-output cache.",
+        )
+        gauge(
+            "vlmserve_num_preemptions_total",
+            "num_preemptions",
+            "Sequences preempted (recomputed later) for lack of KV blocks.",
+        )
+        for stage in ("queue", "read", "decode", "resize", "handoff"):
+            gauge(f"vlmserve_preprocess_{stage}_seconds_total", f"preprocess_{stage}_s_total",
+                  f"Seconds the preprocessing pool spent in its {stage} stage.")  # fmt: skip
 
     def render(self) -> str:
         return self.registry.render()
