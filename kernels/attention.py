@@ -42,6 +42,9 @@ class _Group:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where the new K/V go
     groups: list[_Group]
+    # (start, end) token ranges of sequences with no cached context: their chunk is their
+    # whole context, so they attend causally over this step's own K/V (no cache gather).
+    fresh: list[tuple[int, int]]
 
 
 class AttentionBackend(Protocol):
@@ -121,11 +124,14 @@ class TorchPagedAttention:
         for q_len in batch.query_lens:
             starts.append(total)
             total += q_len
-        small = [i for i, q in enumerate(batch.query_lens) if q <= SMALL_QUERY_LEN]
-        large = [i for i, q in enumerate(batch.query_lens) if q > SMALL_QUERY_LEN]
+        lens = list(zip(batch.query_lens, batch.context_lens, strict=True))
+        fresh = [i for i, (q, c) in enumerate(lens) if q > SMALL_QUERY_LEN and q == c]
+        small = [i for i, (q, _) in enumerate(lens) if q <= SMALL_QUERY_LEN]
+        large = [i for i, (q, c) in enumerate(lens) if q > SMALL_QUERY_LEN and q != c]
         groups = [_group([i], batch, starts, device) for i in large]
         groups += [_group(m, batch, starts, device) for m in _buckets(small, batch.context_lens)]
-        return TorchAttentionMetadata(slot_mapping.to(device), groups)
+        ranges = [(starts[i], starts[i] + batch.query_lens[i]) for i in fresh]
+        return TorchAttentionMetadata(slot_mapping.to(device), groups, ranges)
 
     def forward(
         self,
@@ -141,6 +147,12 @@ class TorchPagedAttention:
         kv_cache[0].index_copy_(0, metadata.slot_mapping, k)
         kv_cache[1].index_copy_(0, metadata.slot_mapping, v)
         out = torch.empty_like(q)
+        for start, end in metadata.fresh:
+            qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, len, D]
+            os = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            )
+            out[start:end] = os.transpose(0, 1)
         for g in metadata.groups:
             qg = q[g.q_index].transpose(1, 2)  # [S, H, Qm, D]
             kg = kv_cache[0][g.ctx_slots].transpose(1, 2)  # [S, KVH, Cm, D]

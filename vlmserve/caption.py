@@ -31,7 +31,7 @@ from vlmserve.processing import Request
 from vlmserve.sampling import SamplingParams
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-DEFAULT_PROMPT = "Describe this image."
+DEFAULT_PROMPT = "Describe the image."  # the embedded default model's caption prompt
 
 
 @dataclass(frozen=True)

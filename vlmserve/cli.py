@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="the main job on the default model")
-    add_engine_args(p, model_required=False)
+    add_engine_args(p)
     p.set_defaults(func=cmd_demo)
 
     estimate_cli.register(sub)

@@ -1,7 +1,9 @@
 """`vlmserve demo`: the main job on the default model.
 
-Runs an offline multimodal generation: a few chat requests with generated images go
-through the full engine (processor, vision tower, paged KV, continuous batching) at once.
+Offline multimodal generation with the embedded model: generated scenes (written as real
+PNG/JPEG files, several sizes from one tile to a panorama) go through the whole engine at
+once (processor, tiling, vision tower, paged KV, continuous batching), and each answer is
+printed beside the scene's ground truth.
 """
 
 from __future__ import annotations
@@ -11,67 +13,68 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-from PIL import Image, ImageDraw
-
+from vlmserve.embedded.evaluate import CAPTION_PROMPT
+from vlmserve.embedded.scenes import (
+    HELDOUT_SEED_BASE,
+    caption,
+    generate_scene,
+    heldout_questions,
+    render_scene,
+)
 from vlmserve.engine import Engine
 from vlmserve.engine_args import engine_config_from_args
 from vlmserve.processing import Request
 from vlmserve.sampling import SamplingParams
 
-
-def _scene(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    image = Image.new("RGB", (width, height), tuple(int(v) for v in rng.integers(150, 255, 3)))
-    draw = ImageDraw.Draw(image)
-    for _ in range(3):
-        x, y = int(rng.integers(0, width - 10)), int(rng.integers(0, height - 10))
-        size = int(rng.integers(8, max(9, min(width, height) // 3)))
-        colour = tuple(int(v) for v in rng.integers(0, 150, 3))
-        draw.ellipse((x, y, x + size, y + size), fill=colour)
-    return image
+SIZES = [(48, 48), (96, 96), (320, 48)]  # one tile, a square grid, a panorama
 
 
-def default_model_path() -> Path:
-    """A tiny random LLaVA-OneVision checkpoint built on first use (no weights can be
-    downloaded here)."""
-    from vlmserve.models.random_checkpoint import make_vlm_checkpoint
-
-    path = Path(tempfile.gettempdir()) / "vlmserve-demo-llava-ov"
-    if not (path / "config.json").is_file():
-        make_vlm_checkpoint(path, "llava_onevision")
-    return path
+def _scene_files(folder: Path) -> list[tuple[Path, object]]:
+    files = []
+    for i, (width, height) in enumerate(SIZES):
+        scene = generate_scene(HELDOUT_SEED_BASE + 77 + i, width=width, height=height)
+        path = folder / f"scene{i}.{'png' if i % 2 == 0 else 'jpg'}"
+        render_scene(scene).save(path, quality=95)
+        files.append((path, scene))
+    return files
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    path = Path(args.model) if args.model else default_model_path()
-    args.model = str(path)
     engine = Engine(engine_config_from_args(args))
-    questions = ["describe this image", "what colour is the circle", "where is the star"]
-    sizes = [(96, 64), (64, 64), (40, 96)]
-    requests = [
-        Request(
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "image", "image": _scene(w, h, i)},
-                        {"type": "text", "text": q},
-                    ],
-                }
-            ],
-            sampling=SamplingParams(max_tokens=24, temperature=0.0),
-        )
-        for i, (q, (w, h)) in enumerate(zip(questions, sizes, strict=True))
-    ]
-    start = time.perf_counter()
-    outputs = engine.generate(requests)
-    elapsed = time.perf_counter() - start
-    print(f"model: {path} ({engine.runner.model.family})")
-    for question, out in zip(questions, outputs, strict=True):
-        print(f"Q: {question}\nA: {out.error or out.text}")
-        print(f"   [{out.num_prompt_tokens} prompt tokens, {out.num_image_tokens} from the image]")
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = _scene_files(Path(tmp))
+        asks = [(path, scene, CAPTION_PROMPT, caption(scene)) for path, scene in files]
+        path, scene = files[1]
+        asks += [(path, scene, qa.question, qa.answer) for qa in heldout_questions(scene)]
+        requests = [
+            Request(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "image": str(path)},
+                            {"type": "text", "text": prompt},
+                        ],
+                    }
+                ],
+                sampling=params,
+            )
+            for path, _, prompt, _ in asks
+        ]
+        start = time.perf_counter()
+        outputs = engine.generate(requests)
+        elapsed = time.perf_counter() - start
+    print(f"model: {args.model} ({engine.runner.model.family})\n")
+    num_right = 0
+    for (path, scene, prompt, truth), out in zip(asks, outputs, strict=True):
+        answer = out.error or out.text.strip()
+        num_right += answer == truth
+        print(f"{path.name} {scene.width}x{scene.height}  Q: {prompt}")
+        print(f"  A: {answer}   ({'right' if answer == truth else f'truth: {truth}'})")
+        print(f"  [{out.num_prompt_tokens} prompt tokens, {out.num_image_tokens} from the image]")
     num_tokens = sum(len(o.token_ids) for o in outputs)
     steps = engine.num_steps
-    print(f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f}s, {steps} steps")
+    print(f"\n{num_right}/{len(outputs)} answers right; {num_tokens} tokens in {elapsed:.2f}s, "
+          f"{steps} engine steps")  # fmt: skip
     return 0 if all(o.error is None for o in outputs) else 1

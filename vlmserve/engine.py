@@ -19,7 +19,7 @@ from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecMetrics
 from vlmserve.config import EngineConfig
 from vlmserve.errors import PromptTooLongError, RequestError
-from vlmserve.processing import HFPromptProcessor, Request
+from vlmserve.processing import Request, make_prompt_processor
 from vlmserve.runner import ModelRunner
 from vlmserve.sampling import SamplerState, SamplingParams
 from vlmserve.spec_decode import ridge_batch_for, sample_plan
@@ -55,7 +55,7 @@ class Engine:
         self.config = config
         self.runner = ModelRunner(config)
         model = self.runner.model
-        self.processor = HFPromptProcessor(
+        self.processor = make_prompt_processor(
             config.model.path, model, config.model.max_images_per_request,
             encoder=config.encoder, encoder_cache=self.runner.encoder_cache,
         )  # fmt: skip

@@ -7,11 +7,16 @@ import argparse
 
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig
+from vlmserve.embedded import DEFAULT_MODEL_DIR
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", required=model_required, help="checkpoint folder")
+    group.add_argument(
+        "--model",
+        default=str(DEFAULT_MODEL_DIR),
+        help="checkpoint folder (default: the embedded model trained on generated scenes)",
+    )
     group.add_argument("--device", default=None, help="cpu, cuda (default: $VLMSERVE_DEVICE)")
     group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     group.add_argument("--max-model-len", type=int, default=None)

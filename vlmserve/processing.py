@@ -10,7 +10,9 @@ pool (`encoders.stage.prepare_images`). Other processors keep the HF image proce
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from PIL import Image
 
@@ -73,6 +75,42 @@ def split_messages(messages: list[dict]) -> tuple[list[dict], list[ImageSource]]
     return templated, images
 
 
+def prompt_from_ids(request: Request, vocab_size: int) -> ProcessedPrompt:
+    """A text-only prompt given as token ids, checked against the vocabulary."""
+    if request.images or request.messages is not None or request.prompt is not None:
+        raise ValueError("prompt_token_ids cannot be combined with messages, prompt or images")
+    ids = [int(t) for t in request.prompt_token_ids]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if not ids or bad:
+        raise ValueError(
+            f"prompt_token_ids must be non-empty ids in [0, {vocab_size}), got {bad[:3]}"
+        )
+    return ProcessedPrompt(ids, [])
+
+
+def check_image_count(num_images: int, max_images: int) -> None:
+    if num_images > max_images:
+        raise TooManyImagesError(f"request has {num_images} images, the limit is {max_images}")
+
+
+def make_prompt_processor(
+    path: str,
+    model: LoadedModel,
+    max_images: int,
+    encoder: EncoderConfig | None = None,
+    encoder_cache: EncoderCache | None = None,
+):
+    """The processor a checkpoint folder asks for: the embedded model's own (its
+    preprocessor_config.json names `SceneProcessor`) or the HF processor."""
+    config_path = Path(path) / "preprocessor_config.json"
+    if config_path.is_file():
+        if json.loads(config_path.read_text()).get("processor_class") == "SceneProcessor":
+            from vlmserve.scene_prompts import ScenePromptProcessor
+
+            return ScenePromptProcessor(path, model, max_images)
+    return HFPromptProcessor(path, model, max_images, encoder, encoder_cache)
+
+
 class HFPromptProcessor:
     """Wraps the checkpoint's HF processor (or tokenizer, for text-only models)."""
 
@@ -115,12 +153,9 @@ class HFPromptProcessor:
 
     def process(self, request: Request) -> ProcessedPrompt:
         if request.prompt_token_ids is not None:
-            return self._from_ids(request)
+            return prompt_from_ids(request, self.model.decoder.cfg.vocab_size)
         text, sources, add_special = self.render(request)
-        if len(sources) > self.max_images:
-            raise TooManyImagesError(
-                f"request has {len(sources)} images, the limit is {self.max_images}"
-            )
+        check_image_count(len(sources), self.max_images)
         if not sources:
             ids = self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
             return ProcessedPrompt(list(ids), [])
@@ -131,18 +166,6 @@ class HFPromptProcessor:
         loaded = [load_image(source) for source in sources]
         images, hashes = [img for img, _ in loaded], [h for _, h in loaded]
         return self._with_images(text, images, hashes, add_special)
-
-    def _from_ids(self, request: Request) -> ProcessedPrompt:
-        if request.images or request.messages is not None or request.prompt is not None:
-            raise ValueError("prompt_token_ids cannot be combined with messages, prompt or images")
-        vocab = self.model.decoder.cfg.vocab_size
-        ids = [int(t) for t in request.prompt_token_ids]
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if not ids or bad:
-            raise ValueError(
-                f"prompt_token_ids must be non-empty ids in [0, {vocab}), got {bad[:3]}"
-            )
-        return ProcessedPrompt(ids, [])
 
     def _with_images(
         self, text: str, images: list[Image.Image], hashes: list[bytes], add_special: bool

@@ -13,6 +13,7 @@ import pytest
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.caption import CaptionItem, discover, read_done, register, run_caption
 from vlmserve.config import EngineConfig, ModelConfig
+from vlmserve.embedded import DEFAULT_MODEL_DIR
 from vlmserve.engine import Engine
 from vlmserve.processing import Request
 from vlmserve.sampling import SamplingParams
@@ -48,7 +49,7 @@ def lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def reference_caption(engine: Engine, path, prompt: str = "Describe this image.") -> str:
+def reference_caption(engine: Engine, path, prompt: str = "Describe the image.") -> str:
     content = [{"type": "image", "image": str(path)}, {"type": "text", "text": prompt}]
     [out] = engine.generate([Request([{"role": "user", "content": content}], sampling=GREEDY)])
     return out.text
@@ -190,3 +191,29 @@ def test_cli_captions_a_folder(llava_ov_path, folder, tmp_path, capsys):
     assert args.func(args) == 0
     assert len(lines(out)) == 6
     assert "5 captioned, 1 failed" in capsys.readouterr().err
+
+
+def test_embedded_model_captions_match_the_scenes(tmp_path):
+    from vlmserve.embedded.evaluate import heldout_scenes
+    from vlmserve.embedded.scenes import caption, render_scene
+
+    root = tmp_path / "scenes"
+    root.mkdir()
+    scenes = heldout_scenes(6) + heldout_scenes(2, multi_tile=True)
+    for i, scene in enumerate(scenes):
+        render_scene(scene).save(root / f"s{i}.{'png' if i % 2 else 'jpg'}", quality=95)
+    engine = Engine(
+        EngineConfig(
+            ModelConfig(str(DEFAULT_MODEL_DIR)),  # the default model of every front door
+            CacheConfig(num_blocks=512, block_size=16),
+            SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16),
+        )
+    )
+    out = tmp_path / "captions.jsonl"
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    run_caption(engine, discover(root), out, params, progress=False)
+    got = {row["id"]: row["caption"].strip() for row in lines(out)}
+    right = sum(
+        got[f"s{i}.{'png' if i % 2 else 'jpg'}"] == caption(s) for i, s in enumerate(scenes)
+    )
+    assert right >= 7, (got, [caption(s) for s in scenes])

@@ -548,3 +548,20 @@ def test_health_is_503_while_loading_and_draining(llava_ov_path):
         draining = httpx.get(served.url("/health"))
         assert (draining.status_code, draining.json()["status"]) == (503, "draining")
         assert_error(served.post(chat, key=None), 503, "draining")
+
+
+def test_embedded_model_answers_a_question_about_a_generated_scene():
+    from vlmserve.embedded import DEFAULT_MODEL_DIR
+    from vlmserve.embedded.evaluate import CAPTION_PROMPT, heldout_scenes
+    from vlmserve.embedded.scenes import caption, render_scene
+
+    scene = heldout_scenes(1, multi_tile=True)[0]
+    buf = io.BytesIO()
+    render_scene(scene).save(buf, "PNG")
+    with serve(lambda: Engine(engine_config(DEFAULT_MODEL_DIR)), api_key=KEY) as s:
+        reply = s.client().chat.completions.create(
+            model=MODEL, messages=[user(CAPTION_PROMPT, buf.getvalue())], max_tokens=40,
+            temperature=0,
+        )  # fmt: skip
+    assert reply.choices[0].message.content.strip() == caption(scene)
+    assert reply.choices[0].finish_reason == "stop"

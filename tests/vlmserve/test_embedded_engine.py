@@ -1,0 +1,72 @@
+"""The embedded default model served by the engine: same answers as transformers, token
+for token, and the captions of held-out scenes right."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.config import CacheConfig, SchedulerConfig
+from vlmserve.config import EngineConfig, ModelConfig
+from vlmserve.embedded import DEFAULT_MODEL_DIR
+from vlmserve.embedded.evaluate import CAPTION_PROMPT, generate_answers, heldout_scenes, load
+from vlmserve.embedded.scenes import caption, heldout_questions, render_scene
+from vlmserve.engine import Engine
+from vlmserve.processing import Request
+from vlmserve.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(
+        EngineConfig(
+            ModelConfig(str(DEFAULT_MODEL_DIR)),
+            CacheConfig(num_blocks=2048, block_size=16),
+            SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=64),
+        )
+    )
+
+
+def ask(image, prompt: str) -> Request:
+    content = [{"type": "image", "image": image}, {"type": "text", "text": prompt}]
+    return Request(messages=[{"role": "user", "content": content}], sampling=GREEDY)
+
+
+def queries(scenes) -> list[tuple[object, str, str, str]]:
+    """(image, kind, prompt, expected answer) for the caption and every held-out question."""
+    rows = []
+    for scene in scenes:
+        image = render_scene(scene)
+        rows.append((image, "caption", CAPTION_PROMPT, caption(scene)))
+        rows += [(image, q.kind, q.question, q.answer) for q in heldout_questions(scene)]
+    return rows
+
+
+def test_engine_answers_equal_transformers_and_captions_are_right(engine):
+    rows = queries(heldout_scenes(20))
+    outputs = engine.generate([ask(image, prompt) for image, _, prompt, _ in rows])
+    assert all(o.error is None and o.finish_reason == "stop" for o in outputs)
+    answers = [o.text.strip() for o in outputs]
+    model, processor = load(DEFAULT_MODEL_DIR)
+    reference = generate_answers(model, processor, [r[2] for r in rows], [r[0] for r in rows])
+    # The engine (paged KV, continuous batching, timm tower) serves exactly the reference
+    # model's answers, so its accuracy is the reference's (graded in test_embedded_model).
+    assert answers == reference
+    captions = [a == r[3] for a, r in zip(answers, rows, strict=True) if r[1] == "caption"]
+    assert len(captions) == 20 and sum(captions) >= 18
+    bm = engine.scheduler.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_multi_tile_scene_prefix_cache_and_images_counted(engine):
+    [scene] = heldout_scenes(1, multi_tile=True)
+    image = render_scene(scene)
+    [first] = engine.generate([ask(image, CAPTION_PROMPT)])
+    [second] = engine.generate([ask(image, "what word is written?")])
+    processor = engine.processor.scene
+    assert first.num_image_tokens == processor.num_image_tokens(*image.size)
+    assert first.num_image_tokens == 9 * processor.num_tiles(*image.size)
+    # The second question about the same image reuses the image's KV blocks.
+    assert second.num_cached_tokens >= second.num_image_tokens - 16
