@@ -25,7 +25,7 @@ from typing import IO
 
 from PIL import Image
 
-from vlmserve.engine import Engine, RequestOutput
+from vlmserve.engine import Engine, PreparedRequest, RequestOutput
 from vlmserve.images import load_image
 from vlmserve.processing import Request
 from vlmserve.sampling import SamplingParams
@@ -234,7 +234,7 @@ def _drive(
             item = next(queue, None)
             if item is None:
                 return
-            loading.append((item, pool.submit(_timed_load, item)))
+            loading.append((item, pool.submit(_timed_prepare, engine, item, sampling)))
 
     refill()
     while loading or in_flight:
@@ -245,10 +245,8 @@ def _drive(
                 break
             loading.popleft()
             try:
-                image, load_s = future.result()
-                content = [{"type": "image", "image": image}, {"type": "text", "text": item.prompt}]
-                request = Request([{"role": "user", "content": content}], sampling=sampling)
-                in_flight[engine.add_request(request)] = (item, load_s, time.perf_counter())
+                prepared, load_s = future.result()
+                in_flight[engine.add_request(prepared)] = (item, load_s, time.perf_counter())
             except (ValueError, OSError) as e:  # RequestError is a ValueError
                 writer.error(item, e)
                 bar.update(1)
@@ -264,9 +262,15 @@ def _drive(
                 bar.set_postfix(tok_s=f"{writer.summary.num_output_tokens / elapsed:.1f}")
 
 
-def _timed_load(item: CaptionItem) -> tuple[Image.Image, float]:
+def _timed_prepare(
+    engine: Engine, item: CaptionItem, sampling: SamplingParams
+) -> tuple[PreparedRequest, float]:
+    """On a loader thread: read the image and prepare its request (template, tokens, tiles),
+    so the engine's thread only steps."""
     start = time.perf_counter()
-    return _load(item), time.perf_counter() - start
+    content = [{"type": "image", "image": _load(item)}, {"type": "text", "text": item.prompt}]
+    request = Request([{"role": "user", "content": content}], sampling=sampling)
+    return engine.prepare(request), time.perf_counter() - start
 
 
 # --- CLI ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecMetrics
 from vlmserve.config import EngineConfig
 from vlmserve.errors import PromptTooLongError, RequestError
-from vlmserve.processing import Request, make_prompt_processor
+from vlmserve.processing import ProcessedPrompt, Request, make_prompt_processor
 from vlmserve.runner import ModelRunner
 from vlmserve.sampling import SamplerState, SamplingParams
 from vlmserve.spec_decode import ridge_batch_for, sample_plan
@@ -39,6 +39,16 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_image_tokens: int = 0
     num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request after `Engine.prepare`: tokens, image placeholders, checked limits."""
+
+    request_id: str | None
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    max_tokens: int
 
 
 @dataclass
@@ -77,12 +87,11 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> str:
-        """Validate and queue `request`; returns its id. Raises RequestError (or
-        ValueError) for a request that cannot be served; nothing else is disturbed."""
-        request_id = request.request_id or f"req-{next(self._ids)}"
-        if request_id in self._states:
-            raise RequestError(f"request id {request_id!r} is already in use")
+    def prepare(self, request: Request) -> PreparedRequest:
+        """The CPU work of admitting `request`: chat template, tokenisation, image decode and
+        tiling (on the preprocessing pool), and the length checks. Safe to call from other
+        threads while the engine steps, so a server can overlap it with decoding. Raises
+        RequestError (or ValueError) for a request that cannot be served."""
         params = request.sampling or SamplingParams()
         prompt = self.processor.process(request)
         num_prompt = len(prompt.token_ids)
@@ -93,14 +102,28 @@ class Engine:
             )
         max_tokens = min(params.max_tokens, self.max_model_len - num_prompt)
         self._check_fits(num_prompt, max_tokens)
+        return PreparedRequest(request.request_id, prompt, params, max_tokens)
+
+    def add_request(self, request: Request | PreparedRequest) -> str:
+        """Queue `request` (preparing it first unless it already is); returns its id. Raises
+        RequestError (or ValueError) for a request that cannot be served; nothing else is
+        disturbed."""
+        if isinstance(request, Request):
+            request = self.prepare(request)
+        request_id = request.request_id or f"req-{next(self._ids)}"
+        if request_id in self._states:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        prompt, params = request.prompt, request.params
+        num_prompt = len(prompt.token_ids)
         seq = Sequence(request_id, list(prompt.token_ids), prompt.images)
         output = RequestOutput(
             request_id,
             num_prompt_tokens=num_prompt,
             num_image_tokens=sum(image.num_tokens for image in prompt.images),
         )
-        self._states[request_id] = _State(seq, params, SamplerState(params), max_tokens, output)
-        self.scheduler.add(seq, num_prompt + max_tokens)
+        state = _State(seq, params, SamplerState(params), request.max_tokens, output)
+        self._states[request_id] = state
+        self.scheduler.add(seq, num_prompt + request.max_tokens)
         return request_id
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:

@@ -11,6 +11,7 @@ pool (`encoders.stage.prepare_images`). Other processors keep the HF image proce
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,8 @@ class HFPromptProcessor:
 
         self.model = model
         self.max_images = max_images
+        # process() may run on several threads (Engine.prepare); the tokenizer is shared.
+        self._lock = threading.Lock()
         self.encoder = encoder or EncoderConfig()
         self.encoder_cache = encoder_cache
         self.image_spec: ImageSpec | None = None  # None: the HF image processor is used
@@ -157,7 +160,8 @@ class HFPromptProcessor:
         text, sources, add_special = self.render(request)
         check_image_count(len(sources), self.max_images)
         if not sources:
-            ids = self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
+            with self._lock:
+                ids = self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
             return ProcessedPrompt(list(ids), [])
         if self.model.vision is None:
             raise ValueError("this model is text-only and cannot take images")
@@ -174,9 +178,13 @@ class HFPromptProcessor:
 
         family = self.model.family
         batch_images = [images] if family == "idefics3" else images
-        outputs = self.processor(
-            text=[text], images=batch_images, return_tensors="pt", add_special_tokens=add_special
-        )
+        with self._lock:
+            outputs = self.processor(
+                text=[text],
+                images=batch_images,
+                return_tensors="pt",
+                add_special_tokens=add_special,
+            )
         token_ids = outputs["input_ids"][0].tolist()
         if family == "idefics3" and len(images) > 1:
             # The Idefics3 processor drops each image's tile grid from its output; only the
@@ -231,7 +239,8 @@ class HFPromptProcessor:
             placeholder_text(work.layout, image_token) + piece
             for work, piece in zip(works, pieces[1:], strict=True)
         )
-        token_ids = self.tokenizer(expanded, add_special_tokens=add_special)["input_ids"]
+        with self._lock:
+            token_ids = self.tokenizer(expanded, add_special_tokens=add_special)["input_ids"]
         positions = [i for i, t in enumerate(token_ids) if t == self.model.image_token_id]
         placeholders, cursor = [], 0
         for work in works:

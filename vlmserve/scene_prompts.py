@@ -3,6 +3,8 @@ tiling, normalisation) behind the engine's processor interface."""
 
 from __future__ import annotations
 
+import threading
+
 from encoders.vision import VisionInput
 from scheduler.sequence import ImagePlaceholder
 from vlmserve.embedded.processor import SceneProcessor
@@ -23,6 +25,7 @@ class ScenePromptProcessor:
         self.tokenizer = self.scene.tokenizer
         self.model = model
         self.max_images = max_images
+        self._lock = threading.Lock()  # process() may run on several threads
 
     def pool_metrics(self) -> dict[str, float]:
         return {}  # tiles are made inline by SceneProcessor
@@ -35,12 +38,14 @@ class ScenePromptProcessor:
                 raise ValueError("a request needs messages or a prompt")
             if request.images:
                 raise ValueError("the embedded model takes images in chat messages only")
-            ids = self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
+            with self._lock:
+                ids = self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
             return ProcessedPrompt(list(ids), [])
         templated, sources = split_messages(request.messages)
         check_image_count(len(sources), self.max_images)
         loaded = [load_image(source) for source in sources]
-        encoded = self.scene.encode(templated, images=[image for image, _ in loaded])
+        with self._lock:
+            encoded = self.scene.encode(templated, images=[image for image, _ in loaded])
         image_token = self.scene.image_token_id
         positions = [i for i, t in enumerate(encoded.token_ids) if t == image_token]
         placeholders, cursor = [], 0

@@ -182,3 +182,21 @@ def test_unreadable_image_fails_only_its_request(llava_ov_path, random_image):
     assert len(outputs[0].token_ids) == 32 and len(outputs[2].token_ids) == 32
     with pytest.raises(ImageDecodeError):
         engine.add_request(chat([b""], "describe"))
+
+
+def test_requests_prepared_on_other_threads_give_the_same_tokens(llava_ov_path, random_image):
+    from concurrent.futures import ThreadPoolExecutor
+
+    reference = run_checked(make_engine(llava_ov_path), mixed_requests(random_image))
+    engine = make_engine(llava_ov_path, budget=24)
+    # Two preparer threads work while the engine steps the requests already added.
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(engine.prepare, r) for r in mixed_requests(random_image)]
+        outputs = []
+        for future in futures:
+            outputs.append(engine._states[engine.add_request(future.result())].output)
+            engine.step()
+        while engine.has_unfinished():
+            engine.step()
+            engine.scheduler.block_manager.check_integrity()
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]

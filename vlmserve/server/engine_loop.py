@@ -17,10 +17,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
-from vlmserve.engine import Engine, RequestOutput
+from vlmserve.engine import Engine, PreparedRequest, RequestOutput
 from vlmserve.errors import RequestError
 from vlmserve.processing import Request
 
@@ -102,6 +103,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._num_pending = 0  # submitted, no terminal item yet
         self._stats: dict[str, float] = {}
+        self._preparers = ThreadPoolExecutor(2, thread_name_prefix="vlmserve-prepare")
+        self._early_aborts: set[str] = set()  # loop thread only
         self._thread = threading.Thread(target=self._run, name="vlmserve-engine", daemon=True)
 
     # -- any thread --------------------------------------------------------------------
@@ -125,7 +128,23 @@ class EngineLoop:
                     f"the server has {self._num_pending} requests in flight, its limit"
                 )
             self._num_pending += 1
-        self._inbox.put(("add", request, sink))
+        # Template, tokenisation and image decode/tiling run on a preparer thread, beside
+        # the engine's steps and other requests' preparation; the loop only enqueues.
+        self._preparers.submit(self._prepare, request, sink)
+
+    def _prepare(self, request: Request, sink: Sink) -> None:  # a preparer thread
+        start = time.perf_counter()
+        try:
+            prepared = self.engine.prepare(request)
+        except Exception as e:  # the request fails, nothing else does
+            self._release()
+            _emit(sink, Failed(request.request_id, e))
+            return
+        if self.state == "stopped":  # the loop is gone: nobody will read the inbox
+            self._release()
+            _emit(sink, Failed(request.request_id, ServiceUnavailableError("shut down")))
+            return
+        self._inbox.put(("add", prepared, sink, time.perf_counter() - start))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -138,6 +157,7 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         """Fail what is still in flight (503) and end the thread."""
         self.begin_drain()
+        self._preparers.shutdown(wait=False)
         self._inbox.put(("stop",))
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -183,7 +203,7 @@ class EngineLoop:
             if command[0] == "stop":
                 return False
             if command[0] == "add":
-                self._add(command[1], command[2])
+                self._add(command[1], command[2], command[3])
             else:
                 self._abort(command[1])
             try:
@@ -191,9 +211,13 @@ class EngineLoop:
             except queue.Empty:
                 return True
 
-    def _add(self, request: Request, sink: Sink) -> None:
+    def _add(self, request: PreparedRequest, sink: Sink, process_s: float) -> None:
         request_id = request.request_id
-        start = time.perf_counter()
+        if request_id in self._early_aborts:  # its client left while it was being prepared
+            self._early_aborts.discard(request_id)
+            self._release()
+            _emit(sink, Failed(request_id, EngineFailure("aborted before it started")))
+            return
         try:
             self.engine.add_request(request)
         except Exception as e:  # the request fails, the loop goes on
@@ -201,11 +225,14 @@ class EngineLoop:
             _emit(sink, Failed(request_id, e))
             return
         self._sinks[request_id] = sink
-        _emit(sink, Accepted(request_id, time.perf_counter() - start))
+        _emit(sink, Accepted(request_id, process_s))
 
     def _abort(self, request_id: str) -> None:
         if request_id not in self._sinks:
-            return  # already finished
+            # Finished already, or still being prepared: then it is dropped on arrival.
+            if self._num_pending > len(self._sinks):
+                self._early_aborts.add(request_id)
+            return
         out = self.engine.abort(request_id)
         if out is None:
             self._terminal(request_id, Failed(request_id, EngineFailure("request vanished")))
