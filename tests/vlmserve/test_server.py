@@ -275,13 +275,14 @@ def test_concurrent_streams_interleave_and_match_alone(served, offline, random_i
         [{"role": "user", "content": f"tell me a word {i}"}]
         for i in range(4)
     ]  # fmt: skip
-    refs = [offline_answer(offline, m, 24, ignore_eos=True).text for m in requests]
+    # Long enough answers that every stream's window spans the others' preparation.
+    refs = [offline_answer(offline, m, 64, ignore_eos=True).text for m in requests]
     arrivals: dict[int, list[float]] = {i: [] for i in range(4)}
     texts: dict[int, str] = {}
     client = served.client()
 
     def run(i: int) -> None:
-        stream = client.chat.completions.create(messages=requests[i], stream=True, **greedy(24))
+        stream = client.chat.completions.create(messages=requests[i], stream=True, **greedy(64))
         parts = []
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:

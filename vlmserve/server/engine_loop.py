@@ -103,7 +103,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._num_pending = 0  # submitted, no terminal item yet
         self._stats: dict[str, float] = {}
-        self._preparers = ThreadPoolExecutor(2, thread_name_prefix="vlmserve-prepare")
+        self._preparers = ThreadPoolExecutor(4, thread_name_prefix="vlmserve-prepare")
         self._early_aborts: set[str] = set()  # loop thread only
         self._thread = threading.Thread(target=self._run, name="vlmserve-engine", daemon=True)
 
