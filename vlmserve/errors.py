@@ -19,8 +19,8 @@ class ImageTooLargeError(RequestError):
 
 
 class TooManyImagesError(RequestError):
-    pass
+    """More images in one request than the configured limit."""
 
 
 class PromptTooLongError(RequestError):
-    pass
+    """A prompt that leaves no room to generate within the model's context."""

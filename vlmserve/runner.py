@@ -13,7 +13,7 @@ from encoders.cache import EncoderCache
 from encoders.stage import EncoderStage
 from kernels.attention import AttentionBatch, select_backend
 from scheduler.planner import StepPlan
-from scheduler.sequence import ImagePlaceholder, Sequence
+from scheduler.sequence import ImagePlaceholder
 from vlmserve.config import EngineConfig
 from vlmserve.models.loader import LoadedModel, load_model
 
@@ -149,7 +149,3 @@ def _rows_in_chunk(
     if not inside.any():
         return None
     return inside.nonzero().squeeze(1), positions[inside]
-
-
-def sequences_of(plan: StepPlan) -> list[Sequence]:
-    return [item.seq for item in plan.scheduled]
