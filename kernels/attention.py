@@ -3,6 +3,9 @@
 A step's tokens arrive flattened (`[num_tokens, ...]`, sequences back to back). Each
 sequence contributes `query_len` new tokens whose K/V are written to `slot_mapping` and
 which attend to the first `context_len` slots of its block table (cached + new).
+A layer's cache is head-major, `[2 (k, v), num_kv_heads, num_slots, head_dim]`, so one
+gather of a group's slots yields contiguous `[kv_heads, seqs, context, head_dim]` operands
+for batched matmuls.
 The torch backend runs on CPU and as the GPU fallback; faster backends (Triton,
 FlashInfer) implement the same two methods.
 """
@@ -35,7 +38,7 @@ class _Group:
     q_index: torch.Tensor  # [S, Qm] flat token index of each (seq, query row); pads repeat
     q_valid: torch.Tensor  # [S, Qm] bool
     ctx_slots: torch.Tensor  # [S, Cm] cache slot of each context position
-    mask: torch.Tensor  # [S, 1, Qm, Cm] bool, True = may attend
+    bias: torch.Tensor  # [S, Qm, 1, Cm] float: 0 where the query may attend, -inf elsewhere
 
 
 @dataclass
@@ -80,7 +83,7 @@ def _group(
     q_index = torch.zeros(num, q_max, dtype=torch.long)
     q_valid = torch.zeros(num, q_max, dtype=torch.bool)
     ctx_slots = torch.zeros(num, c_max, dtype=torch.long)
-    mask = torch.zeros(num, 1, q_max, c_max, dtype=torch.bool)
+    mask = torch.zeros(num, q_max, c_max, dtype=torch.bool)
     for row, i in enumerate(members):
         q_len, ctx_len = batch.query_lens[i], batch.context_lens[i]
         q_index[row, :q_len] = torch.arange(starts[i], starts[i] + q_len)
@@ -89,9 +92,10 @@ def _group(
         ctx_slots[row, :ctx_len] = _slots(batch.block_tables[i], ctx_len, batch.block_size)
         # Query j sits at absolute position ctx_len - q_len + j and sees positions <= it.
         q_pos = torch.arange(q_len)[:, None] + (ctx_len - q_len)
-        mask[row, 0, :q_len, :ctx_len] = torch.arange(ctx_len)[None, :] <= q_pos
-        mask[row, 0, q_len:, 0] = True  # padded rows see one slot: no NaN, result discarded
-    return _Group(q_index.to(device), q_valid.to(device), ctx_slots.to(device), mask.to(device))
+        mask[row, :q_len, :ctx_len] = torch.arange(ctx_len)[None, :] <= q_pos
+        mask[row, q_len:, 0] = True  # padded rows see one slot: no NaN, result discarded
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))[:, :, None]
+    return _Group(q_index.to(device), q_valid.to(device), ctx_slots.to(device), bias.to(device))
 
 
 def _buckets(members: list[int], context_lens: list[int], max_waste: float = 1.3):
@@ -113,9 +117,26 @@ def _buckets(members: list[int], context_lens: list[int], max_waste: float = 1.3
 
 
 class TorchPagedAttention:
-    """Gathers each sequence's context from the paged cache and calls SDPA."""
+    """Gathers each group's context from the paged cache into reused buffers and runs
+    batched matmuls (SDPA for a long chunk on top of a prefix)."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        # Gather destinations for keys and values, reused by every layer and step: a fresh
+        # multi-MB tensor per layer costs more in page faults than the gather itself
+        # (glibc serves allocations over 32 MB with new zeroed pages each time).
+        self._buffers = [torch.empty(0), torch.empty(0)]
+
+    def _gather(self, cache: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
+        """cache [KVH, num_slots, D] rows at `slots` -> [KVH, len(slots), D]."""
+        kv_heads, _, dim = cache.shape
+        numel = kv_heads * slots.numel() * dim
+        buffer = self._buffers[which]
+        if buffer.numel() < numel or buffer.dtype != cache.dtype or buffer.device != cache.device:
+            buffer = self._buffers[which] = cache.new_empty(numel)
+        out = buffer[:numel].view(kv_heads, slots.numel(), dim)
+        return torch.index_select(cache, 1, slots, out=out)
 
     def build_metadata(
         self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
@@ -143,9 +164,9 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        # kv_cache: [2, num_slots, num_kv_heads, head_dim]
-        kv_cache[0].index_copy_(0, metadata.slot_mapping, k)
-        kv_cache[1].index_copy_(0, metadata.slot_mapping, v)
+        # kv_cache: [2, num_kv_heads, num_slots, head_dim]
+        kv_cache[0].index_copy_(1, metadata.slot_mapping, k.transpose(0, 1))
+        kv_cache[1].index_copy_(1, metadata.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
         for start, end in metadata.fresh:
             qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, len, D]
@@ -154,15 +175,43 @@ class TorchPagedAttention:
             )
             out[start:end] = os.transpose(0, 1)
         for g in metadata.groups:
-            qg = q[g.q_index].transpose(1, 2)  # [S, H, Qm, D]
-            kg = kv_cache[0][g.ctx_slots].transpose(1, 2)  # [S, KVH, Cm, D]
-            vg = kv_cache[1][g.ctx_slots].transpose(1, 2)
-            og = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True
-            )
-            og = og.transpose(1, 2)  # [S, Qm, H, D]
+            if g.q_index.shape[1] > SMALL_QUERY_LEN:  # one long chunk on top of a prefix
+                slots = g.ctx_slots[0]
+                ks, vs = self._gather(kv_cache[0], slots, 0), self._gather(kv_cache[1], slots, 1)
+                rows = g.q_index[0]
+                os = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1), ks, vs, attn_mask=g.bias[0, :, 0] == 0,
+                    scale=scale, enable_gqa=True,
+                )  # fmt: skip
+                out[rows] = os.transpose(0, 1)
+                continue
+            og = self._grouped_attention(q, kv_cache, g, scale)  # [S, Qm, H, D]
             out[g.q_index[g.q_valid]] = og[g.q_valid]
         return out
+
+    def _grouped_attention(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, g: _Group, scale: float
+    ) -> torch.Tensor:
+        """Padded attention of a group of sequences over their gathered context, as two
+        batched matmuls per KV head: the query heads sharing a KV head form the rows of one
+        matmul, so GQA needs no K/V expansion. Returns [S, Qm, num_heads, head_dim]."""
+        num_seqs, q_max = g.q_index.shape
+        ctx_max = g.ctx_slots.shape[1]
+        _, kv_heads, _, dim = kv_cache.shape
+        group = q.shape[1] // kv_heads
+        slots = g.ctx_slots.flatten()
+        keys = self._gather(kv_cache[0], slots, 0).view(kv_heads, num_seqs, ctx_max, dim)
+        values = self._gather(kv_cache[1], slots, 1).view(kv_heads, num_seqs, ctx_max, dim)
+        # [S*Qm, H, D] -> [KVH, S, Qm*G, D]; query head h uses KV head h // G.
+        queries = (q.index_select(0, g.q_index.flatten()) * scale).view(
+            num_seqs, q_max, kv_heads, group, dim
+        )
+        queries = queries.permute(2, 0, 1, 3, 4).reshape(kv_heads, num_seqs, q_max * group, dim)
+        scores = torch.matmul(queries, keys.transpose(-1, -2))  # [KVH, S, Qm*G, C]
+        scores = scores.view(kv_heads, num_seqs, q_max, group, ctx_max).add_(g.bias)
+        probs = scores.softmax(-1).view(kv_heads, num_seqs, q_max * group, ctx_max)
+        out = torch.matmul(probs, values).view(kv_heads, num_seqs, q_max, group, dim)
+        return out.permute(1, 2, 0, 3, 4).reshape(num_seqs, q_max, kv_heads * group, dim)
 
 
 def select_backend(device: torch.device, preferred: str | None = None) -> AttentionBackend:

@@ -29,8 +29,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit(config)
         cfg = self.model.decoder.cfg
-        # Per layer [2 (k, v), num_slots, num_kv_heads, head_dim]; slot = block * size + offset.
-        shape = (2, self.num_blocks * self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Per layer [2 (k, v), num_kv_heads, num_slots, head_dim]; slot = block * size + offset.
+        shape = (2, cfg.num_kv_heads, self.num_blocks * self.block_size, cfg.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
         ]

@@ -23,7 +23,7 @@ def test_mixed_step_matches_contiguous_attention():
     torch.manual_seed(0)
     heads, kv_heads, dim, block = 4, 2, 8, 4
     num_blocks = 64
-    cache = torch.zeros(2, num_blocks * block, kv_heads, dim)
+    cache = torch.zeros(2, kv_heads, num_blocks * block, dim)
     backend = TorchPagedAttention()
     # (cached tokens already in the cache, new query tokens this step): a long prefill
     # chunk on top of a prefix, a fresh prefill, decodes, and a 5-row verification.
@@ -39,7 +39,7 @@ def test_mixed_step_matches_contiguous_attention():
         full_v.append(v)
         for p in range(cached):  # write the already-cached part directly
             slot = table[p // block] * block + p % block
-            cache[0, slot], cache[1, slot] = k[p], v[p]
+            cache[0, :, slot], cache[1, :, slot] = k[p], v[p]
     q = torch.randn(sum(n for _, n in shapes), heads, dim)
     k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
     v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])

@@ -84,7 +84,7 @@ class StepContext:
     cos: torch.Tensor  # [num_tokens, head_dim]
     sin: torch.Tensor
     attn_metadata: object
-    kv_caches: list[torch.Tensor]  # per layer [2, num_slots, num_kv_heads, head_dim]
+    kv_caches: list[torch.Tensor]  # per layer [2, num_kv_heads, num_slots, head_dim]
 
 
 class Attention(nn.Module):
