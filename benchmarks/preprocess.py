@@ -5,7 +5,10 @@ Generated files (fixed seed): JPEG / PNG / WebP photos from 640x480 to 4000x3000
 panoramas and tall PNG screenshots. Each contender takes the encoded bytes and produces
 the tower's input tiles (the HF processors: decode + their __call__; ours: header,
 draft decode, resize/tile, uint8 hand-off; normalisation happens later on the device).
-Reports ms per image, ms per tile, images/s and CPU ms per image, median of --repeat runs.
+Reports ms per image, ms per tile, images/s and CPU ms per image (all processes: the
+workers' too; the HF processors on --hf-threads torch threads), and for ours the decode CPU per
+image and the CPU per tile beyond it (resize/tile + hand-off, thread CPU time: a loaded
+machine does not inflate it); median of --repeat runs.
 
     .venv/bin/python -m benchmarks.preprocess                  # 200 images
     .venv/bin/python -m benchmarks.preprocess --num-images 24  # a quick run
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import statistics
 import time
 from functools import partial
@@ -25,6 +29,7 @@ from PIL import Image, ImageDraw, features
 from benchmarks.common import table, write_result
 from encoders.image_spec import ImageSpec
 from encoders.preprocess import PreprocessPool
+from vlmserve.info import pil_variant
 
 SIZES = [(640, 480), (1024, 768), (1280, 960), (1920, 1080), (2048, 1536), (4000, 3000),
          (4000, 1000), (2400, 600), (1170, 2532), (750, 1334)]  # fmt: skip
@@ -103,23 +108,45 @@ def run_hf(processor: object, family: str, files: list[bytes]) -> tuple[float, f
     return time.perf_counter() - wall, time.process_time() - cpu, tiles
 
 
-def hf_run(processor: object, family: str, files: list[bytes]) -> dict:
-    return dict(zip(("wall", "cpu", "tiles"), run_hf(processor, family, files), strict=True))
+def hf_run(processor: object, family: str, files: list[bytes], threads: int) -> dict:
+    """On `threads` torch threads (0: torch's default). One gives per-core figures; more
+    add the CPU that waiting intra-op threads burn, a lot on a loaded machine."""
+    import torch
+
+    default = torch.get_num_threads()
+    torch.set_num_threads(threads or default)
+    try:
+        return dict(zip(("wall", "cpu", "tiles"), run_hf(processor, family, files), strict=True))
+    finally:
+        torch.set_num_threads(default)
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process (Linux /proc), None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_ours(pool: PreprocessPool, spec: ImageSpec, files: list[bytes]) -> dict:
-    wall = time.perf_counter()
-    cpu = time.process_time()
+    pids = [w.process.pid for w in pool.workers]
+    before = [process_cpu_s(pid) for pid in pids]
+    wall, cpu = time.perf_counter(), time.process_time()
     futures = [pool.submit(data, spec, False, 10**9) for data in files]
     results = [f.result() for f in futures]
-    wall = time.perf_counter() - wall
-    cpu = time.process_time() - cpu  # the parent's share (inline: all of it)
-    worker_cpu = sum(r.timings.decode_s + r.timings.resize_s + r.timings.handoff_s
-                     for r in results)  # fmt: skip
-    return dict(wall=wall, cpu=max(cpu, worker_cpu) if not pool.workers else worker_cpu,
-                tiles=sum(int(r.tiles.shape[0]) for r in results),
-                decode=sum(r.timings.decode_s for r in results),
-                resize=sum(r.timings.resize_s + r.timings.handoff_s for r in results))  # fmt: skip
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu  # the parent's share
+    after = [process_cpu_s(pid) for pid in pids]
+    timings = [r.timings for r in results]
+    if None in before + after:  # no /proc: the stages' own CPU time
+        cpu = sum(t.decode_cpu_s + t.resize_cpu_s + t.handoff_cpu_s for t in timings)
+    else:
+        cpu += sum(a - b for a, b in zip(after, before, strict=True))
+    return dict(wall=wall, cpu=cpu, tiles=sum(int(r.tiles.shape[0]) for r in results),
+                decode=sum(t.decode_cpu_s for t in timings),
+                resize=sum(t.resize_cpu_s + t.handoff_cpu_s for t in timings))  # fmt: skip
 
 
 def median_of(fn, repeat: int) -> dict:
@@ -133,15 +160,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--families", default="llava_onevision,idefics3")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-threads", type=int, default=1,
+                        help="torch threads of the HF processors (0: torch's default)")  # fmt: skip
     args = parser.parse_args()
     files = make_files(args.num_images, args.seed)
-    simd = "post" in Image.__version__ or features.check_feature("libimagequant") is None
-    pil_variant = f"pillow {Image.__version__} (libjpeg-turbo {features.version('jpg')})"
+    pil = pil_variant()
+    pil_text = f"{pil['variant']} {Image.__version__} (libjpeg-turbo {features.version('jpg')})"
+    load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     rows, n = [], len(files)
     pools = {w: PreprocessPool(w, max_pending=64) for w in (0, 1, 2)}
     for family in args.families.split(","):
         spec, hf = specs()[family]
-        contenders = [(name, partial(hf_run, p, family, files)) for name, p in hf]
+        contenders = [(name, partial(hf_run, p, family, files, args.hf_threads))
+                      for name, p in hf]  # fmt: skip
         for w in (0, 1, 2):
             name = f"ours, {w} worker{'s' if w != 1 else ''}" if w else "ours, inline"
             contenders.append((name, partial(run_ours, pools[w], spec, files)))
@@ -153,7 +184,7 @@ def main() -> None:
                 family=family, contender=name, ms_per_image=1e3 * r["wall"] / n,
                 ms_per_tile=1e3 * r["wall"] / r["tiles"], images_per_s=n / r["wall"],
                 cpu_ms_per_image=1e3 * r["cpu"] / n, tiles=int(r["tiles"]),
-                decode_ms_per_image=1e3 * r["decode"] / n if "decode" in r else None,
+                decode_cpu_ms_per_image=1e3 * r["decode"] / n if "decode" in r else None,
                 resize_cpu_ms_per_tile=1e3 * r["resize"] / r["tiles"] if "resize" in r else None,
             ))  # fmt: skip
         base = family_rows[0]["cpu_ms_per_image"]
@@ -163,14 +194,14 @@ def main() -> None:
     for pool in pools.values():
         pool.close()
     columns = ["family", "contender", "ms_per_image", "ms_per_tile", "images_per_s",
-               "cpu_ms_per_image", "per_core_speedup_vs_hf_torchvision", "decode_ms_per_image",
-               "resize_cpu_ms_per_tile"]  # fmt: skip
-    print(
-        f"{n} images, {pil_variant}; pillow-simd installed: {simd and 'post' in Image.__version__}"
-    )
+               "cpu_ms_per_image", "per_core_speedup_vs_hf_torchvision",
+               "decode_cpu_ms_per_image", "resize_cpu_ms_per_tile"]  # fmt: skip
+    print(f"{n} images, {pil_text}; SIMD: {pil['simd']}; 1-min load average at start: "
+          f"{load_avg} on {os.cpu_count()} CPUs")  # fmt: skip
     print(table(rows, columns))
-    path = write_result("preprocess", dict(num_images=n, pil=pil_variant, repeat=args.repeat,
-                                           pillow_simd=False, rows=rows))  # fmt: skip
+    path = write_result("preprocess", dict(num_images=n, pil=pil_text, repeat=args.repeat,
+                                           pillow_simd=pil["simd"], load_avg_1m=load_avg,
+                                           hf_threads=args.hf_threads, rows=rows))  # fmt: skip
     print(f"wrote {path}")
 
 

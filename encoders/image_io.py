@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,67 +167,114 @@ def decode_rgb(
     return to_rgb(image), header
 
 
-def tile_image(image: Image.Image, spec: ImageSpec, layout: ImageLayout) -> np.ndarray:
+Alloc = Callable[[tuple[int, ...]], np.ndarray]  # shape -> uint8 array to write tiles into
+
+
+def empty_tiles(shape: tuple[int, ...]) -> np.ndarray:
+    return np.empty(shape, dtype=np.uint8)
+
+
+def tile_image(
+    image: Image.Image, spec: ImageSpec, layout: ImageLayout, alloc: Alloc = empty_tiles
+) -> np.ndarray:
     """The family's resize/pad/crop chain -> uint8 tiles [num_tiles, S, S, 3], in the
     order the tower takes them. Geometry comes from `layout` (computed from the original
-    size), so a draft-decoded smaller `image` lands on the same tiles."""
+    size), so a draft-decoded smaller `image` lands on the same tiles. `alloc(shape)`
+    gives the array the tiles are written into (shared memory in a pool worker)."""
     size, resample = spec.tile_size, spec.resample
+    tiles = alloc((layout.num_tiles, size, size, 3))
     if isinstance(layout, AnyresLayout):
         if layout.multi_image:
             side = layout.best_resolution[0]
             fill = tuple(int(m * 255) for m in spec.image_mean)
             canvas = Image.new("RGB", (side, side), fill)
             canvas.paste(image, layout.padding[:2])
-            return np.asarray(canvas.resize((size, size), resample))[None]
+            tiles[0] = np.asarray(canvas.resize((size, size), resample))
+            return tiles
+        # Base tile first, then the grid of the image resized into the zero-padded
+        # canvas. Each resize starts from the decoded image, as transformers' does.
+        tiles[0] = np.asarray(image.resize((size, size), resample))
         new_height, new_width = layout.resized
-        canvas_h, canvas_w = layout.best_resolution
-        left, top = layout.padding[:2]
-        grid = np.zeros((canvas_h, canvas_w, 3), dtype=np.uint8)
-        grid[top : top + new_height, left : left + new_width] = image.resize(
-            (new_width, new_height), resample
-        )
-        rows, cols = layout.grid
-        tiles = np.empty((1 + rows * cols, size, size, 3), dtype=np.uint8)
-        tiles[0] = image.resize((size, size), resample)
-        # [rows*S, cols*S, 3] -> [rows*cols, S, S, 3], row-major
-        tiles[1:] = (
-            grid.reshape(rows, size, cols, size, 3).swapaxes(1, 2).reshape(-1, size, size, 3)
-        )
+        grid = np.asarray(image.resize((new_width, new_height), resample))
+        _cut_tiles(grid, tiles[1:], layout.grid, layout.padding[1], layout.padding[0])
         return tiles
     height1, width1 = layout.resized
-    image = image.resize((width1, height1), resample)  # longest edge -> spec.longest_edge
+    image = _resize(image, (width1, height1), resample)  # longest edge -> spec.longest_edge
     if not spec.do_image_splitting:
-        return np.asarray(image.resize((size, size), resample))[None]
+        tiles[0] = np.asarray(image.resize((size, size), resample))
+        return tiles
     split_h, split_w = layout.split_size
-    image = image.resize((split_w, split_h), resample)  # sides -> multiples of the tile
+    image = _resize(image, (split_w, split_h), resample)  # sides -> multiples of the tile
     if layout.grid == (0, 0):
-        return np.asarray(image)[None]  # already one tile
-    rows, cols = layout.grid
-    tiles = np.empty((rows * cols + 1, size, size, 3), dtype=np.uint8)
-    pixels = np.asarray(image)
-    tiles[:-1] = pixels.reshape(rows, size, cols, size, 3).swapaxes(1, 2).reshape(-1, size, size, 3)
-    tiles[-1] = image.resize((size, size), resample)  # the global image, last
+        tiles[0] = np.asarray(image)  # already one tile
+        return tiles
+    _cut_tiles(np.asarray(image), tiles[:-1], layout.grid)
+    tiles[-1] = np.asarray(image.resize((size, size), resample))  # the global image, last
     return tiles
+
+
+def _resize(image: Image.Image, size: tuple[int, int], resample: int) -> Image.Image:
+    """`image.resize`, minus the copy PIL makes when the size is already right."""
+    return image if image.size == size else image.resize(size, resample)
+
+
+def _cut_tiles(
+    pixels: np.ndarray, out: np.ndarray, grid: tuple[int, int], top: int = 0, left: int = 0
+) -> None:
+    """Cut a canvas of `grid` (rows, cols) tiles, zero except for `pixels` [H, W, 3] at
+    (top, left), into `out` [rows * cols, S, S, 3] row-major. Copies each pixel once (no
+    padded canvas in between); `out` may hold garbage on entry."""
+    rows, cols = grid
+    size = out.shape[1]
+    height, width = pixels.shape[:2]
+    if (top, left, height, width) == (0, 0, rows * size, cols * size):  # no padding
+        out.reshape(rows, cols, size, size, 3)[...] = pixels.reshape(
+            rows, size, cols, size, 3
+        ).swapaxes(1, 2)
+        return
+    for row in range(rows):
+        for col in range(cols):
+            tile = out[row * cols + col]
+            y0, x0 = row * size - top, col * size - left  # tile origin in `pixels`
+            ya, yb = max(y0, 0) - y0, min(y0 + size, height) - y0  # covered, tile coords
+            xa, xb = max(x0, 0) - x0, min(x0 + size, width) - x0
+            if ya >= yb or xa >= xb:
+                tile[...] = 0
+                continue
+            tile[ya:yb, xa:xb] = pixels[y0 + ya : y0 + yb, x0 + xa : x0 + xb]
+            tile[:ya] = 0
+            tile[yb:] = 0
+            tile[ya:yb, :xa] = 0
+            tile[ya:yb, xb:] = 0
 
 
 @dataclass(frozen=True)
 class Preprocessed:
-    """A worker's result: uint8 tiles plus its stage timings (seconds)."""
+    """A worker's result: uint8 tiles plus its stage timings (seconds; wall clock, and the
+    thread's CPU time, which a loaded machine does not inflate)."""
 
     tiles: np.ndarray  # [num_tiles, S, S, 3] uint8
     decode_s: float
     resize_s: float
+    decode_cpu_s: float = 0.0
+    resize_cpu_s: float = 0.0
 
 
 def preprocess_bytes(
-    data: bytes, spec: ImageSpec, multi_image: bool, max_pixels: int = DEFAULT_MAX_PIXELS
+    data: bytes,
+    spec: ImageSpec,
+    multi_image: bool,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    alloc: Alloc = empty_tiles,
 ) -> Preprocessed:
-    """Encoded bytes -> tiles (what a pool worker runs for one image)."""
-    start = time.perf_counter()
+    """Encoded bytes -> tiles (what a pool worker runs for one image); the tiles go into
+    `alloc(shape)`."""
+    start, start_cpu = time.perf_counter(), time.thread_time()
     header = read_header(data, max_pixels)
     layout = spec.layout(header.width, header.height, multi_image)
     draft = spec.draft_size(layout) if spec.jpeg_draft else None
     image, _ = decode_rgb(data, draft, max_pixels)
-    decoded = time.perf_counter()
-    tiles = tile_image(image, spec, layout)
-    return Preprocessed(tiles, decoded - start, time.perf_counter() - decoded)
+    decoded, decoded_cpu = time.perf_counter(), time.thread_time()
+    tiles = tile_image(image, spec, layout, alloc)
+    return Preprocessed(tiles, decoded - start, time.perf_counter() - decoded,
+                        decoded_cpu - start_cpu, time.thread_time() - decoded_cpu)  # fmt: skip

@@ -84,6 +84,7 @@ def test_pixels_match_the_transformers_processors(family, size) -> None:
     spec = llava_spec() if family == "llava_onevision" else idefics3_spec()
     image = scene(*size)
     out = preprocess_bytes(encode(image), spec, multi_image=False)
+    assert out.tiles.dtype == np.uint8
     ours = normalize_tiles(torch.from_numpy(out.tiles), spec, torch.device("cpu"))
     grey = torch.tensor(spec.image_std)[:, None, None] * 255  # normalised unit -> grey levels
     torchvision_backend, pil_backend = (p[: ours.shape[0]] for p in hf_pixels(family, image))

@@ -25,9 +25,9 @@ def jpeg(width: int, height: int, seed: int = 0) -> bytes:
     return buffer.getvalue()
 
 
-def crash_or_tile(data: bytes, *args) -> Preprocessed:
+def crash_or_tile(data: bytes, *args, alloc=None) -> Preprocessed:
     """A process_fn whose worker dies on b"crash" and dawdles on b"slow" (module level so
-    spawned workers can import it)."""
+    spawned workers can import it). It ignores `alloc`: the worker copies the tiles."""
     if data == b"crash":
         os._exit(3)
     if data == b"slow":
@@ -91,3 +91,27 @@ def test_backpressure_bounds_the_pending_images() -> None:
         assert time.perf_counter() - start > 0.2
         assert all(f.result(timeout=60) is not None for f in [*held, late])
         assert pool.num_pending == 0
+
+
+def shared_blocks() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_tiles_cross_in_a_reused_block_that_grows_and_is_freed() -> None:
+    """Each worker writes tiles into one shared block, grown for a bigger image; every
+    result stays intact after later images reuse it, and closing leaves no block."""
+    spec = ImageSpec("idefics3", 128, 1, (0.5,) * 3, (0.5,) * 3, longest_edge=1024,
+                     image_seq_len=4)  # fmt: skip
+    sizes = [(1000, 100), (900, 700), (300, 30), (1200, 1100), (50, 50)]  # 9, 49, 9, 65, 65 tiles
+    images = [jpeg(w, h, i) for i, (w, h) in enumerate(sizes)]
+    before = shared_blocks()
+    with PreprocessPool(num_workers=1, max_pending=8) as pool:
+        got = [f.result(timeout=60) for f in [pool.submit(d, spec, False, 10**8) for d in images]]
+        assert pool.submit(b"nope", spec, False, 10**8).exception(timeout=60) is not None
+    with PreprocessPool(num_workers=0) as inline:
+        want = [inline.submit(d, spec, False, 10**8).result() for d in images]
+    assert want[0].tiles.numel() < 1 << 20 < want[1].tiles.numel()  # the block grows
+    for g, w in zip(got, want, strict=True):
+        assert g.tiles.shape == w.tiles.shape and bool((g.tiles == w.tiles).all())
+        assert g.timings.decode_cpu_s > 0 and g.timings.resize_cpu_s > 0
+    assert shared_blocks() <= before
