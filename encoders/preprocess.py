@@ -269,7 +269,7 @@ class PreprocessPool:
         """Queue one image; blocks while `max_pending` are queued or running."""
         if self._closed:
             raise RuntimeError("the preprocessing pool is closed")
-        if not self._slots.acquire(timeout=timeout if timeout is not None else -1):
+        if not self._slots.acquire(timeout=timeout):  # None: wait as long as it takes
             raise PreprocessBusyError(
                 f"image preprocessing is saturated ({self.max_pending} images pending for "
                 f"{timeout:.0f} s); retry later"

@@ -91,6 +91,9 @@ def test_backpressure_bounds_the_pending_images() -> None:
         assert time.perf_counter() - start > 0.2
         assert all(f.result(timeout=60) is not None for f in [*held, late])
         assert pool.num_pending == 0
+        # Without a timeout, submit waits as long as it takes (a burst past max_pending).
+        burst = [pool.submit(b"slow", SPEC, False, 0) for _ in range(5)]
+        assert all(f.result(timeout=60) is not None for f in burst)
 
 
 def shared_blocks() -> set[str]:
