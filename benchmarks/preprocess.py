@@ -1,5 +1,6 @@
 """Image preprocessing throughput: the transformers image processors (both backends)
-against our pipeline (inline, and the worker pool with 1 and 2 processes), per family.
+against our pipeline (inline, and the worker pool with 1 and 2 processes), per family;
+where pillow-simd is installed, our pool on stock pillow too (a subprocess).
 
 Generated files (fixed seed): JPEG / PNG / WebP photos from 640x480 to 4000x3000, 4:1
 panoramas and tall PNG screenshots. Each contender takes the encoded bytes and produces
@@ -8,7 +9,9 @@ draft decode, resize/tile, uint8 hand-off; normalisation happens later on the de
 Reports ms per image, ms per tile, images/s and CPU ms per image (all processes: the
 workers' too; the HF processors on --hf-threads torch threads), and for ours the decode CPU per
 image and the CPU per tile beyond it (resize/tile + hand-off, thread CPU time: a loaded
-machine does not inflate it); median of --repeat runs.
+machine does not inflate it). Medians of --repeat rounds, each round running every
+contender once (a slow spell of a shared machine hits all of them); the speed-up's
+spread over the rounds is reported beside it.
 
     .venv/bin/python -m benchmarks.preprocess                  # 200 images
     .venv/bin/python -m benchmarks.preprocess --num-images 24  # a quick run
@@ -18,10 +21,17 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from functools import partial
+from importlib import metadata
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, features
@@ -31,6 +41,7 @@ from encoders.image_spec import ImageSpec
 from encoders.preprocess import PreprocessPool
 from vlmserve.info import pil_variant
 
+ROOT = Path(__file__).resolve().parent.parent
 SIZES = [(640, 480), (1024, 768), (1280, 960), (1920, 1080), (2048, 1536), (4000, 3000),
          (4000, 1000), (2400, 600), (1170, 2532), (750, 1334)]  # fmt: skip
 
@@ -132,26 +143,85 @@ def process_cpu_s(pid: int) -> float | None:
 
 
 def run_ours(pool: PreprocessPool, spec: ImageSpec, files: list[bytes]) -> dict:
+    """Keep the pool full (up to its bound) and take the results in order, dropping each
+    image's tiles once counted, as the HF loop drops its outputs."""
     pids = [w.process.pid for w in pool.workers]
     before = [process_cpu_s(pid) for pid in pids]
     wall, cpu = time.perf_counter(), time.process_time()
-    futures = [pool.submit(data, spec, False, 10**9) for data in files]
-    results = [f.result() for f in futures]
+    pending: deque = deque()
+    tiles, timings = [], []
+
+    def take() -> None:
+        result = pending.popleft().result()
+        tiles.append(int(result.tiles.shape[0]))
+        timings.append(result.timings)
+
+    for data in files:
+        pending.append(pool.submit(data, spec, False, 10**9))
+        while pending and (len(pending) >= pool.max_pending or pending[0].done()):
+            take()
+    while pending:
+        take()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu  # the parent's share
     after = [process_cpu_s(pid) for pid in pids]
-    timings = [r.timings for r in results]
     if None in before + after:  # no /proc: the stages' own CPU time
         cpu = sum(t.decode_cpu_s + t.resize_cpu_s + t.handoff_cpu_s for t in timings)
     else:
         cpu += sum(a - b for a, b in zip(after, before, strict=True))
-    return dict(wall=wall, cpu=cpu, tiles=sum(int(r.tiles.shape[0]) for r in results),
+    return dict(wall=wall, cpu=cpu, tiles=sum(tiles),
                 decode=sum(t.decode_cpu_s for t in timings),
                 resize=sum(t.resize_cpu_s + t.handoff_cpu_s for t in timings))  # fmt: skip
 
 
-def median_of(fn, repeat: int) -> dict:
-    runs = [fn() for _ in range(repeat)]
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+def measure(contenders: list[tuple[str, Callable[[], dict]]], repeat: int) -> dict[str, dict]:
+    """Per contender: the median of each figure over `repeat` rounds, plus the CPU time of
+    every round ("cpu_rounds"). A round runs every contender once, so a slow spell of a
+    shared machine lands on all of them rather than on one."""
+    for name, fn in contenders:
+        fn() if name.startswith("ours") else None  # warm-up (pool start, imports)
+    runs: dict[str, list[dict]] = {name: [] for name, _ in contenders}
+    for _ in range(repeat):
+        for name, fn in contenders:
+            runs[name].append(fn())
+    return {name: {**{k: statistics.median(r[k] for r in rs) for k in rs[0]},
+                   "cpu_rounds": [r["cpu"] for r in rs]}
+            for name, rs in runs.items()}  # fmt: skip
+
+
+def ours_contenders(pools: dict[int, PreprocessPool], spec: ImageSpec, files: list[bytes],
+                    label: str = "ours") -> list[tuple[str, Callable[[], dict]]]:  # fmt: skip
+    return [(f"{label}, {w} worker{'s' if w != 1 else ''}" if w else f"{label}, inline",
+             partial(run_ours, pool, spec, files)) for w, pool in pools.items()]  # fmt: skip
+
+
+def plain_pillow_runs(args: argparse.Namespace, family: str) -> dict[str, dict]:
+    """Our pool on stock pillow (no SIMD), measured in a subprocess that imports PIL from
+    `--plain-pillow` (pip-installed there on first use); empty where that fails."""
+    target = Path(args.plain_pillow)
+    if not (target / "PIL").is_dir():
+        version = metadata.version("pillow") if _has_dist("pillow") else None
+        spec = f"pillow=={version}" if version else "pillow"
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]
+        if subprocess.run([*pip, spec], check=False).returncode != 0:
+            print(f"[preprocess] could not install {spec} into {target}: no stock-pillow rows")
+            return {}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target.resolve()), str(ROOT)])}
+    command = [sys.executable, "-m", "benchmarks.preprocess", "--ours-only", "--families", family,
+               "--num-images", str(args.num_images), "--seed", str(args.seed),
+               "--repeat", str(args.repeat)]  # fmt: skip
+    out = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        print(f"[preprocess] the stock-pillow run failed:\n{out.stderr[-2000:]}")
+        return {}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _has_dist(name: str) -> bool:
+    try:
+        metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -160,10 +230,32 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--families", default="llava_onevision,idefics3")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-threads", type=int, default=1,
-                        help="torch threads of the HF processors (0: torch's default)")  # fmt: skip
+    parser.add_argument(
+        "--hf-threads",
+        type=int,
+        default=1,
+        help="torch threads of the HF processors (0: torch's default)",
+    )
+    parser.add_argument(
+        "--plain-pillow",
+        default=str(ROOT / ".venv" / "plain-pillow"),
+        help="stock pillow's folder for its rows (pip-installed on first use); '' skips them",
+    )
+    parser.add_argument(
+        "--ours-only",
+        action="store_true",
+        help="internal: our pool only (1 and 2 workers), JSON on stdout",
+    )
     args = parser.parse_args()
     files = make_files(args.num_images, args.seed)
+    if args.ours_only:
+        pools = {w: PreprocessPool(w, max_pending=64) for w in (1, 2)}
+        spec = specs()[args.families][0]
+        runs = measure(ours_contenders(pools, spec, files, "ours on stock pillow"), args.repeat)
+        for pool in pools.values():
+            pool.close()
+        print(json.dumps(runs))
+        return
     pil = pil_variant()
     pil_text = f"{pil['variant']} {Image.__version__} (libjpeg-turbo {features.version('jpg')})"
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -173,31 +265,29 @@ def main() -> None:
         spec, hf = specs()[family]
         contenders = [(name, partial(hf_run, p, family, files, args.hf_threads))
                       for name, p in hf]  # fmt: skip
-        for w in (0, 1, 2):
-            name = f"ours, {w} worker{'s' if w != 1 else ''}" if w else "ours, inline"
-            contenders.append((name, partial(run_ours, pools[w], spec, files)))
-        family_rows = []
-        for name, fn in contenders:
-            fn() if name.startswith("ours") else None  # warm-up (pool start, imports)
-            r = median_of(fn, args.repeat)
-            family_rows.append(dict(
+        runs = measure(contenders + ours_contenders(pools, spec, files), args.repeat)
+        if args.plain_pillow and pil["variant"] == "pillow-simd":
+            runs.update(plain_pillow_runs(args, family))
+        base = runs["hf torchvision"]
+        for name, r in runs.items():
+            rounds = [b / c for b, c in zip(base["cpu_rounds"], r["cpu_rounds"], strict=False)]
+            rows.append(dict(
                 family=family, contender=name, ms_per_image=1e3 * r["wall"] / n,
                 ms_per_tile=1e3 * r["wall"] / r["tiles"], images_per_s=n / r["wall"],
                 cpu_ms_per_image=1e3 * r["cpu"] / n, tiles=int(r["tiles"]),
+                per_core_speedup_vs_hf_torchvision=base["cpu"] / r["cpu"],
+                speedup_low=min(rounds), speedup_high=max(rounds),
                 decode_cpu_ms_per_image=1e3 * r["decode"] / n if "decode" in r else None,
                 resize_cpu_ms_per_tile=1e3 * r["resize"] / r["tiles"] if "resize" in r else None,
             ))  # fmt: skip
-        base = family_rows[0]["cpu_ms_per_image"]
-        for row in family_rows:
-            row["per_core_speedup_vs_hf_torchvision"] = base / row["cpu_ms_per_image"]
-        rows += family_rows
     for pool in pools.values():
         pool.close()
     columns = ["family", "contender", "ms_per_image", "ms_per_tile", "images_per_s",
-               "cpu_ms_per_image", "per_core_speedup_vs_hf_torchvision",
-               "decode_cpu_ms_per_image", "resize_cpu_ms_per_tile"]  # fmt: skip
+               "cpu_ms_per_image", "per_core_speedup_vs_hf_torchvision", "speedup_low",
+               "speedup_high", "decode_cpu_ms_per_image", "resize_cpu_ms_per_tile"]  # fmt: skip
     print(f"{n} images, {pil_text}; SIMD: {pil['simd']}; 1-min load average at start: "
-          f"{load_avg} on {os.cpu_count()} CPUs")  # fmt: skip
+          f"{load_avg} on {os.cpu_count()} CPUs; medians of {args.repeat} rounds (speedup "
+          f"low/high: the extreme rounds)")  # fmt: skip
     print(table(rows, columns))
     path = write_result("preprocess", dict(num_images=n, pil=pil_text, repeat=args.repeat,
                                            pillow_simd=pil["simd"], load_avg_1m=load_avg,

@@ -14,6 +14,7 @@ from transformers.models.llava_onevision.image_processing_pil_llava_onevision im
     LlavaOnevisionImageProcessorPil,
 )
 
+from encoders import image_io
 from encoders.image_io import (
     CorruptImageError,
     TruncatedImageError,
@@ -137,6 +138,34 @@ def test_modes_become_rgb(mode: str, expected) -> None:
     assert decoded.mode == "RGB"
     if expected is not None:
         assert decoded.getpixel((3, 3)) == expected
+
+
+@pytest.mark.parametrize("options", [{"quality": 85}, {"lossless": True}])
+def test_webp_decodes_straight_to_rgb_with_pils_pixels(options) -> None:
+    """Still opaque WebP bypasses PIL's animation decoder (libwebp straight to RGB): same
+    pixels as PIL's own decode, EXIF orientation applied."""
+    image = scene(90, 50, seed=3)
+    exif = Image.Exif()
+    exif[0x0112] = 8  # rotate 270: the model sees 50 x 90
+    data = encode(image, "WEBP", exif=exif.tobytes(), **options)
+    assert image_io._webp_rgb(data, Image.open(io.BytesIO(data))) is not None  # the fast path
+    decoded, header = decode_rgb(data)
+    reference = Image.open(io.BytesIO(data)).convert("RGB").transpose(Image.Transpose.ROTATE_90)
+    assert (header.width, header.height) == decoded.size == (50, 90)
+    assert decoded.mode == "RGB"
+    assert np.array_equal(np.asarray(decoded), np.asarray(reference))
+
+
+def test_webp_with_alpha_or_frames_goes_through_pil() -> None:
+    clear = Image.new("RGBA", (8, 8), (10, 20, 30, 0))
+    data = encode(clear, "WEBP", lossless=True)
+    assert image_io._webp_rgb(data, Image.open(io.BytesIO(data))) is None
+    assert decode_rgb(data)[0].getpixel((3, 3)) == (255, 255, 255)  # composited on white
+    frames = [Image.new("RGB", (10, 10), c) for c in [(255, 0, 0), (0, 0, 255)]]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, "WEBP", save_all=True, append_images=frames[1:], lossless=True)
+    assert image_io._webp_rgb(buffer.getvalue(), Image.open(buffer)) is None
+    assert decode_rgb(buffer.getvalue())[0].getpixel((5, 5)) == (255, 0, 0)
 
 
 def test_first_frame_of_an_animation() -> None:
