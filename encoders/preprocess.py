@@ -18,8 +18,10 @@ With `num_workers=0` the same work runs in the calling thread (tests, tiny deplo
 from __future__ import annotations
 
 import atexit
+import itertools
 import math
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -95,9 +97,12 @@ class _TileArena:
     """A worker's shared-memory block, reused image after image: its pages stay mapped,
     so writing the next image's tiles costs no page faults and no create/unlink. It is
     replaced by a bigger one when an image needs more. Safe to reuse because the parent
-    copies the tiles out before it sends this worker its next image."""
+    copies the tiles out before it sends this worker its next image. Blocks are named
+    `prefix` + a counter, so the parent can find (and unlink) every block of a worker
+    that died, even one made for the image it died on."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str) -> None:
+        self.prefix, self.made = prefix, 0
         self.block: SharedMemory | None = None
         self.array: np.ndarray | None = None  # this image's tiles, once allocated
 
@@ -107,8 +112,9 @@ class _TileArena:
         size = math.prod(shape)
         if self.block is None or self.block.size < size:
             self.free()
-            self.block = SharedMemory(create=True, size=_ARENA_STEP * math.ceil(
-                max(size, 1) / _ARENA_STEP))  # fmt: skip
+            self.made += 1
+            step = _ARENA_STEP * math.ceil(max(size, 1) / _ARENA_STEP)
+            self.block = SharedMemory(f"{self.prefix}{self.made}", create=True, size=step)
         self.array = np.ndarray(shape, np.uint8, buffer=self.block.buf)
         return self.array
 
@@ -149,7 +155,22 @@ def _keep_freed_memory(mmap_max: int = 32 << 20, keep: int = 256 << 20) -> None:
     mallopt(-3, mmap_max)  # M_MMAP_THRESHOLD (32 MiB: the largest every glibc accepts)
 
 
-def _worker_main(conn: Any, process_fn: Callable) -> None:
+def _unlink_blocks(prefix: str) -> None:
+    """Unlink every shared block whose name starts with `prefix` (Linux lists them in
+    /dev/shm; elsewhere only the blocks the parent mapped are unlinked)."""
+    if not os.path.isdir("/dev/shm"):
+        return
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(prefix):
+            try:
+                block = SharedMemory(name=name)
+            except FileNotFoundError:
+                continue
+            block.unlink()
+            block.close()
+
+
+def _worker_main(conn: Any, process_fn: Callable, prefix: str) -> None:
     """Worker loop: args in, ("ok", arena name, shape, `Preprocessed` timings, write
     wall and CPU seconds) or ("err", exception) out; None or a closed pipe ends it.
     `process_fn(*args, alloc=...)` writes the tiles into `alloc(shape)` (the arena)."""
@@ -157,7 +178,7 @@ def _worker_main(conn: Any, process_fn: Callable) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     _keep_freed_memory()
-    arena = _TileArena()
+    arena = _TileArena(prefix)
     try:
         while True:
             try:
@@ -187,10 +208,15 @@ def _worker_main(conn: Any, process_fn: Callable) -> None:
         arena.free()
 
 
+_worker_ids = itertools.count()
+
+
 class _Worker:
     def __init__(self, ctx: Any, process_fn: Callable) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child, process_fn), daemon=True)
+        self.prefix = f"vlm{os.getpid():x}_{next(_worker_ids)}_"  # its blocks' names
+        self.process = ctx.Process(target=_worker_main, args=(child, process_fn, self.prefix),
+                                   daemon=True)  # fmt: skip
         self.process.start()
         child.close()
         self.arena: SharedMemory | None = None  # our mapping of the worker's arena
@@ -203,7 +229,8 @@ class _Worker:
         return _to_tensor(np.ndarray(shape, np.uint8, buffer=self.arena.buf))
 
     def unmap(self, unlink: bool = False) -> None:
-        """Drop our mapping; `unlink` too when the worker died without freeing it."""
+        """Drop our mapping; with `unlink`, also every block of a worker that died without
+        freeing them."""
         if self.arena is not None:
             if unlink:
                 try:
@@ -212,6 +239,8 @@ class _Worker:
                     pass
             self.arena.close()
             self.arena = None
+        if unlink:
+            _unlink_blocks(self.prefix)
 
     def stop(self) -> None:
         try:

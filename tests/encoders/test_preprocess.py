@@ -36,6 +36,17 @@ def crash_or_tile(data: bytes, *args, alloc=None) -> Preprocessed:
     return Preprocessed(tiles, 0.001, 0.002)
 
 
+def grow_then_crash(data: bytes, *args, alloc) -> Preprocessed:
+    """A process_fn that writes a small image into its arena, or grows the arena for a
+    big one and dies before reporting the new block."""
+    if data == b"grow and crash":
+        alloc((4, 512, 512, 3))[...] = 1
+        os._exit(4)
+    tiles = alloc((1, 8, 8, 3))
+    tiles[...] = 7
+    return Preprocessed(tiles, 0.001, 0.002)
+
+
 @pytest.fixture(scope="module")
 def pool():
     with PreprocessPool(num_workers=2, max_pending=8) as pool:
@@ -117,4 +128,16 @@ def test_tiles_cross_in_a_reused_block_that_grows_and_is_freed() -> None:
     for g, w in zip(got, want, strict=True):
         assert g.tiles.shape == w.tiles.shape and bool((g.tiles == w.tiles).all())
         assert g.timings.decode_cpu_s > 0 and g.timings.resize_cpu_s > 0
+    assert shared_blocks() <= before
+
+
+def test_a_dead_workers_blocks_are_unlinked_even_one_it_never_reported() -> None:
+    before = shared_blocks()
+    with PreprocessPool(num_workers=1, max_pending=4, process_fn=grow_then_crash) as pool:
+        assert pool.submit(b"small", SPEC, False, 0).result(timeout=60).tiles[0, 0, 0, 0] == 7
+        assert len(shared_blocks() - before) == 1  # the worker's arena
+        with pytest.raises(WorkerCrashedError, match="exit code 4"):
+            pool.submit(b"grow and crash", SPEC, False, 0).result(timeout=60)
+        assert shared_blocks() <= before  # both blocks gone, the pool still open
+        assert pool.submit(b"small", SPEC, False, 0).result(timeout=60).tiles[0, 0, 0, 0] == 7
     assert shared_blocks() <= before
