@@ -30,7 +30,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +38,7 @@ from PIL import Image, ImageDraw, features
 from benchmarks.common import table, write_result
 from encoders.image_spec import ImageSpec
 from encoders.preprocess import PreprocessPool
-from vlmserve.info import pil_variant
+from vlmserve.info import dist_version, pil_variant
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [(640, 480), (1024, 768), (1280, 960), (1920, 1080), (2048, 1536), (4000, 3000),
@@ -196,10 +195,12 @@ def ours_contenders(pools: dict[int, PreprocessPool], spec: ImageSpec, files: li
 
 def plain_pillow_runs(args: argparse.Namespace, family: str) -> dict[str, dict]:
     """Our pool on stock pillow (no SIMD), measured in a subprocess that imports PIL from
-    `--plain-pillow` (pip-installed there on first use); empty where that fails."""
+    `--plain-pillow` (pip-installed there on first use); empty where that fails. Its
+    rounds run after the in-process ones, so their speed-up spread pairs rounds taken at
+    different times."""
     target = Path(args.plain_pillow)
     if not (target / "PIL").is_dir():
-        version = metadata.version("pillow") if _has_dist("pillow") else None
+        version = dist_version("pillow")
         spec = f"pillow=={version}" if version else "pillow"
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]
         if subprocess.run([*pip, spec], check=False).returncode != 0:
@@ -214,14 +215,6 @@ def plain_pillow_runs(args: argparse.Namespace, family: str) -> dict[str, dict]:
         print(f"[preprocess] the stock-pillow run failed:\n{out.stderr[-2000:]}")
         return {}
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _has_dist(name: str) -> bool:
-    try:
-        metadata.distribution(name)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def main() -> None:
@@ -270,7 +263,7 @@ def main() -> None:
             runs.update(plain_pillow_runs(args, family))
         base = runs["hf torchvision"]
         for name, r in runs.items():
-            rounds = [b / c for b, c in zip(base["cpu_rounds"], r["cpu_rounds"], strict=False)]
+            rounds = [b / c for b, c in zip(base["cpu_rounds"], r["cpu_rounds"], strict=True)]
             rows.append(dict(
                 family=family, contender=name, ms_per_image=1e3 * r["wall"] / n,
                 ms_per_tile=1e3 * r["wall"] / r["tiles"], images_per_s=n / r["wall"],

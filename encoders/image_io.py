@@ -194,12 +194,12 @@ def _libwebp() -> ctypes.CDLL | None:
     import PIL
 
     bundled = sorted((Path(PIL.__file__).parent.parent / "pillow.libs").glob("libwebp-*.so*"))
-    for path in [*map(str, bundled), ctypes.util.find_library("webp")]:
+    for path in filter(None, [*map(str, bundled), ctypes.util.find_library("webp")]):
         try:
-            lib = ctypes.CDLL(path) if path else None
+            lib = ctypes.CDLL(path)
         except OSError:
             continue
-        if lib is not None and hasattr(lib, "WebPDecodeRGBInto"):
+        if hasattr(lib, "WebPDecodeRGBInto"):
             decode = lib.WebPDecodeRGBInto  # (data, size, out, out size, stride) -> out | NULL
             decode.restype = ctypes.c_void_p
             decode.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p,

@@ -13,7 +13,8 @@ from kernels.attention import select_backend
 from vlmserve.config import default_device
 
 
-def _version(dist: str) -> str | None:
+def dist_version(dist: str) -> str | None:
+    """The installed version of a distribution, None where it is not installed."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -26,7 +27,7 @@ def pil_variant() -> dict[str, object]:
     from PIL import features
 
     owner = "pillow"
-    simd_version = _version("pillow-simd")
+    simd_version = dist_version("pillow-simd")
     if simd_version is not None:
         dist = metadata.distribution("pillow-simd")
         init = Path(PIL.__file__).resolve()
@@ -47,7 +48,7 @@ def collect() -> dict[str, object]:
     device = default_device()
     info: dict[str, object] = {
         "python": platform.python_version(),
-        **{name: _version(name) for name in ("vlmserve", "torch", "transformers", "timm")},
+        **{name: dist_version(name) for name in ("vlmserve", "torch", "transformers", "timm")},
         "pil": pil_variant(),
         "device": device,
         "attention_backend": select_backend(torch.device(device)).name,
