@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
         bandwidth = memory_bandwidth(device)
         engine = run_engine(tmp, requests, args)
         hf = None if args.skip_hf else run_transformers(tmp, requests, args)
+        from encoders.weights import read_config
         from vlmserve.models.decoder import DecoderConfig
-        from vlmserve.models.weights import read_config
 
         cfg = DecoderConfig.from_hf(read_config(tmp), qkv_bias=False, tie=False)
     useful = sum(out for _, out in requests)

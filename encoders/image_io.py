@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from encoders.errors import ImageDecodeError, ImageTooLargeError
 from encoders.image_spec import ImageLayout, ImageSpec
 from encoders.tiling_anyres import AnyresLayout
-from vlmserve.errors import ImageDecodeError, ImageTooLargeError
 
 __all__ = [
     "CorruptImageError", "ImageHeader", "TruncatedImageError", "UnsupportedImageError",

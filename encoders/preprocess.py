@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from encoders.errors import ImageDecodeError, RequestError
 from encoders.image_io import preprocess_bytes
-from vlmserve.errors import ImageDecodeError, RequestError
 
 if TYPE_CHECKING:
     import torch

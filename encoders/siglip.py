@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from vlmserve.models.weights import CheckpointError, load_into, take
+from encoders.weights import CheckpointError, load_into, take
 
 # HF `hidden_act` -> timm `act_layer`; only the ones that stay bit-exact.
 _ACT_LAYERS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}

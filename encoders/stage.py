@@ -19,12 +19,12 @@ import torch
 from PIL import Image
 
 from encoders.cache import EncoderCache, encoder_cache_key
+from encoders.errors import ImageDecodeError
 from encoders.image_io import preprocess_bytes, read_header, tile_image, to_rgb
 from encoders.image_spec import ImageLayout, ImageSpec
+from encoders.images import ImageSource, content_hash, load_image
 from encoders.preprocess import PreprocessPool, StageTimings, TileResult
 from encoders.vision import VisionEncoder, VisionInput
-from vlmserve.errors import ImageDecodeError
-from vlmserve.images import ImageSource, content_hash, load_image
 
 __all__ = ["EncoderStage", "ImageWork", "normalize_tiles", "prepare_images"]
 

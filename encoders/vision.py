@@ -28,7 +28,7 @@ from encoders.connectors import (
     pack_anyres,
 )
 from encoders.siglip import SiglipConfig, SiglipTower, idefics3_position_ids, load_siglip_tower
-from vlmserve.models.weights import CheckpointError, load_into, take
+from encoders.weights import CheckpointError, load_into, take
 
 __all__ = ["Family", "VisionConfig", "VisionEncoder", "VisionInput", "vision_inputs_from_hf"]
 

@@ -25,8 +25,8 @@ from typing import IO
 
 from PIL import Image
 
+from encoders.images import load_image
 from vlmserve.engine import Engine, PreparedRequest, RequestOutput
-from vlmserve.images import load_image
 from vlmserve.processing import Request
 from vlmserve.sampling import SamplingParams
 

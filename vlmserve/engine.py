@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from encoders.errors import PromptTooLongError, RequestError
 from scheduler.planner import Scheduler, StepPlan
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecMetrics
 from vlmserve.config import EngineConfig
-from vlmserve.errors import PromptTooLongError, RequestError
 from vlmserve.processing import ProcessedPrompt, Request, make_prompt_processor
 from vlmserve.runner import ModelRunner
 from vlmserve.sampling import SamplerState, SamplingParams

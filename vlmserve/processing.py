@@ -19,12 +19,12 @@ from PIL import Image
 
 from encoders.cache import EncoderCache
 from encoders.config import EncoderConfig
+from encoders.errors import TooManyImagesError
 from encoders.image_spec import ImageSpec, placeholder_text
+from encoders.images import ImageSource, load_image
 from encoders.preprocess import shared_pool
 from encoders.stage import prepare_images
 from scheduler.sequence import ImagePlaceholder
-from vlmserve.errors import TooManyImagesError
-from vlmserve.images import ImageSource, load_image
 from vlmserve.models.loader import LoadedModel
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import threading
 
+from encoders.images import load_image
 from encoders.vision import VisionInput
 from scheduler.sequence import ImagePlaceholder
 from vlmserve.embedded.processor import SceneProcessor
-from vlmserve.images import load_image
 from vlmserve.models.loader import LoadedModel
 from vlmserve.processing import (
     ProcessedPrompt,

@@ -15,6 +15,7 @@ from transformers.models.llava_onevision.image_processing_pil_llava_onevision im
 )
 
 from encoders import image_io
+from encoders.errors import ImageDecodeError, ImageTooLargeError
 from encoders.image_io import (
     CorruptImageError,
     TruncatedImageError,
@@ -26,7 +27,6 @@ from encoders.image_io import (
 )
 from encoders.image_spec import ImageSpec
 from encoders.stage import normalize_tiles
-from vlmserve.errors import ImageDecodeError, ImageTooLargeError
 
 TILE = 32
 PINPOINTS = [[TILE * i, TILE * j] for i in range(1, 4) for j in range(1, 4)]

@@ -33,7 +33,7 @@ from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddi
 from encoders.connectors import pixel_shuffle
 from encoders.siglip import SiglipConfig, SiglipTower, idefics3_position_ids, load_siglip_tower
 from encoders.vision import VisionEncoder, VisionInput, vision_inputs_from_hf
-from vlmserve.models.weights import CheckpointError, load_tensors, read_config
+from encoders.weights import CheckpointError, load_tensors, read_config
 
 TILE = 32  # vision image_size; patch 8 -> 4x4 patches per tile
 PINPOINTS = [[32, 32], [32, 64], [64, 32], [64, 64], [32, 96], [96, 32], [96, 96]]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from encoders.errors import ImageDecodeError, PromptTooLongError, TooManyImagesError
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine import Engine
-from vlmserve.errors import ImageDecodeError, PromptTooLongError, TooManyImagesError
 from vlmserve.processing import Request
 from vlmserve.sampling import SamplingParams
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from encoders.weights import CheckpointError, load_tensors
 from kernels.attention import TorchPagedAttention
 from vlmserve.models.loader import load_model
 from vlmserve.models.random_checkpoint import make_text_checkpoint
-from vlmserve.models.weights import CheckpointError, load_tensors
 from vlmserve.processing import Request
 from vlmserve.sampling import SamplingParams
 

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
-from vlmserve.errors import ImageDecodeError, ImageTooLargeError
+from encoders.errors import ImageDecodeError, ImageTooLargeError
 from vlmserve.server.media import (
     MediaError,
     MediaPolicy,

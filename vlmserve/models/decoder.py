@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from encoders.weights import CheckpointError, load_into
 from kernels.attention import AttentionBackend
 from vlmserve.models.rope import RopeConfig, RotaryEmbedding, apply_rope, rope_config_from_hf
-from vlmserve.models.weights import CheckpointError, load_into
 
 
 @dataclass(frozen=True)

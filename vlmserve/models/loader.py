@@ -11,9 +11,9 @@ from typing import Literal
 
 import torch
 
+from encoders.weights import CheckpointError, load_tensors, read_config
 from kernels.attention import AttentionBackend
 from vlmserve.models.decoder import Decoder, DecoderConfig
-from vlmserve.models.weights import CheckpointError, load_tensors, read_config
 
 Family = Literal["llava_onevision", "idefics3", "llama", "qwen2"]
 

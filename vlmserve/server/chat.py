@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vlmserve.errors import TooManyImagesError
+from encoders.errors import TooManyImagesError
 from vlmserve.processing import Request
 from vlmserve.sampling import SamplingParams
 from vlmserve.server.engine_loop import Accepted, EngineLoop, Failed, Item, Snapshot

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
+from encoders.errors import RequestError
 from vlmserve.engine import Engine, PreparedRequest, RequestOutput
-from vlmserve.errors import RequestError
 from vlmserve.processing import Request
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 import httpx
 from PIL import Image, UnidentifiedImageError
 
-from vlmserve.errors import ImageDecodeError, ImageTooLargeError, RequestError
+from encoders.errors import ImageDecodeError, ImageTooLargeError, RequestError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 

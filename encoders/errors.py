@@ -1,5 +1,6 @@
 """Typed errors for bad requests. Each fails only its own request; the HTTP layer maps
-`status` to the response code, the CLIs print the message."""
+`status` to the response code, the CLIs print the message. They live in encoders/, the
+lowest layer that raises them, so no import runs from encoders/ back up to vlmserve/."""
 
 from __future__ import annotations
 

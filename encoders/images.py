@@ -12,7 +12,7 @@ from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from vlmserve.errors import ImageDecodeError, ImageTooLargeError
+from encoders.errors import ImageDecodeError, ImageTooLargeError
 
 ImageSource = Image.Image | bytes | str | Path
 
