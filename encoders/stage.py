@@ -2,10 +2,12 @@
 
 Request side (`prepare_images`, called while a request is tokenised): header-only size ->
 layout and exact token count; the encoder cache is peeked and only images it does not
-hold go to the preprocessing pool. Runner side (`EncoderStage.encode`, once per step):
-cache hits are reused, the uint8 tiles of every miss are normalised on the device and
-run through the SigLIP tower in ONE batched call (duplicates in a step run once), and the
-results enter the cache.
+hold go to the preprocessing pool. A hit is pinned (the ImageWork holds the embeddings),
+so an eviction between the peek and the step cannot send the image back through decode
+and tiling on the engine thread, stalling every decode. Runner side
+(`EncoderStage.encode`, once per step): cache hits are reused, the uint8 tiles of every
+miss are normalised on the device and run through the SigLIP tower in ONE batched call
+(duplicates in a step run once), and the results enter the cache.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class ImageWork:
     max_pixels: int
     future: Future | None = None  # None: the cache held it when the request came in
     timings: StageTimings | None = None
+    embedding: torch.Tensor | None = None  # pinned cache hit [num_tokens, hidden]
 
     @property
     def image_size(self) -> tuple[int, int]:
@@ -113,8 +116,9 @@ def prepare_images(
         timings = StageTimings(read_s=time.perf_counter() - start)
         items.append(ImageWork(spec, layout, key, data, max_pixels, timings=timings))
     for work in items:
-        if cache is not None and work.cache_key in cache:
-            continue  # a hit skips decode and tiling (redone only if evicted before use)
+        if cache is not None and (hit := cache.peek(work.cache_key)) is not None:
+            work.embedding = hit  # pinned: skips decode and tiling even if evicted later
+            continue
         if pool is None or isinstance(work.source, Image.Image):
             work.tiles()  # already decoded (or no pool): tile in this thread
         else:
@@ -150,6 +154,11 @@ class EncoderStage:
             key = image.cache_key if isinstance(image, ImageWork) else ("uncached", i)
             if key in misses:
                 misses[key].append(i)
+                continue
+            if isinstance(image, ImageWork) and image.embedding is not None:
+                out[i] = image.embedding
+                if self.cache is not None:
+                    self.cache.note_hit(key)
                 continue
             hit = self.cache.get(key) if self.cache is not None and isinstance(key, bytes) else None
             if hit is not None:

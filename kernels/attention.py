@@ -5,9 +5,10 @@ sequence contributes `query_len` new tokens whose K/V are written to `slot_mappi
 which attend to the first `context_len` slots of its block table (cached + new).
 A layer's cache is head-major, `[2 (k, v), num_kv_heads, num_slots, head_dim]`, so one
 gather of a group's slots yields contiguous `[kv_heads, seqs, context, head_dim]` operands
-for batched matmuls.
-The torch backend runs on CPU and as the GPU fallback; faster backends (Triton,
-FlashInfer) implement the same two methods.
+for batched matmuls. The layout is the backend's: `kv_cache_shape` says it, and the runner
+allocates what it returns.
+The torch backend is the only one today, on CPU and GPU alike. GPU kernels (FlashInfer,
+Triton) are planned; each will implement the same three methods and give its own layout.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class TorchAttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]: ...
 
     def build_metadata(
         self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
@@ -127,6 +132,13 @@ class TorchPagedAttention:
         # multi-MB tensor per layer costs more in page faults than the gather itself
         # (glibc serves allocations over 32 MB with new zeroed pages each time).
         self._buffers = [torch.empty(0), torch.empty(0)]
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, int, int, int]:
+        """One layer's cache: [2 (k, v), num_kv_heads, num_slots, head_dim], where
+        slot = block * block_size + offset."""
+        return (2, num_kv_heads, num_blocks * block_size, head_dim)
 
     def _gather(self, cache: torch.Tensor, slots: torch.Tensor, which: int) -> torch.Tensor:
         """cache [KVH, num_slots, D] rows at `slots` -> [KVH, len(slots), D]."""
@@ -215,8 +227,8 @@ class TorchPagedAttention:
 
 
 def select_backend(device: torch.device, preferred: str | None = None) -> AttentionBackend:
-    """The attention backend for `device`. Only the torch backend exists so far; GPU
-    backends register here and are imported lazily (flashinfer is GPU-only)."""
+    """The attention backend for `device`. Only the torch backend exists so far; the
+    planned GPU backends will register here, imported lazily (flashinfer is GPU-only)."""
     if preferred not in (None, "torch"):
         raise ValueError(f"attention backend {preferred!r} is not available (have: torch)")
     return TorchPagedAttention()

@@ -83,8 +83,5 @@ class NgramProposer:
             return ()
         return continuation(seq.token_ids, match[1], num_drafts)
 
-    def propose_batch(self, seqs: list[Sequence], num_drafts: list[int]) -> list[tuple[int, ...]]:
-        return [self.propose(seq, n) for seq, n in zip(seqs, num_drafts, strict=True)]
-
     def drop(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)

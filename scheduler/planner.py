@@ -1,9 +1,12 @@
 """Continuous batching: one StepPlan per iteration.
 
-Order within a step: sequences that need a single token (decodes) first, then running
-prefills continue their chunks, then waiting sequences are admitted while the dense
-token budget and the KV pool allow. When a running sequence cannot grow, the most
-recently arrived running sequence is preempted and later recomputed (article §19).
+Order within a step: running sequences that need a single token (decodes) first, then
+running prefills continue their chunks (each group by arrival), then waiting sequences are
+admitted while the dense token budget and the KV pool allow. When a running sequence
+cannot grow, the victim is the latest-arrived running sequence this step has not visited
+yet (never one already scheduled); with none left, the sequence itself. A victim loses
+its KV, goes to the front of the waiting queue and is recomputed later (article §19); a
+step that preempts admits no one.
 
 With speculation on, a decode may also carry n-gram drafts (article §15): its query rows
 are its last token plus the drafts, they count against the budget, and blocks are grown

@@ -3,13 +3,22 @@
 `add_request` validates and tokenises, `step` runs one scheduler plan through the model
 and returns what each touched request produced, `generate` drives both to completion.
 The HTTP server drives the same `add_request / step` loop from its own thread.
+
+Fault isolation inside a step: a failure that belongs to one request (its image's
+decode or encode, its sampling) fails that request alone, and the step runs on without
+it; a failure that belongs to no request (the forward pass raising, e.g. device OOM)
+fails the step's requests and frees their blocks. Either way the failed requests come
+back as outputs with `finish_reason="error"`, and the engine keeps serving. An
+exception escaping `step` is a bug in the engine's own bookkeeping.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -19,12 +28,27 @@ from scheduler.planner import Scheduler, StepPlan
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecMetrics
 from vlmserve.config import EngineConfig
-from vlmserve.processing import ProcessedPrompt, Request, make_prompt_processor
+from vlmserve.detokenizer import IncrementalDetokenizer
+from vlmserve.processing import (
+    ProcessedPrompt,
+    Request,
+    check_prompt_chars,
+    make_prompt_processor,
+)
 from vlmserve.runner import ModelRunner
 from vlmserve.sampling import SamplerState, SamplingParams
 from vlmserve.spec_decode import ridge_batch_for, sample_plan
 
+log = logging.getLogger(__name__)
+
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class StepFailedError(RuntimeError):
+    """The engine failed on this request (not on its input): 500. The cause is logged,
+    not sent to the client."""
+
+    status = 500
 
 
 @dataclass
@@ -32,10 +56,13 @@ class RequestOutput:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     new_token_ids: list[int] = field(default_factory=list)  # since the previous step
-    text: str = ""
+    text: str = ""  # all of it so far, cut at a stop string
+    # Text not handed out before; held back while a stop string could still cut it.
+    text_delta: str = ""
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_status: int | None = None  # HTTP status of `error`: 4xx its input, 5xx ours
     num_prompt_tokens: int = 0
     num_image_tokens: int = 0
     num_cached_tokens: int = 0
@@ -58,6 +85,7 @@ class _State:
     sampler: SamplerState
     max_tokens: int
     output: RequestOutput
+    detokenizer: IncrementalDetokenizer
 
 
 class Engine:
@@ -70,6 +98,8 @@ class Engine:
             encoder=config.encoder, encoder_cache=self.runner.encoder_cache,
         )  # fmt: skip
         self.tokenizer = self.processor.tokenizer
+        # The engine thread's own copy: preparer threads tokenise with theirs meanwhile.
+        self._detok_tokenizer = copy.deepcopy(self.tokenizer)
         context = model.decoder.cfg.max_position_embeddings
         self.max_model_len = min(config.model.max_model_len or context, context)
         speculative = config.speculative
@@ -93,6 +123,7 @@ class Engine:
         threads while the engine steps, so a server can overlap it with decoding. Raises
         RequestError (or ValueError) for a request that cannot be served."""
         params = request.sampling or SamplingParams()
+        check_prompt_chars(request, self.max_model_len)  # before any tokenising
         prompt = self.processor.process(request)
         num_prompt = len(prompt.token_ids)
         if num_prompt >= self.max_model_len:
@@ -121,7 +152,8 @@ class Engine:
             num_prompt_tokens=num_prompt,
             num_image_tokens=sum(image.num_tokens for image in prompt.images),
         )
-        state = _State(seq, params, SamplerState(params), request.max_tokens, output)
+        detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop)
+        state = _State(seq, params, SamplerState(params), request.max_tokens, output, detokenizer)
         self._states[request_id] = state
         self.scheduler.add(seq, num_prompt + request.max_tokens)
         return request_id
@@ -155,28 +187,64 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: plan, run, sample, advance. Returns the outputs of requests that
-        produced tokens or finished in this step."""
+        produced tokens or finished (failed ones included) in this step."""
         plan = self.scheduler.schedule()
         for seq in plan.preempted:
             self.runner.release(seq.request_id)
         if plan.is_empty:
             return []
-        logits = self.runner.execute(plan)
-        rows = [self._states[item.seq.request_id].sampler for item in plan.scheduled if item.sample]
-        sampled = sample_plan(plan.scheduled, logits, rows)
-        for i, new in enumerate(sampled):
-            if len(new) > 1:  # accepted drafts: nothing past the token that ends the request
-                sampled[i] = self._cut_at_stop(self._states[plan.scheduled[i].seq.request_id], new)
+        failed = [
+            self._fail(self._states[request_id], error)
+            for request_id, error in self.runner.encode_images(plan).items()
+        ]
+        plan = self._without(plan, {out.request_id for out in failed})
+        if plan.is_empty:
+            return failed
+        try:
+            logits = self.runner.execute(plan)
+        except Exception as e:  # noqa: BLE001 - belongs to no one request: fail the step's
+            log.exception("forward pass failed; failing the %d requests in it", len(plan.scheduled))
+            return failed + [
+                self._fail(self._states[item.seq.request_id], StepFailedError(str(e)))
+                for item in plan.scheduled
+            ]
+        states = [self._states[item.seq.request_id] for item in plan.scheduled]
+        samplers = [
+            s.sampler for s, item in zip(states, plan.scheduled, strict=True) if item.sample
+        ]
+        sampled = sample_plan(plan.scheduled, logits, samplers)
+        accepted: dict[str, tuple[list[int], FinishReason | None]] = {}
+        for state, new in zip(states, sampled, strict=True):
+            if isinstance(new, Exception):
+                log.error("sampling failed for %s: %r", state.seq.request_id, new)
+                failed.append(self._fail(state, StepFailedError(f"sampling failed: {new}")))
+            elif new:
+                accepted[state.seq.request_id] = self._accept(state, new)
+        plan = self._without(plan, {out.request_id for out in failed})
         self._count_prompt_work(plan)
-        self.scheduler.update(plan, sampled)
+        self.scheduler.update(
+            plan, [accepted.get(item.seq.request_id, ([], None))[0] for item in plan.scheduled]
+        )
         self.num_steps += 1
-        outputs = []
-        for item, new in zip(plan.scheduled, sampled, strict=True):
-            if new:
-                state = self._states[item.seq.request_id]
-                self._append(state, new)
-                outputs.append(state.output)
+        outputs = failed
+        for request_id, (tokens, reason) in accepted.items():
+            state = self._states[request_id]
+            out = state.output
+            out.new_token_ids = tokens
+            out.token_ids.extend(tokens)
+            out.text = state.detokenizer.text
+            if reason is not None:
+                self._finish(state, reason)
+            out.text_delta = state.detokenizer.take_delta(out.finished)
+            outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _without(plan: StepPlan, request_ids: set[str]) -> StepPlan:
+        if not request_ids:
+            return plan
+        kept = [item for item in plan.scheduled if item.seq.request_id not in request_ids]
+        return StepPlan(kept, plan.preempted)
 
     def _count_prompt_work(self, plan: StepPlan) -> None:
         for item in plan.scheduled:
@@ -190,40 +258,35 @@ class Engine:
             stops |= self.eos_token_ids
         return stops
 
-    def _cut_at_stop(self, state: _State, new: list[int]) -> list[int]:
-        """`new` up to and including the first token that would end the request (a stop
-        id, max_tokens, or a completed stop string), as plain decoding would stop."""
-        params, done = state.params, state.output.token_ids
-        stops = self._stop_token_ids(params)
-        for i, token in enumerate(new[:-1]):
-            # max_tokens already caps by the context (see add_request).
-            if token in stops or len(done) + i + 1 >= state.max_tokens:
-                return new[: i + 1]
-            if params.stop:
-                text = self.tokenizer.decode(done + new[: i + 1], skip_special_tokens=True)
-                if any(stop in text for stop in params.stop):
-                    return new[: i + 1]
-        return new
+    def _accept(self, state: _State, new: list[int]) -> tuple[list[int], FinishReason | None]:
+        """`new` up to and including the first token that ends the request (a stop id, a
+        completed stop string, max_tokens or the context), as plain decoding would stop:
+        accepted drafts past it are dropped. Feeds the detokenizer token by token."""
+        stops = self._stop_token_ids(state.params)
+        num_done = len(state.output.token_ids)
+        num_prompt = state.output.num_prompt_tokens
+        for i, token in enumerate(new):
+            state.detokenizer.add(token)
+            num_out = num_done + i + 1
+            if token in stops or state.detokenizer.stopped:
+                return new[: i + 1], "stop"
+            if num_out >= state.max_tokens or num_prompt + num_out >= self.max_model_len:
+                return new[: i + 1], "length"
+        return new, None
 
-    def _append(self, state: _State, new: list[int]) -> None:
-        out, params = state.output, state.params
-        out.new_token_ids = list(new)
-        out.token_ids.extend(new)
-        reason: FinishReason | None = None
-        stops = self._stop_token_ids(params)
-        if new[-1] in stops:
-            reason = "stop"
-        out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        for stop in params.stop:
-            cut = out.text.find(stop)
-            if cut >= 0:
-                out.text, reason = out.text[:cut], "stop"
-        if reason is None and (
-            len(out.token_ids) >= state.max_tokens or state.seq.num_tokens >= self.max_model_len
-        ):
-            reason = "length"
-        if reason is not None:
-            self._finish(state, reason)
+    def _fail(self, state: _State, error: Exception) -> RequestOutput:
+        """Finish `state` with `error`: a RequestError's message and status, or 500."""
+        out = state.output
+        if isinstance(error, RequestError):
+            out.error, out.error_status = str(error), error.status
+        else:
+            if not isinstance(error, StepFailedError):
+                log.error("request %s failed: %r", state.seq.request_id, error)
+            out.error = "the engine failed on this request (internal error; see the server log)"
+            out.error_status = 500
+        out.new_token_ids, out.text_delta = [], ""
+        self._finish(state, "error")
+        return out
 
     def _finish(self, state: _State, reason: FinishReason) -> None:
         state.output.finished = True
@@ -259,7 +322,10 @@ class Engine:
         stats |= {f"preprocess_{k}": float(v) for k, v in pool.items()}
         spec = self.spec_metrics
         if spec is not None:
-            stats |= {"spec_proposed": float(spec.proposed), "spec_accepted": float(spec.accepted)}
+            stats |= {
+                "spec_proposed": float(spec.num_proposed_tokens),
+                "spec_accepted": float(spec.num_accepted_tokens),
+            }
         return stats
 
     @property

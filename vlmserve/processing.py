@@ -10,16 +10,19 @@ pool (`encoders.stage.prepare_images`). Other processors keep the HF image proce
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from PIL import Image
 
 from encoders.cache import EncoderCache
 from encoders.config import EncoderConfig
-from encoders.errors import TooManyImagesError
+from encoders.errors import PromptTooLongError, TooManyImagesError
 from encoders.image_spec import ImageSpec, placeholder_text
 from encoders.images import ImageSource, load_image
 from encoders.preprocess import shared_pool
@@ -47,6 +50,71 @@ class Request:
 class ProcessedPrompt:
     token_ids: list[int]
     images: list[ImagePlaceholder]
+
+
+# No tokenizer averages more characters per token than this, so a prompt over
+# max_model_len * MAX_CHARS_PER_TOKEN characters cannot fit: refused before tokenising
+# (a 50 MB prompt would otherwise keep a preparer thread busy for many seconds).
+MAX_CHARS_PER_TOKEN = 64
+
+T = TypeVar("T")
+
+
+class PerThread(Generic[T]):
+    """One deep copy of an object per thread. HF tokenizers are not safe to share across
+    threads (a call may reconfigure the Rust object: "Already borrowed"), and a lock would
+    let one huge prompt hold up every other request's tokenisation."""
+
+    def __init__(self, obj: T) -> None:
+        self._original = obj
+        self._local = threading.local()
+
+    def get(self) -> T:
+        mine = getattr(self._local, "copy", None)
+        if mine is None:
+            mine = self._local.copy = copy.deepcopy(self._original)
+        return mine
+
+
+def check_prompt_chars(request: Request, max_model_len: int) -> None:
+    """PromptTooLongError for text that cannot fit however it tokenises."""
+    if request.prompt is not None:
+        num_chars = len(request.prompt)
+    else:
+        num_chars = sum(
+            len(part.get("text", "")) if isinstance(part, dict) else 0
+            for message in request.messages or ()
+            if isinstance(message, dict)
+            for part in (
+                [{"text": message.get("content")}]
+                if isinstance(message.get("content"), str)
+                else message.get("content") or ()
+            )
+        )
+    limit = max_model_len * MAX_CHARS_PER_TOKEN
+    if num_chars > limit:
+        raise PromptTooLongError(
+            f"prompt is {num_chars} characters: it cannot fit the model's context of "
+            f"{max_model_len} tokens (the limit is {limit} characters)"
+        )
+
+
+def place_images(
+    token_ids: Sequence[int], image_token_id: int, images: Sequence[tuple[bytes, int, object]]
+) -> list[ImagePlaceholder]:
+    """Each image's placeholder positions, in order: images are (content key, number of
+    tokens, data for the encoder) and take the image-token positions one run after the
+    other. ValueError when the prompt's image tokens and the images' counts differ."""
+    positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    placeholders, cursor = [], 0
+    for key, count, data in images:
+        placeholders.append(ImagePlaceholder(key, positions[cursor : cursor + count], data))
+        cursor += count
+    if cursor != len(positions):
+        raise ValueError(
+            f"prompt has {len(positions)} image placeholder tokens, its images need {cursor}"
+        )
+    return placeholders
 
 
 def split_messages(messages: list[dict]) -> tuple[list[dict], list[ImageSource]]:
@@ -127,8 +195,6 @@ class HFPromptProcessor:
 
         self.model = model
         self.max_images = max_images
-        # process() may run on several threads (Engine.prepare); the tokenizer is shared.
-        self._lock = threading.Lock()
         self.encoder = encoder or EncoderConfig()
         self.encoder_cache = encoder_cache
         self.image_spec: ImageSpec | None = None  # None: the HF image processor is used
@@ -140,6 +206,9 @@ class HFPromptProcessor:
         else:
             self.processor = None
             self.tokenizer = AutoTokenizer.from_pretrained(path)
+        # process() runs on several threads at once (Engine.prepare): each its own copies.
+        self._tokenizer = PerThread(self.tokenizer)
+        self._processor = PerThread(self.processor)
 
     def render(self, request: Request) -> tuple[str, list[ImageSource], bool]:
         """(prompt text, image sources, whether special tokens are still to be added)."""
@@ -160,8 +229,7 @@ class HFPromptProcessor:
         text, sources, add_special = self.render(request)
         check_image_count(len(sources), self.max_images)
         if not sources:
-            with self._lock:
-                ids = self.tokenizer(text, add_special_tokens=add_special)["input_ids"]
+            ids = self._tokenizer.get()(text, add_special_tokens=add_special)["input_ids"]
             return ProcessedPrompt(list(ids), [])
         if self.model.vision is None:
             raise ValueError("this model is text-only and cannot take images")
@@ -178,32 +246,21 @@ class HFPromptProcessor:
 
         family = self.model.family
         batch_images = [images] if family == "idefics3" else images
-        with self._lock:
-            outputs = self.processor(
-                text=[text],
-                images=batch_images,
-                return_tensors="pt",
-                add_special_tokens=add_special,
-            )
+        processor = self._processor.get()
+        outputs = processor(
+            text=[text], images=batch_images, return_tensors="pt", add_special_tokens=add_special
+        )
         token_ids = outputs["input_ids"][0].tolist()
         if family == "idefics3" and len(images) > 1:
             # The Idefics3 processor drops each image's tile grid from its output; only the
             # image processor reports it, and it is needed to split the tiles per image.
-            grid = self.processor.image_processor(images, return_row_col_info=True)
+            grid = processor.image_processor(images, return_row_col_info=True)
             outputs = {**outputs, "rows": grid["rows"], "cols": grid["cols"]}
         inputs = vision_inputs_from_hf(family, outputs)
-        positions = [i for i, t in enumerate(token_ids) if t == self.model.image_token_id]
-        placeholders, cursor = [], 0
-        for vision_input, digest in zip(inputs, hashes, strict=True):
-            count = self.model.vision.num_image_tokens(vision_input)
-            span = positions[cursor : cursor + count]
-            placeholders.append(ImagePlaceholder(digest, span, vision_input))
-            cursor += count
-        if cursor != len(positions):
-            raise ValueError(
-                f"prompt has {len(positions)} image placeholder tokens, its images need {cursor}"
-            )
-        return ProcessedPrompt(token_ids, placeholders)
+        count = self.model.vision.num_image_tokens
+        placed = [(key, count(v), v) for v, key in zip(inputs, hashes, strict=True)]
+        image_token_id = self.model.image_token_id
+        return ProcessedPrompt(token_ids, place_images(token_ids, image_token_id, placed))
 
     def pool_metrics(self) -> dict[str, float]:
         """The preprocessing pool's counters and per-stage seconds ({} without a pool)."""
@@ -239,17 +296,8 @@ class HFPromptProcessor:
             placeholder_text(work.layout, image_token) + piece
             for work, piece in zip(works, pieces[1:], strict=True)
         )
-        with self._lock:
-            token_ids = self.tokenizer(expanded, add_special_tokens=add_special)["input_ids"]
-        positions = [i for i, t in enumerate(token_ids) if t == self.model.image_token_id]
-        placeholders, cursor = [], 0
-        for work in works:
-            count = work.layout.num_tokens
-            span = positions[cursor : cursor + count]
-            placeholders.append(ImagePlaceholder(work.cache_key, span, work))
-            cursor += count
-        if cursor != len(positions):
-            raise ValueError(
-                f"prompt has {len(positions)} image placeholder tokens, its images need {cursor}"
-            )
-        return ProcessedPrompt(list(token_ids), placeholders)
+        token_ids = self._tokenizer.get()(expanded, add_special_tokens=add_special)["input_ids"]
+        images = [(work.cache_key, work.layout.num_tokens, work) for work in works]
+        return ProcessedPrompt(
+            list(token_ids), place_images(token_ids, self.model.image_token_id, images)
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from encoders.cache import EncoderCache
+from encoders.errors import RequestError
 from encoders.stage import EncoderStage
 from kernels.attention import AttentionBatch, select_backend
 from scheduler.planner import StepPlan
@@ -29,8 +30,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit(config)
         cfg = self.model.decoder.cfg
-        # Per layer [2 (k, v), num_kv_heads, num_slots, head_dim]; slot = block * size + offset.
-        shape = (2, cfg.num_kv_heads, self.num_blocks * self.block_size, cfg.head_dim)
+        # Per layer, in the backend's layout (torch: [2, num_kv_heads, num_slots, head_dim]);
+        # slot = block * size + offset.
+        shape = self.backend.kv_cache_shape(
+            self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim
+        )
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
         ]
@@ -65,12 +69,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run `plan`; returns logits [num_sampling_rows, vocab] in plan order: one row per
-        sampling item, 1 + len(draft_token_ids) rows for a speculating one."""
+        """Run `plan` (its images already encoded by `encode_images`); returns logits
+        [num_sampling_rows, vocab] in plan order: one row per sampling item,
+        1 + len(draft_token_ids) rows for a speculating one."""
         token_ids, positions, slots, sample_rows = [], [], [], []
         query_lens, context_lens, block_tables = [], [], []
         image_rows: list[tuple[torch.Tensor, torch.Tensor, tuple[str, int]]] = []
-        self._encode_images(plan)
         row = 0
         for item in plan.scheduled:
             seq, n = item.seq, item.num_new_tokens
@@ -107,8 +111,10 @@ class ModelRunner:
         self._drop_finished_images(plan)
         return logits
 
-    def _encode_images(self, plan: StepPlan) -> None:
-        """Run the vision tower once over every image this step's chunks need."""
+    def encode_images(self, plan: StepPlan) -> dict[str, Exception]:
+        """Run the vision tower once over every image this step's chunks need. Returns
+        the requests whose images failed (decode error, tower error, wrong embedding
+        count) by id: the engine fails those alone and runs the step without them."""
         wanted: list[tuple[tuple[str, int], ImagePlaceholder]] = []
         for item in plan.scheduled:
             seq = item.seq
@@ -118,13 +124,30 @@ class ModelRunner:
                 if key not in self._image_embeds and _rows_in_chunk(image, start, end):
                     wanted.append((key, image))
         if not wanted:
-            return
-        assert self.model.vision is not None, "image placeholders in a text-only model"
+            return {}
+        try:
+            self._encode(wanted)
+            return {}
+        except Exception:  # noqa: BLE001 - find the culprits: each request's images alone
+            pass
+        failures: dict[str, Exception] = {}
+        for request_id in dict.fromkeys(key[0] for key, _ in wanted):
+            try:
+                self._encode([(key, image) for key, image in wanted if key[0] == request_id])
+            except Exception as e:  # noqa: BLE001 - this request's failure alone
+                failures[request_id] = e
+        return failures
+
+    def _encode(self, wanted: list[tuple[tuple[str, int], ImagePlaceholder]]) -> None:
+        if self.encoder_stage is None:
+            raise RequestError("this model is text-only and cannot take images")
         embeds = self.encoder_stage.encode([image.data for _, image in wanted])  # cache + tower
-        for (key, image), emb in zip(wanted, embeds, strict=True):
-            assert emb.shape[0] == image.num_tokens, (
-                f"image gave {emb.shape[0]} embeddings for {image.num_tokens} placeholders"
-            )
+        for (_, image), emb in zip(wanted, embeds, strict=True):
+            if emb.shape[0] != image.num_tokens:
+                raise RuntimeError(
+                    f"image gave {emb.shape[0]} embeddings for {image.num_tokens} placeholders"
+                )
+        for (key, _), emb in zip(wanted, embeds, strict=True):
             self._image_embeds[key] = emb.to(self.dtype)
         self.num_encoded_images += len(wanted)
 

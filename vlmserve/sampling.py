@@ -2,14 +2,24 @@
 
 Each request samples with its own seeded generator, row by row, so a request's tokens
 do not depend on what else is in the batch (the batching tests rely on this).
+
+What must stay true: every accepted SamplingParams gives a valid distribution. A
+temperature under GREEDY_TEMPERATURE is greedy (dividing logits by 1e-40 overflows to
+inf and softmax to NaN); logits are shifted by their max before the division; top-p
+always keeps the most likely token, however small top_p is.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
 import torch
+
+# Below this a temperature is treated as 0 (greedy), as vLLM does: the distribution is
+# already a point mass on the argmax to float32 precision.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -28,11 +38,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -41,7 +51,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -58,8 +68,10 @@ class SamplerState:
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p. logits: [vocab] float32."""
-    logits = logits / params.temperature
+    """Probabilities after temperature, top-k and top-p. logits: [vocab] float32.
+    Never NaN for finite logits: the max logit becomes 0 before the division, so a tiny
+    temperature sends the others to -inf, not the max to +inf."""
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -68,6 +80,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
         outside = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        outside[0] = False  # a top_p below float32's range (1e-300) would drop them all
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum()

@@ -46,38 +46,26 @@ def verify(logits: torch.Tensor, drafts: tuple[int, ...], state: SamplerState) -
 
 def sample_plan(
     scheduled: list[ScheduledSeq], logits: torch.Tensor, samplers: list[SamplerState]
-) -> list[list[int]]:
-    """The tokens each scheduled item emits ([] for a prefill chunk that does not sample).
+) -> list[list[int] | Exception]:
+    """The tokens each scheduled item emits ([] for a prefill chunk that does not sample),
+    or the exception its sampling raised: that fails the request alone, and the others
+    keep the tokens (and generator states) they would have had anyway.
     logits: [num_sampling_rows, vocab] as the runner returns them; `samplers` has one
     state per sampling item, in plan order."""
-    if not any(item.draft_token_ids for item in scheduled):
-        tokens = iter(sample(logits, samplers))
-        return [[next(tokens)] if item.sample else [] for item in scheduled]
     logits = logits.float().cpu()
-    plain_rows, plain_states, spans = [], [], []
+    sampled: list[list[int] | Exception] = []
     row, states = 0, iter(samplers)
     for item in scheduled:
         if not item.sample:
-            spans.append(None)
-            continue
-        state, num_rows = next(states), 1 + len(item.draft_token_ids)
-        if item.draft_token_ids:
-            spans.append((row, num_rows, state))
-        else:
-            spans.append(len(plain_rows))
-            plain_rows.append(row)
-            plain_states.append(state)
-        row += num_rows
-    plain = sample(logits[plain_rows], plain_states) if plain_rows else []
-    sampled: list[list[int]] = []
-    for item, span in zip(scheduled, spans, strict=True):
-        if span is None:
             sampled.append([])
-        elif isinstance(span, int):
-            sampled.append([plain[span]])
-        else:
-            start, num_rows, state = span
-            sampled.append(verify(logits[start : start + num_rows], item.draft_token_ids, state))
+            continue
+        state, drafts = next(states), item.draft_token_ids
+        rows = logits[row : row + 1 + len(drafts)]
+        row += 1 + len(drafts)
+        try:
+            sampled.append(verify(rows, drafts, state) if drafts else sample(rows, [state]))
+        except Exception as e:  # noqa: BLE001 - reported as this request's failure
+            sampled.append(e)
     return sampled
 
 

@@ -1,67 +1,82 @@
-"""The paged torch backend against plain causal attention over contiguous K/V."""
+"""The paged torch backend against plain SDPA over each sequence's own K/V. One helper,
+run on CPU always and on CUDA where there is one, so the GPU check can never drift from
+the layout the runner allocates (`backend.kv_cache_shape`)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels.attention import AttentionBatch, TorchPagedAttention, _buckets
 
+HEADS, KV_HEADS, DIM, BLOCK, NUM_BLOCKS = 4, 2, 8, 4, 128
+# Per sequence: (tokens cached by step 1, new tokens in step 2). Step 1 prefills the
+# prefixes (fresh: short ones in the padded group, long ones by SDPA); step 2 mixes a
+# long chunk on top of a prefix, a fresh prefill, decodes over short and long contexts,
+# and a 5-row verification.
+SHAPES = [(10, 23), (0, 17), (30, 1), (3, 1), (12, 5), (57, 1), (100, 1)]
 
-def reference(q, k, v, scale):
-    # q: [q_len, H, D]; k, v: [ctx, KVH, D]; q rows are the last q_len positions of ctx.
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [q_len, H, D], the last q_len positions of a context with k, v: [ctx, KVH, D]."""
     q_len, ctx = q.shape[0], k.shape[0]
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     allowed = torch.arange(ctx)[None, :] <= torch.arange(q_len)[:, None] + (ctx - q_len)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=allowed.to(q.device), scale=scale, enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(0, 1)
 
 
-def test_mixed_step_matches_contiguous_attention():
-    torch.manual_seed(0)
-    heads, kv_heads, dim, block = 4, 2, 8, 4
-    num_blocks = 64
-    cache = torch.zeros(2, kv_heads, num_blocks * block, dim)
-    backend = TorchPagedAttention()
-    # (cached tokens already in the cache, new query tokens this step): a long prefill
-    # chunk on top of a prefix, a fresh prefill, decodes, and a 5-row verification.
-    shapes = [(10, 23), (0, 17), (30, 1), (3, 1), (12, 5), (57, 1)]
-    free = list(torch.randperm(num_blocks).tolist())  # scattered, non-contiguous blocks
-    tables, full_k, full_v = [], [], []
-    for cached, new in shapes:
-        total = cached + new
-        table = [free.pop() for _ in range(-(-total // block))]
-        tables.append(table)
-        k, v = torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
-        full_k.append(k)
-        full_v.append(v)
-        for p in range(cached):  # write the already-cached part directly
-            slot = table[p // block] * block + p % block
-            cache[0, :, slot], cache[1, :, slot] = k[p], v[p]
-    q = torch.randn(sum(n for _, n in shapes), heads, dim)
-    k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
-    v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
-    slot_mapping = torch.cat(
-        [
-            torch.tensor([t[p // block] * block + p % block for p in range(c, c + n)])
-            for t, (c, n) in zip(tables, shapes, strict=True)
-        ]
+def run_step(
+    backend: TorchPagedAttention, cache: torch.Tensor, tables: list[list[int]],
+    spans: list[tuple[int, int]], qkv: list[tuple[torch.Tensor, ...]],
+) -> None:  # fmt: skip
+    """One step: sequence i computes positions spans[i] = (start, end) over its full q, k,
+    v in `qkv`; checks every output row against `reference`."""
+    rows = [(i, s, e) for i, (s, e) in enumerate(spans) if e > s]
+    q, k, v = (torch.cat([qkv[i][j][s:e] for i, s, e in rows]) for j in range(3))
+    slot_mapping = torch.tensor(
+        [tables[i][p // BLOCK] * BLOCK + p % BLOCK for i, s, e in rows for p in range(s, e)]
     )
     batch = AttentionBatch(
-        query_lens=[n for _, n in shapes],
-        context_lens=[c + n for c, n in shapes],
-        block_tables=tables,
-        block_size=block,
-    )
-    meta = backend.build_metadata(batch, slot_mapping, torch.device("cpu"))
-    out = backend.forward(q, k_new, v_new, cache, meta, scale=dim**-0.5)
+        query_lens=[e - s for _, s, e in rows], context_lens=[e for _, _, e in rows],
+        block_tables=[tables[i] for i, _, _ in rows], block_size=BLOCK,
+    )  # fmt: skip
+    meta = backend.build_metadata(batch, slot_mapping, cache.device)
+    out = backend.forward(q, k, v, cache, meta, scale=DIM**-0.5)
     start = 0
-    for (_, new), k, v in zip(shapes, full_k, full_v, strict=True):
-        expected = reference(q[start : start + new], k, v, dim**-0.5)
-        torch.testing.assert_close(out[start : start + new], expected, rtol=1e-5, atol=1e-5)
-        start += new
+    for i, s, e in rows:
+        sq, sk, sv = qkv[i]
+        expected = reference(sq[s:e], sk[:e], sv[:e], DIM**-0.5)
+        torch.testing.assert_close(out[start : start + e - s], expected, rtol=1e-4, atol=1e-4)
+        start += e - s
+
+
+def check_paged_attention(device: torch.device) -> None:
+    """Two steps on a paged cache with scattered blocks: step 1 writes the prefixes, step 2
+    reads them back through the block tables."""
+    gen = torch.Generator().manual_seed(0)
+    backend = TorchPagedAttention()
+    shape = backend.kv_cache_shape(NUM_BLOCKS, BLOCK, KV_HEADS, DIM)
+    cache = torch.zeros(shape, device=device)
+    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()  # non-contiguous blocks
+    tables = [[free.pop() for _ in range(-(-(c + n) // BLOCK))] for c, n in SHAPES]
+    qkv = [
+        tuple(torch.randn(c + n, h, DIM, generator=gen).to(device)
+              for h in (HEADS, KV_HEADS, KV_HEADS))
+        for c, n in SHAPES
+    ]  # fmt: skip
+    run_step(backend, cache, tables, [(0, c) for c, _ in SHAPES], qkv)
+    run_step(backend, cache, tables, [(c, c + n) for c, n in SHAPES], qkv)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+)  # fmt: skip
+def test_mixed_steps_match_sdpa_per_sequence(device):
+    check_paged_attention(torch.device(device))
 
 
 def test_buckets_bound_padding_waste():

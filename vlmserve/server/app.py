@@ -7,6 +7,7 @@ thread at startup, so `/health` answers 503 while it loads and while the server 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -23,8 +24,10 @@ from vlmserve.server.chat import ChatHandler, ChatSettings
 from vlmserve.server.engine_loop import EngineLoop
 from vlmserve.server.guards import Guard
 from vlmserve.server.media import MediaPolicy
-from vlmserve.server.metrics import ServerMetrics
+from vlmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from vlmserve.server.protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, error_body
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,14 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset for no key)")
 
 
-def create_app(engine_factory: Callable[[], Engine], config: ServerConfig) -> FastAPI:
-    loop = EngineLoop(engine_factory, config.max_pending_requests)
+def create_app(
+    engine_factory: Callable[[], Engine],
+    config: ServerConfig,
+    on_engine_death: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """`on_engine_death(cause)` runs on the engine thread when the engine fails to load or
+    dies; `vlmserve serve` passes one that stops the server, which then exits non-zero."""
+    loop = EngineLoop(engine_factory, config.max_pending_requests, on_engine_death)
     metrics = ServerMetrics(loop.stats)
     settings = ChatSettings(
         config.model_name, config.media, config.max_images_per_request, config.default_max_tokens
@@ -80,13 +89,13 @@ def create_app(engine_factory: Callable[[], Engine], config: ServerConfig) -> Fa
         if loop.state == "ready":
             return JSONResponse({"status": "ok"})
         detail = {"status": loop.state}
-        if loop.load_error is not None:
-            detail["error"] = str(loop.load_error)
+        if loop.load_error is not None:  # the details are in the server log
+            detail["error"] = f"the engine failed ({type(loop.load_error).__name__})"
         return JSONResponse(detail, status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -127,4 +136,6 @@ def _add_error_handlers(app: FastAPI, count: Callable[[int], None]) -> None:
     @app.exception_handler(Exception)
     async def internal(request: HTTPRequest, exc: Exception) -> JSONResponse:
         count(500)
-        return JSONResponse(error_body(500, f"internal error: {exc}"), status_code=500)
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        message = "internal server error (see the server log)"
+        return JSONResponse(error_body(500, message), status_code=500)

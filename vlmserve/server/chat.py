@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,7 +18,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from encoders.errors import TooManyImagesError
 from vlmserve.processing import Request
-from vlmserve.sampling import SamplingParams
 from vlmserve.server.engine_loop import Accepted, EngineLoop, Failed, Item, Snapshot
 from vlmserve.server.media import MediaPolicy, check_image_header, load_media
 from vlmserve.server.metrics import ServerMetrics
@@ -29,6 +30,8 @@ from vlmserve.server.protocol import (
     error_body,
     make_usage,
 )
+
+log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.25
 
@@ -59,10 +62,24 @@ def status_of(error: BaseException) -> int:
     return 400 if isinstance(error, ValueError) else 500
 
 
+_ADDRESS = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>|\b0x[0-9a-fA-F]{8,}\b")
+
+
+def public_message(error: BaseException) -> str:
+    """What a client may read of `error`: our own messages (typed errors, validation),
+    minus any object address; for anything else (a bug, a library's internals) only that
+    it was internal — the details go to the server log."""
+    if getattr(error, "status", None) is None and not isinstance(error, ValueError):
+        log.error("internal error answered with 500: %r", error)
+        return "internal server error (see the server log)"
+    return _ADDRESS.sub("<object>", str(error))[:2000]
+
+
 def error_response(error: BaseException) -> JSONResponse:
     status = status_of(error)
     headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse(error_body(status, str(error)), status_code=status, headers=headers)
+    body = error_body(status, public_message(error))
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def build_messages(
@@ -124,7 +141,7 @@ class ChatHandler:
         track = _Tracker(arrival, self.metrics)
         if body.stream:
             state = _StreamState()
-            stream = self._stream(request_id, body.include_usage, sampling, sink, track, state)
+            stream = self._stream(request_id, body.include_usage, sink, track, state)
             return _AbortingStream(stream, lambda: self._close_stream(request_id, state))
         return await self._complete(request_id, sink, track, http)
 
@@ -140,6 +157,7 @@ class ChatHandler:
         self, request_id: str, sink: AsyncSink, track: _Tracker, http: HTTPRequest
     ) -> Response:
         item: Item | None = None
+        pieces: list[str] = []
         next_check = time.monotonic() + _DISCONNECT_POLL_S
         try:
             while not (isinstance(item, Failed) or (isinstance(item, Snapshot) and item.finished)):
@@ -154,6 +172,7 @@ class ChatHandler:
                     continue
                 if isinstance(item, Snapshot):
                     track.on_snapshot(item)
+                    pieces.append(item.delta)
         finally:
             if item is None or isinstance(item, Snapshot) and not item.finished:
                 self.loop.abort(request_id)  # cancelled (server shutting down)
@@ -163,7 +182,7 @@ class ChatHandler:
             return Response(status_code=499)  # the client is gone; nobody reads this
         usage = _usage(item)
         body = completion_body(
-            request_id, self.settings.model_name, item.text, item.finish_reason, usage
+            request_id, self.settings.model_name, "".join(pieces), item.finish_reason, usage
         )
         return JSONResponse(body)
 
@@ -177,29 +196,23 @@ class ChatHandler:
         self,
         request_id: str,
         include_usage: bool,
-        sampling: SamplingParams,
         sink: AsyncSink,
         track: _Tracker,
         state: _StreamState,
     ) -> AsyncIterator[str]:
         model, created = self.settings.model_name, int(time.time())
-        # A stop string may still cut text already produced: hold back its length - 1.
-        holdback = max((len(s) for s in sampling.stop), default=1) - 1
-        sent = ""
         yield _sse(chunk_body(request_id, model, created, {"role": "assistant", "content": ""}))
         while not state.done:
             item = await sink.queue.get()
             if isinstance(item, Failed):
                 state.done = True  # terminal already: nothing to abort
                 self.metrics.requests.inc(outcome=f"http_{status_of(item.error)}")
-                yield _sse(error_body(status_of(item.error), str(item.error)))
+                yield _sse(error_body(status_of(item.error), public_message(item.error)))
                 break
             track.on_snapshot(item)
             state.done = item.finished
-            text = item.text if item.finished else _stable_prefix(item.text, holdback)
-            if text.startswith(sent) and len(text) > len(sent):
-                delta, sent = text[len(sent) :], text
-                yield _sse(chunk_body(request_id, model, created, {"content": delta}))
+            if item.delta:  # the engine holds back what a stop string could still cut
+                yield _sse(chunk_body(request_id, model, created, {"content": item.delta}))
             if item.finished:
                 yield _sse(chunk_body(request_id, model, created, {}, item.finish_reason))
                 if include_usage:
@@ -256,14 +269,6 @@ def _usage(item: Snapshot) -> dict:
         item.num_prompt_tokens, item.num_image_tokens, item.num_cached_tokens,
         item.num_output_tokens,
     )  # fmt: skip
-
-
-def _stable_prefix(text: str, holdback: int) -> str:
-    """Text that later steps cannot change: not a possible stop-string start, nor a
-    trailing replacement char from a UTF-8 sequence split across tokens."""
-    if holdback:
-        text = text[: max(0, len(text) - holdback)]
-    return text.rstrip("\ufffd")
 
 
 def _sse(payload: dict) -> str:

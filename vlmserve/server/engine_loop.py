@@ -2,12 +2,21 @@
 
 Callers hand commands in through a thread-safe queue (`submit`, `abort`); the thread
 answers each request through its `sink` callback with `Accepted` or `Failed`, then one
-`Snapshot` per step that produced tokens, the last with `finished=True`. Snapshots are
-immutable copies: the engine mutates its RequestOutput objects in place.
+`Snapshot` per step that produced tokens (each carries the new text only), the last with
+`finished=True`. Snapshots are immutable copies: the engine mutates its RequestOutput
+objects in place.
 
-What must stay true: every submitted request gets exactly one terminal item (Failed, or
-a finished Snapshot) and then releases its pending slot; an abort is handled before the
-next step, so an aborted request's KV blocks are back in the pool within one step.
+What must stay true:
+- every submitted request gets exactly one terminal item (Failed, or a finished
+  Snapshot) and then releases its pending slot — also when the loop stops or dies while
+  the request is still being prepared (it is answered then, not when preparation ends);
+- an abort is handled before the next step, so an aborted request's KV blocks are back
+  in the pool within one step; an abort of a request still being prepared drops it when
+  preparation ends, and an abort of a finished one leaves nothing behind;
+- the loop is supervised: an exception escaping it (a bug in the engine's bookkeeping —
+  request failures are handled inside `Engine.step`) marks the loop `failed` at once,
+  fails every request in flight with 500, refuses new ones with 503 and calls `on_death`
+  (the server then exits non-zero: a live port never fronts a dead engine).
 """
 
 from __future__ import annotations
@@ -43,7 +52,15 @@ class ServiceUnavailableError(RequestError):
 
 
 class EngineFailure(RuntimeError):
-    """The engine raised inside a step; the requests in that step are failed (500)."""
+    """The engine failed on a request (not on its input), or the engine died: 500."""
+
+    status = 500
+
+
+class RequestAborted(RuntimeError):
+    """Aborted (its client left) before it reached the engine."""
+
+    status = 499
 
 
 @dataclass(frozen=True)
@@ -61,7 +78,7 @@ class Failed:
 @dataclass(frozen=True)
 class Snapshot:
     request_id: str
-    text: str  # full text so far (cut at a stop string when one matched)
+    delta: str  # text since the previous snapshot (cut at a stop string when one matched)
     num_output_tokens: int
     finished: bool
     finish_reason: str | None
@@ -77,7 +94,7 @@ Sink = Callable[[Item], None]
 def snapshot(out: RequestOutput) -> Snapshot:
     return Snapshot(
         out.request_id,
-        out.text,
+        out.text_delta,
         len(out.token_ids),
         out.finished,
         out.finish_reason,
@@ -87,24 +104,49 @@ def snapshot(out: RequestOutput) -> Snapshot:
     )
 
 
+def failure_of(out: RequestOutput) -> Exception:
+    """The error a request that finished with `finish_reason="error"` is answered with."""
+    status = out.error_status or 500
+    if status >= 500:
+        return EngineFailure(out.error or "the engine failed on this request")
+    error = RequestError(out.error or "the request failed")
+    error.status = status
+    return error
+
+
+@dataclass
+class _Preparing:
+    sink: Sink
+    aborted: bool = False
+
+
 class EngineLoop:
     """Runs `engine_factory()` and then the add/step/abort loop in one daemon thread."""
 
-    def __init__(self, engine_factory: Callable[[], Engine], max_pending: int = 256) -> None:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        max_pending: int = 256,
+        on_death: Callable[[BaseException], None] | None = None,
+    ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending} must be >= 1")
         self._factory = engine_factory
         self.max_pending = max_pending
+        self.on_death = on_death
         self.state: LoopState = "loading"
-        self.load_error: BaseException | None = None
+        self.load_error: BaseException | None = None  # why the engine failed or died
         self.engine: Engine | None = None
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}  # loop thread only
+        # Guards _num_pending, _preparing and _closed: a preparer's check-and-enqueue and
+        # the loop's close are atomic with respect to each other.
         self._lock = threading.Lock()
         self._num_pending = 0  # submitted, no terminal item yet
+        self._preparing: dict[str, _Preparing] = {}  # submitted, not yet in the inbox
+        self._closed: Exception | None = None  # set once: what late requests get
         self._stats: dict[str, float] = {}
         self._preparers = ThreadPoolExecutor(4, thread_name_prefix="vlmserve-prepare")
-        self._early_aborts: set[str] = set()  # loop thread only
         self._thread = threading.Thread(target=self._run, name="vlmserve-engine", daemon=True)
 
     # -- any thread --------------------------------------------------------------------
@@ -119,34 +161,50 @@ class EngineLoop:
     def submit(self, request: Request, sink: Sink) -> None:
         """Queue `request` (its `request_id` must be set). Raises ServerBusyError /
         ServiceUnavailableError instead of queueing without bound."""
-        assert request.request_id, "the server names its requests"
-        if self.state != "ready":
-            raise ServiceUnavailableError(f"the engine is {self.state}")
+        request_id = request.request_id
+        assert request_id, "the server names its requests"
         with self._lock:
+            if self.state != "ready" or self._closed is not None:
+                raise ServiceUnavailableError(f"the engine is {self.state}")
             if self._num_pending >= self.max_pending:
                 raise ServerBusyError(
                     f"the server has {self._num_pending} requests in flight, its limit"
                 )
             self._num_pending += 1
+            self._preparing[request_id] = _Preparing(sink)
         # Template, tokenisation and image decode/tiling run on a preparer thread, beside
         # the engine's steps and other requests' preparation; the loop only enqueues.
-        self._preparers.submit(self._prepare, request, sink)
+        try:
+            self._preparers.submit(self._prepare, request)
+        except RuntimeError:  # the executor is shut down: stopping
+            with self._lock:
+                if self._preparing.pop(request_id, None) is not None:
+                    self._num_pending -= 1
+            raise ServiceUnavailableError("the server is shutting down") from None
 
-    def _prepare(self, request: Request, sink: Sink) -> None:  # a preparer thread
+    def _prepare(self, request: Request) -> None:  # a preparer thread
         start = time.perf_counter()
         try:
-            prepared = self.engine.prepare(request)
+            prepared, error = self.engine.prepare(request), None
         except Exception as e:  # the request fails, nothing else does
-            self._release()
-            _emit(sink, Failed(request.request_id, e))
-            return
-        if self.state == "stopped":  # the loop is gone: nobody will read the inbox
-            self._release()
-            _emit(sink, Failed(request.request_id, ServiceUnavailableError("shut down")))
-            return
-        self._inbox.put(("add", prepared, sink, time.perf_counter() - start))
+            prepared, error = None, e
+        request_id = request.request_id
+        with self._lock:
+            entry = self._preparing.pop(request_id, None)
+            if entry is None:
+                return  # answered already: the loop stopped or died meanwhile
+            if error is None and not entry.aborted:
+                self._inbox.put(("add", prepared, entry.sink, time.perf_counter() - start))
+                return
+            self._num_pending -= 1
+        _emit(entry.sink, Failed(request_id, error or RequestAborted("aborted by the client")))
 
     def abort(self, request_id: str) -> None:
+        with self._lock:
+            entry = self._preparing.get(request_id)
+            if entry is not None:
+                entry.aborted = True  # dropped when its preparation ends
+                return
         self._inbox.put(("abort", request_id))
 
     def begin_drain(self) -> None:
@@ -173,25 +231,60 @@ class EngineLoop:
             self.engine = self._factory()
         except BaseException as e:  # reported by /health, never raised
             log.exception("engine failed to load")
-            self.load_error, self.state = e, "failed"
-            self._fail_inbox(ServiceUnavailableError(f"the engine failed to load: {e}"))
+            self._die(e, ServiceUnavailableError("the engine failed to load"))
             return
-        if self.state == "loading":
-            self.state = "ready"
+        with self._lock:
+            if self.state == "loading":
+                self.state = "ready"
+        try:
+            self._publish()
+            self._serve()
+        except BaseException as e:  # supervision: never a live port on a dead engine
+            log.exception("the engine loop died")
+            self._die(e, EngineFailure("the engine died; the server is shutting down"))
+            return
+        self._close(ServiceUnavailableError("the server is shutting down"))
+        self.state = "stopped"
         self._publish()
+
+    def _serve(self) -> None:
         engine = self.engine
-        while True:
-            if not self._handle_commands(block=not engine.has_unfinished()):
-                break
+        while self._handle_commands(block=not engine.has_unfinished()):
             if engine.has_unfinished():
                 self._step()
             self._publish()
+
+    def _die(self, cause: BaseException, error: Exception) -> None:
+        self.load_error, self.state = cause, "failed"
+        self._close(error)
+        if self.on_death is not None:
+            try:
+                self.on_death(cause)
+            except Exception:
+                log.exception("on_death callback failed")
+
+    def _close(self, error: Exception) -> None:
+        """Answer everything in flight with `error`; later requests get it too."""
+        with self._lock:
+            self._closed = error
+            preparing, self._preparing = self._preparing, {}
+            self._num_pending -= len(preparing)
+        for request_id, entry in preparing.items():
+            _emit(entry.sink, Failed(request_id, error))
         for request_id in list(self._sinks):
-            engine.abort(request_id)
-            self._terminal(request_id, Failed(request_id, ServiceUnavailableError("shut down")))
-        self.state = "stopped"
-        self._fail_inbox(ServiceUnavailableError("the server is shutting down"))
-        self._publish()
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 - the engine may be what broke
+                log.exception("abort while closing")
+            self._terminal(request_id, Failed(request_id, error))
+        while True:  # adds enqueued before _closed was set
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                self._release()
+                _emit(command[2], Failed(command[1].request_id, error))
 
     def _handle_commands(self, block: bool) -> bool:
         """Run every queued command (waiting for one when idle). False on stop."""
@@ -213,11 +306,6 @@ class EngineLoop:
 
     def _add(self, request: PreparedRequest, sink: Sink, process_s: float) -> None:
         request_id = request.request_id
-        if request_id in self._early_aborts:  # its client left while it was being prepared
-            self._early_aborts.discard(request_id)
-            self._release()
-            _emit(sink, Failed(request_id, EngineFailure("aborted before it started")))
-            return
         try:
             self.engine.add_request(request)
         except Exception as e:  # the request fails, the loop goes on
@@ -229,10 +317,7 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> None:
         if request_id not in self._sinks:
-            # Finished already, or still being prepared: then it is dropped on arrival.
-            if self._num_pending > len(self._sinks):
-                self._early_aborts.add(request_id)
-            return
+            return  # finished already (its abort arrived after the terminal item)
         out = self.engine.abort(request_id)
         if out is None:
             self._terminal(request_id, Failed(request_id, EngineFailure("request vanished")))
@@ -240,22 +325,13 @@ class EngineLoop:
             self._terminal(request_id, snapshot(out))
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # fail what was in flight, keep serving
-            log.exception("engine step failed; failing its requests")
-            for request_id in list(self._sinks):
-                try:
-                    self.engine.abort(request_id)
-                except Exception:
-                    log.exception("abort after a failed step")
-                self._terminal(request_id, Failed(request_id, EngineFailure(str(e))))
-            return
-        for out in outputs:
+        for out in self.engine.step():  # failures inside are per request (see Engine.step)
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            if out.finished:
+            if out.finish_reason == "error":
+                self._terminal(out.request_id, Failed(out.request_id, failure_of(out)))
+            elif out.finished:
                 self._terminal(out.request_id, snapshot(out))
             else:
                 _emit(sink, snapshot(out))
@@ -269,16 +345,6 @@ class EngineLoop:
         with self._lock:
             self._num_pending -= 1
             assert self._num_pending >= 0, "more terminal items than submitted requests"
-
-    def _fail_inbox(self, error: Exception) -> None:
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                self._release()
-                _emit(command[2], Failed(command[1].request_id, error))
 
     def _publish(self) -> None:
         self._stats = self.engine.stats()

@@ -1,183 +1,177 @@
-"""Prometheus text exposition (format 0.0.4) without a client library.
+"""Prometheus exposition (text format 0.0.4) on `prometheus_client`.
 
-Counters and histograms are updated from the event loop and the engine thread, so every
-update takes the metric's lock. Gauges are read at scrape time from a callback.
+Request-side series are counted by the server as requests finish: prometheus_client
+counters and histograms (thread-safe; the event loop and the engine thread both update
+them). Engine-side series are read from `stats()` at scrape time and typed by
+`engine_series(key)`. Each `ServerMetrics` has its own `CollectorRegistry`, never the
+global one, so several apps in one process never share a series.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
+from typing import Literal, NamedTuple
 
-Labels = tuple[tuple[str, str], ...]
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_PLAIN_0_0_4
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def _labels(labels: Labels, extra: tuple[tuple[str, str], ...] = ()) -> str:
-    items = labels + extra
-    if not items:
-        return ""
-    escaped = (
-        (k, v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')) for k, v in items
-    )
-    return "{" + ",".join(f'{k}="{v}"' for k, v in escaped) + "}"
+class EngineSeries(NamedTuple):
+    name: str
+    kind: Literal["counter", "gauge"]
+    help: str
 
 
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+# Stats keys with a fixed name; exported on every scrape (0 until the engine reports).
+_G: Literal["gauge"] = "gauge"
+_C: Literal["counter"] = "counter"
+ENGINE_SERIES: dict[str, EngineSeries] = {
+    "waiting": EngineSeries(
+        "vlmserve_num_requests_waiting", _G, "Requests queued in the scheduler."
+    ),
+    "running": EngineSeries("vlmserve_num_requests_running", _G, "Requests running in the engine."),
+    "pending": EngineSeries(
+        "vlmserve_num_requests_pending", _G, "Requests in the server (admission)."
+    ),
+    "num_blocks": EngineSeries("vlmserve_num_kv_blocks", _G, "KV cache blocks in the pool."),
+    "used_blocks": EngineSeries("vlmserve_kv_blocks_used", _G, "KV cache blocks held by requests."),
+    "free_blocks": EngineSeries(
+        "vlmserve_kv_blocks_free", _G, "KV cache blocks free (cached ones included)."
+    ),
+    "kv_usage": EngineSeries("vlmserve_kv_cache_usage_ratio", _G, "Fraction of KV blocks in use."),
+    "encoder_cache_hits": EngineSeries(
+        "vlmserve_encoder_cache_hits_total", _C, "Encoder-output cache hits."
+    ),
+    "encoder_cache_misses": EngineSeries(
+        "vlmserve_encoder_cache_misses_total", _C, "Encoder-output cache misses."
+    ),
+    "encoder_cache_bytes": EngineSeries(
+        "vlmserve_encoder_cache_bytes",
+        _G,
+        "Bytes of pooled image embeddings held by the encoder-output cache.",
+    ),
+    "num_preemptions": EngineSeries(
+        "vlmserve_num_preemptions_total",
+        _C,
+        "Sequences preempted (recomputed later) for lack of KV blocks.",
+    ),
+}
+
+# Stats keys that only ever grow but lack a `_total` suffix.
+ENGINE_COUNTS = frozenset({
+    "num_steps", "computed_prompt_tokens", "spec_proposed", "spec_accepted",
+    "preprocess_images", "preprocess_errors", "preprocess_crashes", "preprocess_retries",
+    "preprocess_decode_budget_timeouts",
+})  # fmt: skip
+
+
+def engine_series(key: str) -> EngineSeries:
+    """How a `stats()` key is exported. In order: the `ENGINE_SERIES` table; `*_s_total`
+    (seconds summed) -> counter `vlmserve_*_seconds_total`; `*_total` -> counter
+    `vlmserve_*_total`; a key in `ENGINE_COUNTS` -> counter `vlmserve_<key>_total`;
+    anything else is a level -> gauge `vlmserve_<key>`."""
+    if key in ENGINE_SERIES:
+        return ENGINE_SERIES[key]
+    base = "vlmserve_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+    help_text = f"Engine stat {key}."
+    if key.endswith("_s_total"):
+        return EngineSeries(base.removesuffix("_s_total") + "_seconds_total", "counter", help_text)
+    if key.endswith("_total"):
+        return EngineSeries(base, "counter", help_text)
+    if key in ENGINE_COUNTS:
+        return EngineSeries(base + "_total", "counter", help_text)
+    return EngineSeries(base, "gauge", help_text)
+
+
+def engine_families(stats: dict[str, float]) -> list[Metric]:
+    """One family per stats key (the fixed table's always), typed by `engine_series`."""
+    families: dict[str, Metric] = {}
+    for key in (*ENGINE_SERIES, *sorted(stats.keys() - ENGINE_SERIES.keys())):
+        series = engine_series(key)
+        if series.name in families:  # two keys mapped to one name: the first one wins
+            continue
+        family = CounterMetricFamily if series.kind == "counter" else GaugeMetricFamily
+        families[series.name] = family(series.name, series.help, value=stats.get(key, 0.0))
+    return list(families.values())
 
 
 class Counter:
-    def __init__(self, name: str, help_text: str) -> None:
-        self.name, self.help = name, help_text
-        self._values: dict[Labels, float] = {}
-        self._lock = threading.Lock()
+    """A prometheus_client counter that takes its labels as keywords: `inc(outcome="stop")`."""
+
+    def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.metric = prometheus_client.Counter(name, help_text, labelnames, registry=None)
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
+        (self.metric.labels(**labels) if labels else self.metric).inc(amount)
 
     def value(self, **labels: str) -> float:
-        return self._values.get(tuple(sorted(labels.items())), 0.0)
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        with self._lock:
-            items = sorted(self._values.items())
-        if not items:
-            items = [((), 0.0)]
-        lines += [f"{self.name}{_labels(k)} {_number(v)}" for k, v in items]
-        return lines
-
-
-class Gauge:
-    """Read at scrape time: `read()` returns {labels: value}."""
-
-    def __init__(self, name: str, help_text: str, read: Callable[[], dict[Labels, float]]):
-        self.name, self.help, self._read = name, help_text, read
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge"]
-        lines += [f"{self.name}{_labels(k)} {_number(v)}" for k, v in sorted(self._read().items())]
-        return lines
+        for family in self.metric.collect():
+            for sample in family.samples:
+                if sample.name == self.name and sample.labels == labels:
+                    return sample.value
+        return 0.0
 
 
 class Histogram:
+    """A prometheus_client histogram that takes its labels as keywords."""
+
+    def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...] = ()) -> None:
+        self.metric = prometheus_client.Histogram(
+            name, help_text, labelnames, buckets=LATENCY_BUCKETS, registry=None
+        )
+
+    def observe(self, seconds: float, **labels: str) -> None:
+        (self.metric.labels(**labels) if labels else self.metric).observe(seconds)
+
+
+class _Collector:
+    """Everything one scrape shows: the request-side metrics, then `stats()`."""
+
     def __init__(
-        self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS
+        self, stats: Callable[[], dict[str, float]], metrics: list[Counter | Histogram]
     ) -> None:
-        assert list(buckets) == sorted(buckets), "bucket bounds must increase"
-        self.name, self.help, self.buckets = name, help_text, buckets
-        # Per label set: [count per bucket (non-cumulative; last = +Inf)], sum, count.
-        self._series: dict[Labels, tuple[list[int], list[float]]] = {}
-        self._lock = threading.Lock()
+        self.stats, self.metrics = stats, [m.metric for m in metrics]
 
-    def observe(self, value: float, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        with self._lock:
-            counts, total = self._series.setdefault(key, ([0] * (len(self.buckets) + 1), [0.0]))
-            counts[bisect.bisect_left(self.buckets, value)] += 1
-            total[0] += value
-
-    def count(self, **labels: str) -> int:
-        series = self._series.get(tuple(sorted(labels.items())))
-        return sum(series[0]) if series else 0
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        with self._lock:
-            items = sorted((k, (list(c), t[0])) for k, (c, t) in self._series.items())
-        if not items:
-            items = [((), ([0] * (len(self.buckets) + 1), 0.0))]
-        for key, (counts, total) in items:
-            running = 0
-            for bound, n in zip((*self.buckets, math.inf), counts, strict=True):
-                running += n
-                le = (("le", _number(bound)),)
-                lines.append(f"{self.name}_bucket{_labels(key, le)} {running}")
-            lines.append(f"{self.name}_sum{_labels(key)} {_number(total)}")
-            lines.append(f"{self.name}_count{_labels(key)} {running}")
-        return lines
-
-
-class Registry:
-    def __init__(self) -> None:
-        self._metrics: list[Counter | Gauge | Histogram] = []
-
-    def add(self, metric):
-        self._metrics.append(metric)
-        return metric
-
-    def render(self) -> str:
-        return "\n".join(line for m in self._metrics for line in m.render()) + "\n"
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.metrics:
+            for family in metric.collect():
+                # `*_created` timestamps would add a gauge family per series in 0.0.4.
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+                yield family
+        yield from engine_families(self.stats())
 
 
 class ServerMetrics:
-    """The serving metrics the issue lists; `stats()` supplies the engine-side gauges."""
+    """The serving metrics; `stats()` supplies the engine-side series at scrape time."""
 
     def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
-        r = self.registry = Registry()
-        self.requests = r.add(Counter("vlmserve_requests_total", "Finished requests by outcome."))
-        self.ttft = r.add(
-            Histogram("vlmserve_time_to_first_token_seconds", "Arrival to first token.")
+        self.requests = Counter(
+            "vlmserve_requests_total", "Finished requests by outcome.", ("outcome",)
         )
-        self.tpot = r.add(
-            Histogram("vlmserve_time_per_output_token_seconds", "Mean gap between output tokens.")
+        self.ttft = Histogram("vlmserve_time_to_first_token_seconds", "Arrival to first token.")
+        self.tpot = Histogram(
+            "vlmserve_time_per_output_token_seconds", "Mean gap between output tokens."
         )
-        self.e2e = r.add(
-            Histogram("vlmserve_e2e_request_latency_seconds", "Arrival to last token.")
+        self.e2e = Histogram("vlmserve_e2e_request_latency_seconds", "Arrival to last token.")
+        self.stage = Histogram(
+            "vlmserve_preprocess_seconds", "Per-stage preprocessing time per request.", ("stage",)
         )
-        self.stage = r.add(
-            Histogram("vlmserve_preprocess_seconds", "Per-stage preprocessing time per request.")
+        self.prompt_tokens = Counter("vlmserve_prompt_tokens_total", "Prompt tokens.")
+        self.cached_tokens = Counter(
+            "vlmserve_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache."
         )
-        self.prompt_tokens = r.add(Counter("vlmserve_prompt_tokens_total", "Prompt tokens."))
-        self.cached_tokens = r.add(
-            Counter(
-                "vlmserve_prefix_cache_hit_tokens_total",
-                "Prompt tokens served from the prefix cache.",
-            )
-        )
-        self.generation_tokens = r.add(
-            Counter("vlmserve_generation_tokens_total", "Output tokens.")
-        )
-        self.stats = stats
-
-        def gauge(name: str, key: str, help_text: str) -> None:
-            r.add(Gauge(name, help_text, lambda: {(): self.stats().get(key, 0.0)}))
-
-        gauge("vlmserve_num_requests_waiting", "waiting", "Requests queued in the scheduler.")
-        gauge("vlmserve_num_requests_running", "running", "Requests running in the engine.")
-        gauge("vlmserve_num_requests_pending", "pending", "Requests in the server (admission).")
-        gauge("vlmserve_kv_blocks_total", "num_blocks", "KV cache blocks in the pool.")
-        gauge("vlmserve_kv_blocks_used", "used_blocks", "KV cache blocks held by requests.")
-        gauge("vlmserve_kv_cache_usage_ratio", "kv_usage", "Fraction of KV blocks in use.")
-        gauge(
-            "vlmserve_encoder_cache_hits_total", "encoder_cache_hits", "Encoder-output cache hits."
-        )
-        gauge(
-            "vlmserve_encoder_cache_misses_total",
-            "encoder_cache_misses",
-            "Encoder-output cache misses.",
-        )
-        gauge(
-            "vlmserve_encoder_cache_bytes",
-            "encoder_cache_bytes",
-            "Bytes of pooled image embeddings held by the encoder-output cache.",
-        )
-        gauge(
-            "vlmserve_num_preemptions_total",
-            "num_preemptions",
-            "Sequences preempted (recomputed later) for lack of KV blocks.",
-        )
-        for stage in ("queue", "read", "decode", "resize", "handoff"):
-            gauge(f"vlmserve_preprocess_{stage}_seconds_total", f"preprocess_{stage}_s_total",
-                  f"Seconds the preprocessing pool spent in its {stage} stage.")  # fmt: skip
+        self.generation_tokens = Counter("vlmserve_generation_tokens_total", "Output tokens.")
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(stats, [
+            self.requests, self.ttft, self.tpot, self.e2e, self.stage,
+            self.prompt_tokens, self.cached_tokens, self.generation_tokens,
+        ]))  # fmt: skip
 
     def render(self) -> str:
-        return self.registry.render()
+        return generate_latest(self.registry).decode()

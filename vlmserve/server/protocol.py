@@ -1,8 +1,11 @@
 """The OpenAI chat-completions wire format: request and response models, error bodies.
 
-Request models reject unknown shapes with 422 (pydantic); the fields we accept but
-cannot honour (`n > 1`, `logprobs`) are refused with 400 in `to_sampling`. Extra fields
-are allowed and ignored, like the OpenAI API does, so newer clients keep working.
+Request models reject unknown shapes with 422 (pydantic); the fields we know but cannot
+honour (`n > 1`, `logprobs`, `tools`, `response_format`, `logit_bias`, penalties, …) are
+refused with 400 naming them in `to_sampling`, whenever they ask for something other than
+the default: silently ignoring them would hand back an answer the client did not ask for.
+Other extra fields (metadata, `user`, `store`, …) are allowed and ignored, so newer
+clients keep working.
 """
 
 from __future__ import annotations
@@ -15,6 +18,33 @@ from pydantic import BaseModel, ConfigDict, Field
 from vlmserve.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
+
+# Request fields that change the answer and that the engine does not implement, with the
+# values that mean "not used" (sending those is fine).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "best_of": (None, 1),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+}
 
 
 class _Open(BaseModel):
@@ -72,6 +102,13 @@ class ChatCompletionRequest(_Open):
         """SamplingParams for this request; ValueError (400) for what we cannot serve."""
         if self.n != 1:
             raise ValueError(f"n={self.n} is not supported: only n=1")
+        unsupported = [
+            name
+            for name, defaults in UNSUPPORTED_FIELDS.items()
+            if name in (self.model_extra or {}) and self.model_extra[name] not in defaults
+        ]
+        if unsupported:
+            raise ValueError(f"not supported by this server: {', '.join(unsupported)}")
         if self.logprobs:
             raise ValueError("logprobs are not supported")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
