@@ -18,6 +18,9 @@ class EncoderConfig:
     max_pending: int = 64
     submit_timeout_s: float = 30.0
     max_pixels: int = 64_000_000  # decompression-bomb cap, checked from the header
+    # Pixels being decoded at once, process-wide (`encoders.pixel_budget`); an image waits
+    # up to `submit_timeout_s` for room, then gets a retryable 503. None: 2 x max_pixels.
+    max_decode_pixels: int | None = None
     jpeg_draft: bool = True  # decode JPEGs at 1/2..1/8 scale when targets are that small
     # Encoder-output cache (pooled embeddings on the runner's device); 0 turns it off.
     cache_bytes: int = 256 << 20
@@ -31,9 +34,18 @@ class EncoderConfig:
             raise ValueError(f"max_pending={self.max_pending} must be >= 1")
         if self.max_pixels < 1:
             raise ValueError(f"max_pixels={self.max_pixels} must be >= 1")
+        if self.max_decode_pixels is not None and self.max_decode_pixels < self.max_pixels:
+            raise ValueError(
+                f"max_decode_pixels={self.max_decode_pixels} must be >= max_pixels="
+                f"{self.max_pixels} (or one image under the cap could never decode)"
+            )
         if self.cache_bytes < 0:
             raise ValueError(f"cache_bytes={self.cache_bytes} must be >= 0")
 
     @property
     def resolved_num_workers(self) -> int:
         return default_num_workers() if self.num_workers is None else self.num_workers
+
+    @property
+    def resolved_max_decode_pixels(self) -> int:
+        return 2 * self.max_pixels if self.max_decode_pixels is None else self.max_decode_pixels

@@ -25,3 +25,14 @@ class TooManyImagesError(RequestError):
 
 class PromptTooLongError(RequestError):
     """A prompt that leaves no room to generate within the model's context."""
+
+
+class RetryableError(RequestError):
+    """The server could not serve this request now, through no fault of the request: the
+    same request may succeed if retried later (HTTP 503)."""
+
+    status = 503
+
+
+class ImageBusyError(RetryableError):
+    """The decode pixel budget stayed full for the whole wait."""

@@ -1,6 +1,10 @@
 """One image from encoded bytes to uint8 tiles: header, decode, resize, tile.
 
 Runs inside the preprocessing workers (`encoders.preprocess`), so it imports no torch.
+  * `open_image`: the project's only PIL opener for request bytes. It tries only the
+    plugins of `ALLOWED_FORMATS` (so EPS never reaches Ghostscript, TIFF never reaches
+    libtiff) and turns every failure into a typed error whose message names the problem
+    (unsupported format X, truncated, corrupt, zero size, too large) without PIL's text.
   * `read_header`: format and size (after EXIF orientation) without decoding pixels, so
     the exact token count is known before the decode; rejects zero-size images, pixel
     bombs and unsupported formats early.
@@ -33,13 +37,38 @@ from encoders.image_spec import ImageLayout, ImageSpec
 from encoders.tiling_anyres import AnyresLayout
 
 __all__ = [
-    "CorruptImageError", "ImageHeader", "TruncatedImageError", "UnsupportedImageError",
-    "ZeroSizeImageError", "decode_rgb", "preprocess_bytes", "read_header", "tile_image",
+    "ALLOWED_FORMATS", "CorruptImageError", "ImageHeader", "TruncatedImageError",
+    "UnsupportedImageError", "ZeroSizeImageError", "decode_opened", "decode_rgb", "open_checked",
+    "open_image",
+    "preprocess_bytes", "read_header", "tile_image",
 ]  # fmt: skip
 
-SUPPORTED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
+# The only PIL plugins ever tried on request bytes (`Image.open(formats=...)`): PIL never
+# identifies anything else, so EPS/PS/PDF (Ghostscript), TIFF (libtiff), ICNS, PSD, ... are
+# refused before any of their code runs. The JPEG plugin also opens MPO (JPEG's
+# multi-picture variant); APNG, GIF and animated WebP decode their first frame only.
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
+SUPPORTED_FORMATS = frozenset({*ALLOWED_FORMATS, "MPO"})  # what `image.format` can be
+SUPPORTED_TEXT = "JPEG, PNG, WebP, GIF, BMP"
 DEFAULT_MAX_PIXELS = 64_000_000
 _SWAPS_AXES = {5, 6, 7, 8}  # EXIF orientations that transpose the image
+
+# Leading bytes -> format name, to name what was refused (or which supported format a
+# broken header claims to be). Checked in order; offset 4 for the ISO-BMFF "ftyp" family.
+_MAGIC: tuple[tuple[int, bytes, str], ...] = (
+    (0, b"\x89PNG\r\n\x1a\n", "PNG"), (0, b"\xff\xd8\xff", "JPEG"), (0, b"GIF8", "GIF"),
+    (0, b"BM", "BMP"), (0, b"%!PS-Adobe", "EPS"), (0, b"%!", "PostScript"),
+    (0, b"\xc5\xd0\xd3\xc6", "EPS"), (0, b"%PDF", "PDF"), (0, b"II*\x00", "TIFF"),
+    (0, b"MM\x00*", "TIFF"), (0, b"II+\x00", "BigTIFF"), (0, b"MM\x00+", "BigTIFF"),
+    (0, b"icns", "ICNS"), (0, b"8BPS", "PSD"), (0, b"\x00\x00\x01\x00", "ICO"),
+    (0, b"\x00\x00\x02\x00", "CUR"), (0, b"\x00\x00\x00\x0cjP  ", "JPEG 2000"),
+    (0, b"\xffO\xffQ", "JPEG 2000"), (0, b"qoif", "QOI"), (0, b"DDS ", "DDS"),
+    (0, b"BLP", "BLP"), (0, b"\x01\xda", "SGI"), (0, b"8BIM", "PSD"), (0, b"FORM", "IFF"),
+    (0, b"\xff\x0a", "JPEG XL"), (0, b"\x00\x00\x00\x0cJXL ", "JPEG XL"),
+    (0, b"\xd7\xcd\xc6\x9a", "WMF"), (0, b"\x01\x00\x00\x00", "EMF"),
+    (0, b"Image type=", "IM"), (0, b"PK\x03\x04", "ZIP"), (4, b"ftypavif", "AVIF"),
+    (4, b"ftypheic", "HEIC"), (4, b"ftypheix", "HEIC"), (4, b"ftypmif1", "HEIF"),
+)  # fmt: skip
 
 
 class CorruptImageError(ImageDecodeError):
@@ -65,32 +94,73 @@ class ImageHeader:
     height: int
     orientation: int
 
+    @property
+    def num_pixels(self) -> int:
+        return self.width * self.height
 
-def _open(data: bytes) -> Image.Image:
+
+def sniff_format(data: bytes) -> str | None:
+    """The format the leading bytes announce (names for refused formats too), or None."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    head = data[:64].lstrip()
+    if head[:5].lower() in (b"<svg ", b"<?xml"):
+        return "SVG/XML"
+    if head[:1] == b"P" and head[1:2] in b"1234567" and len(head) > 2 and head[2:3].isspace():
+        return "PNM"
+    return next((name for at, magic, name in _MAGIC if data[at : at + len(magic)] == magic), None)
+
+
+def _unsupported(data: bytes) -> ImageDecodeError:
+    """The error for bytes no allowed plugin identified: a broken header of a supported
+    format, or a format we do not take (named when its magic says which)."""
+    name = sniff_format(data)
+    if name in SUPPORTED_FORMATS:
+        return CorruptImageError(f"cannot decode image: its {name} header is corrupt or truncated")
+    what = f"format {name}" if name else "this format (unrecognised bytes)"
+    return UnsupportedImageError(
+        f"cannot decode image: {what} is not supported (supported: {SUPPORTED_TEXT})"
+    )
+
+
+def _decode_failure(e: BaseException, fmt: str | None) -> ImageDecodeError:
+    """A typed error for a PIL/codec exception, naming what went wrong but never echoing
+    its text (which can hold reprs with addresses, file names or codec internals)."""
+    what = f"{fmt} data" if fmt else "data"
+    if (
+        isinstance(e, (OSError, EOFError))
+        and "truncated" in str(e).lower()
+        or isinstance(e, EOFError)
+    ):
+        return TruncatedImageError(f"cannot decode image: its {what} is truncated")
+    return CorruptImageError(f"cannot decode image: its {what} is corrupt")
+
+
+def open_image(data: bytes) -> Image.Image:
+    """The project's one way to open request bytes with PIL: only `ALLOWED_FORMATS` are
+    tried, the header is parsed (no pixels decoded), and every failure is a typed
+    `RequestError` with a clean message (never PIL's text)."""
     if not data:
         raise ZeroSizeImageError("cannot decode image: it is empty (0 bytes)")
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            return Image.open(io.BytesIO(data))
+            warnings.simplefilter("ignore")  # bomb warnings, odd EXIF, palette transparency
+            return Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
     except Image.DecompressionBombError as e:
-        raise ImageTooLargeError(f"image rejected as a decompression bomb: {e}") from e
-    except UnidentifiedImageError as e:
-        raise UnsupportedImageError(
-            f"cannot decode image: unknown or unsupported format ({e})"
+        raise ImageTooLargeError(
+            f"image rejected as a decompression bomb: it declares over "
+            f"{2 * (Image.MAX_IMAGE_PIXELS or 0)} pixels"
         ) from e
-    except (OSError, ValueError, SyntaxError, EOFError) as e:
-        if "truncated" in str(e).lower():
-            raise TruncatedImageError(f"cannot decode image: file is truncated ({e})") from e
-        raise CorruptImageError(f"cannot decode image: corrupt header ({e})") from e
+    except UnidentifiedImageError as e:
+        raise _unsupported(data) from e
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - plugins raise OSError, ValueError, EOFError, ...
+        raise _decode_failure(e, sniff_format(data)) from e
 
 
 def _check_header(image: Image.Image, max_pixels: int) -> ImageHeader:
-    if image.format not in SUPPORTED_FORMATS:
-        raise UnsupportedImageError(
-            f"cannot decode image: format {image.format} is not supported "
-            f"(supported: {', '.join(sorted(SUPPORTED_FORMATS))})"
-        )
+    assert image.format in SUPPORTED_FORMATS, f"{image.format} opened past the allow-list"
     width, height = image.size
     if width <= 0 or height <= 0:
         raise ZeroSizeImageError(f"cannot decode image: it has zero size {width}x{height}")
@@ -108,7 +178,7 @@ def _orientation(image: Image.Image) -> int:
     """EXIF orientation from what the header parse already read (PNG's `getexif` would
     decode the whole image to look for a trailing eXIf chunk)."""
     try:
-        if image.format in ("JPEG", "MPO", "TIFF", "WEBP"):
+        if image.format in ("JPEG", "MPO", "WEBP"):
             exif = image.getexif()
         elif "exif" in image.info:
             exif = Image.Exif()
@@ -120,9 +190,17 @@ def _orientation(image: Image.Image) -> int:
         return 1
 
 
+def open_checked(
+    data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> tuple[Image.Image, ImageHeader]:
+    """`open_image` plus the header checks: zero size, the pixel cap, EXIF orientation."""
+    image = open_image(data)
+    return image, _check_header(image, max_pixels)
+
+
 def read_header(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageHeader:
     """Format and oriented size from the header alone (no pixel decode)."""
-    return _check_header(_open(data), max_pixels)
+    return open_checked(data, max_pixels)[1]
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -152,15 +230,15 @@ def decode_rgb(
     """Decode to an oriented RGB image. `draft_size` (width, height, oriented): the
     smallest size the caller resamples to; JPEGs then decode at 1/2, 1/4 or 1/8 scale
     as long as the result stays at least that big."""
-    image = _open(data)
-    header = _check_header(image, max_pixels)
-    return _decode(data, image, header, draft_size), header
+    image, header = open_checked(data, max_pixels)
+    return decode_opened(data, image, header, draft_size), header
 
 
-def _decode(
+def decode_opened(
     data: bytes, image: Image.Image, header: ImageHeader, draft_size: tuple[int, int] | None
 ) -> Image.Image:
-    """`decode_rgb` on an image already opened and checked."""
+    """`decode_rgb` on an image from `open_checked` (so a caller can reserve the header's
+    pixels between the two)."""
     if draft_size is not None and header.orientation in _SWAPS_AXES:
         draft_size = draft_size[1], draft_size[0]  # the stored (unrotated) frame's size
     try:
@@ -171,13 +249,13 @@ def _decode(
             if draft_size is not None and image.format in ("JPEG", "MPO"):
                 image.draft("RGB", draft_size)
             image.load()
+        if header.orientation in _TRANSPOSE:
+            image = image.transpose(_TRANSPOSE[header.orientation])
+        return to_rgb(image)
+    except MemoryError:
+        raise
     except Exception as e:  # noqa: BLE001 - decoders raise OSError, zlib.error, ValueError, ...
-        if isinstance(e, (OSError, EOFError)) and "truncated" in str(e):
-            raise TruncatedImageError(f"cannot decode image: file is truncated ({e})") from e
-        raise CorruptImageError(f"cannot decode image: corrupt data ({e})") from e
-    if header.orientation in _TRANSPOSE:
-        image = image.transpose(_TRANSPOSE[header.orientation])
-    return to_rgb(image)
+        raise _decode_failure(e, header.format) from e
 
 
 _TRANSPOSE = {  # EXIF orientation -> the transposition that undoes it
@@ -328,10 +406,9 @@ def preprocess_bytes(
     """Encoded bytes -> tiles (what a pool worker runs for one image); the tiles go into
     `alloc(shape)`."""
     start, start_cpu = time.perf_counter(), time.thread_time()
-    image = _open(data)
-    header = _check_header(image, max_pixels)
+    image, header = open_checked(data, max_pixels)
     layout = spec.layout(header.width, header.height, multi_image)
-    image = _decode(data, image, header, spec.draft_size(layout) if spec.jpeg_draft else None)
+    image = decode_opened(data, image, header, spec.draft_size(layout) if spec.jpeg_draft else None)
     decoded, decoded_cpu = time.perf_counter(), time.thread_time()
     tiles = tile_image(image, spec, layout, alloc)
     return Preprocessed(tiles, decoded - start, time.perf_counter() - decoded,

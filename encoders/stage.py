@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from encoders.errors import ImageDecodeError
 from encoders.image_io import preprocess_bytes, read_header, tile_image, to_rgb
 from encoders.image_spec import ImageLayout, ImageSpec
 from encoders.images import ImageSource, content_hash, load_image
+from encoders.pixel_budget import PixelBudget
 from encoders.preprocess import PreprocessPool, StageTimings, TileResult
 from encoders.vision import VisionEncoder, VisionInput
 
@@ -43,6 +44,8 @@ class ImageWork:
     future: Future | None = None  # None: the cache held it when the request came in
     timings: StageTimings | None = None
     embedding: torch.Tensor | None = None  # pinned cache hit [num_tokens, hidden]
+    num_pixels: int = 0  # stored pixels (from the header): what a decode reserves
+    budget: PixelBudget | None = None  # bounds decodes made here (the pool has its own)
 
     @property
     def image_size(self) -> tuple[int, int]:
@@ -51,15 +54,18 @@ class ImageWork:
     def wait(self) -> None:
         """Block until the tiles exist; raises the image's typed decode error."""
         if self.future is not None:
-            result: TileResult = self.future.result()
-            self.timings = replace(result.timings, read_s=self.timings.read_s if self.timings
-                                   else 0.0)  # fmt: skip
+            self.timings = self.future.result().timings  # read_s went in with the submit
 
     def tiles(self) -> torch.Tensor:
         """[num_tiles, S, S, 3] uint8, computed here if the pool was skipped."""
         if self.future is None:
             self.future = Future()
-            self.future.set_result(_tile_now(self.source, self.spec, self.layout, self.max_pixels))
+            if self.budget is None or isinstance(self.source, Image.Image):
+                result = _tile_now(self.source, self.spec, self.layout, self.max_pixels)
+            else:
+                with self.budget.reserve(self.num_pixels):
+                    result = _tile_now(self.source, self.spec, self.layout, self.max_pixels)
+            self.future.set_result(result)
         return self.future.result().tiles
 
 
@@ -96,25 +102,28 @@ def prepare_images(
     cache: EncoderCache | None,
     max_pixels: int,
     submit_timeout: float | None = None,
+    budget: PixelBudget | None = None,
 ) -> list[ImageWork]:
     """Layouts and keys now (header only); tiles submitted to `pool` unless cached.
-    Raises the typed error of the first bad header (nothing is submitted then)."""
+    Raises the typed error of the first bad header (nothing is submitted then).
+    `budget` bounds the pixels of decodes made in this process (no pool)."""
     items = []
     for source in sources:
         start = time.perf_counter()
         data = _read(source)
         if isinstance(data, Image.Image):
-            image, digest = load_image(data)  # hashes the pixels; already decoded
+            image, digest = load_image(data, max_pixels)  # hashes the pixels; decoded already
             width, height = image.size
-            data = image
+            data, num_pixels = image, width * height
         else:
             digest = content_hash(data)
             header = read_header(data, max_pixels)
-            width, height = header.width, header.height
+            width, height, num_pixels = header.width, header.height, header.num_pixels
         layout = spec.layout(width, height, multi_image)
         key = encoder_cache_key(digest, spec.key, multi_image)
         timings = StageTimings(read_s=time.perf_counter() - start)
-        items.append(ImageWork(spec, layout, key, data, max_pixels, timings=timings))
+        items.append(ImageWork(spec, layout, key, data, max_pixels, timings=timings,
+                               num_pixels=num_pixels, budget=budget))  # fmt: skip
     for work in items:
         if cache is not None and (hit := cache.peek(work.cache_key)) is not None:
             work.embedding = hit  # pinned: skips decode and tiling even if evicted later
@@ -122,8 +131,10 @@ def prepare_images(
         if pool is None or isinstance(work.source, Image.Image):
             work.tiles()  # already decoded (or no pool): tile in this thread
         else:
-            work.future = pool.submit(work.source, spec, multi_image, max_pixels,
-                                      timeout=submit_timeout)  # fmt: skip
+            work.future = pool.submit(
+                work.source, spec, multi_image, max_pixels, timeout=submit_timeout,
+                num_pixels=work.num_pixels, read_s=work.timings.read_s,
+            )  # fmt: skip
     return items
 
 

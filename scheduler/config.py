@@ -24,6 +24,17 @@ class CacheConfig:
             raise ValueError(f"watermark={self.watermark} must be in [0, 1)")
 
 
+def kv_pool_num_blocks(
+    budget_bytes: int, block_bytes: int, block_size: int, max_num_seqs: int, max_model_len: int
+) -> int:
+    """Blocks of a KV pool sized by a byte budget: as many as `budget_bytes` holds, but no
+    more than `max_num_seqs` sequences of `max_model_len` tokens fill at once (a bigger pool
+    only ever holds prefix-cache leftovers). At least one block."""
+    assert block_bytes > 0 and block_size > 0, (block_bytes, block_size)
+    max_useful = max_num_seqs * -(-max_model_len // block_size)  # ceil: a partial last block
+    return max(1, min(budget_bytes // block_bytes, max_useful))
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     # The dense token budget of one step (B_dense, NanoFlow §4.2): decodes first, then

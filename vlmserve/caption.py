@@ -27,6 +27,7 @@ from PIL import Image
 
 from encoders.images import load_image
 from vlmserve.engine import Engine, PreparedRequest, RequestOutput
+from vlmserve.engine_summary import render_engine_stats
 from vlmserve.processing import Request
 from vlmserve.sampling import SamplingParams
 
@@ -314,4 +315,5 @@ def cmd_caption(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )  # fmt: skip
     print(summary.render(), file=sys.stderr)
+    print(render_engine_stats(engine.stats()), file=sys.stderr)
     return 130 if summary.interrupted else 0

@@ -9,6 +9,7 @@ import time
 
 from vlmserve import caption, estimate_cli
 from vlmserve.engine_args import add_engine_args, engine_config_from_args
+from vlmserve.engine_summary import render_engine_stats
 from vlmserve.server import serve_cli
 
 
@@ -41,6 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{len(out.token_ids)} output, {time.perf_counter() - start:.2f}s]",
         file=sys.stderr,
     )
+    print(render_engine_stats(engine.stats()), file=sys.stderr)
     return 0
 
 

@@ -23,6 +23,7 @@ from vlmserve.embedded.scenes import (
 )
 from vlmserve.engine import Engine
 from vlmserve.engine_args import engine_config_from_args
+from vlmserve.engine_summary import render_engine_stats
 from vlmserve.processing import Request
 from vlmserve.sampling import SamplingParams
 
@@ -77,4 +78,5 @@ def run_demo(args: argparse.Namespace) -> int:
     steps = engine.num_steps
     print(f"\n{num_right}/{len(outputs)} answers right; {num_tokens} tokens in {elapsed:.2f}s, "
           f"{steps} engine steps")  # fmt: skip
+    print(render_engine_stats(engine.stats()))
     return 0 if all(o.error is None for o in outputs) else 1

@@ -25,7 +25,8 @@ from encoders.config import EncoderConfig
 from encoders.errors import PromptTooLongError, TooManyImagesError
 from encoders.image_spec import ImageSpec, placeholder_text
 from encoders.images import ImageSource, load_image
-from encoders.preprocess import shared_pool
+from encoders.pixel_budget import PixelBudget, shared_budget
+from encoders.preprocess import PreprocessPool, shared_pool
 from encoders.stage import prepare_images
 from scheduler.sequence import ImagePlaceholder
 from vlmserve.models.loader import LoadedModel
@@ -176,7 +177,7 @@ def make_prompt_processor(
         if json.loads(config_path.read_text()).get("processor_class") == "SceneProcessor":
             from vlmserve.scene_prompts import ScenePromptProcessor
 
-            return ScenePromptProcessor(path, model, max_images)
+            return ScenePromptProcessor(path, model, max_images, encoder)
     return HFPromptProcessor(path, model, max_images, encoder, encoder_cache)
 
 
@@ -235,7 +236,7 @@ class HFPromptProcessor:
             raise ValueError("this model is text-only and cannot take images")
         if self.image_spec is not None:
             return self._with_pool(text, sources, add_special)
-        loaded = [load_image(source) for source in sources]
+        loaded = [load_image(s, self.encoder.max_pixels, self._budget()) for s in sources]
         images, hashes = [img for img, _ in loaded], [h for _, h in loaded]
         return self._with_images(text, images, hashes, add_special)
 
@@ -262,12 +263,19 @@ class HFPromptProcessor:
         image_token_id = self.model.image_token_id
         return ProcessedPrompt(token_ids, place_images(token_ids, image_token_id, placed))
 
+    def _pool(self, workers: int) -> PreprocessPool:
+        encoder = self.encoder
+        return shared_pool(workers, encoder.max_pending, encoder.resolved_max_decode_pixels)
+
+    def _budget(self) -> PixelBudget:
+        return shared_budget(self.encoder.resolved_max_decode_pixels)
+
     def pool_metrics(self) -> dict[str, float]:
         """The preprocessing pool's counters and per-stage seconds ({} without a pool)."""
         workers = self.encoder.resolved_num_workers
         if self.image_spec is None or not workers:
             return {}
-        return shared_pool(workers, self.encoder.max_pending).metrics()
+        return self._pool(workers).metrics()
 
     def _with_pool(
         self, text: str, sources: list[ImageSource], add_special: bool
@@ -285,10 +293,11 @@ class HFPromptProcessor:
             # As the HF processor is called here (a flat image list): every image of a
             # prompt gets its full layout, multi-image prompts included.
             multi_image=False,
-            pool=shared_pool(workers, self.encoder.max_pending) if workers else None,
+            pool=self._pool(workers) if workers else None,
             cache=self.encoder_cache,
             max_pixels=self.encoder.max_pixels,
             submit_timeout=self.encoder.submit_timeout_s,
+            budget=self._budget(),
         )
         for work in works:
             work.wait()  # a bad image fails its request here, not inside a later step

@@ -13,6 +13,7 @@ from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage
 from kernels.attention import AttentionBatch, select_backend
+from scheduler.config import kv_pool_num_blocks
 from scheduler.planner import StepPlan
 from scheduler.sequence import ImagePlaceholder
 from vlmserve.config import EngineConfig
@@ -56,11 +57,19 @@ class ModelRunner:
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     def _blocks_that_fit(self, config: EngineConfig) -> int:
-        budget = config.cache.memory_bytes
+        """A GPU pool takes 85% of free memory; a CPU pool what `cache.memory_bytes` holds,
+        but no more than max_num_seqs sequences of max_model_len tokens fill at once (a
+        1 GiB pool for a model that can use 64 MiB is 1 GiB of resident memory for
+        nothing)."""
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.85)
-        return max(1, budget // self.block_bytes)
+            return max(1, int(free * 0.85) // self.block_bytes)
+        context = self.model.decoder.cfg.max_position_embeddings
+        max_model_len = min(config.model.max_model_len or context, context)
+        return kv_pool_num_blocks(
+            config.cache.memory_bytes, self.block_bytes, self.block_size,
+            config.scheduler.max_num_seqs, max_model_len,
+        )  # fmt: skip
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (finished, aborted or preempted)."""

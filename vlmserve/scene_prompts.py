@@ -3,7 +3,9 @@ tiling, normalisation) behind the engine's processor interface."""
 
 from __future__ import annotations
 
+from encoders.config import EncoderConfig
 from encoders.images import load_image
+from encoders.pixel_budget import shared_budget
 from encoders.vision import VisionInput
 from vlmserve.embedded.processor import SceneProcessor
 from vlmserve.models.loader import LoadedModel
@@ -19,8 +21,11 @@ from vlmserve.processing import (
 
 
 class ScenePromptProcessor:
-    def __init__(self, path: str, model: LoadedModel, max_images: int) -> None:
+    def __init__(
+        self, path: str, model: LoadedModel, max_images: int, encoder: EncoderConfig | None = None
+    ) -> None:
         self.scene = SceneProcessor.from_pretrained(path)
+        self.encoder = encoder or EncoderConfig()
         self.tokenizer = self.scene.tokenizer
         self.model = model
         self.max_images = max_images
@@ -42,7 +47,9 @@ class ScenePromptProcessor:
             return ProcessedPrompt(list(ids), [])
         templated, sources = split_messages(request.messages)
         check_image_count(len(sources), self.max_images)
-        loaded = [load_image(source) for source in sources]
+        # Decoded inline (not on the pool yet), under the process's pixel budget.
+        budget = shared_budget(self.encoder.resolved_max_decode_pixels)
+        loaded = [load_image(s, self.encoder.max_pixels, budget) for s in sources]
         scene = self._scene.get()
         encoded = scene.encode(templated, images=[image for image, _ in loaded])
         per_tile = scene.image_config.tokens_per_tile

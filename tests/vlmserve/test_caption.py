@@ -6,10 +6,12 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import shutil
 
 import pytest
 
+from encoders import image_io
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.caption import CaptionItem, discover, read_done, register, run_caption
 from vlmserve.config import EngineConfig, ModelConfig
@@ -69,7 +71,9 @@ def test_folder_with_a_corrupt_file(engine, folder, tmp_path):
     records = {r["id"]: r for r in lines(out)}
     assert sorted(records) == sorted(item.item_id for item in discover(folder))
     broken = records.pop("b/broken.jpg")
-    assert broken["caption"] is None and broken["error_type"] == "ImageDecodeError"
+    assert broken["caption"] is None
+    # A decode error (image_io names the kind: corrupt, truncated, unsupported).
+    assert issubclass(getattr(image_io, broken["error_type"]), image_io.ImageDecodeError)
     for record in records.values():
         assert record["error"] is None and record["num_output_tokens"] == 6
         assert record["num_image_tokens"] > 0
@@ -217,3 +221,28 @@ def test_embedded_model_captions_match_the_scenes(tmp_path):
         got[f"s{i}.{'png' if i % 2 else 'jpg'}"] == caption(s) for i, s in enumerate(scenes)
     )
     assert right >= 7, (got, [caption(s) for s in scenes])
+
+
+def test_cli_speculates_and_captions_as_without(tmp_path, capsys):
+    from vlmserve.cli import main
+    from vlmserve.embedded.evaluate import heldout_scenes
+    from vlmserve.embedded.scenes import render_scene
+
+    root = tmp_path / "scenes"
+    root.mkdir()
+    for i, scene in enumerate(heldout_scenes(4)):
+        render_scene(scene).save(root / f"s{i}.png")
+    args = ["caption", str(root), "--max-tokens", "40", "--no-progress"]
+    assert main([*args, "--output", str(tmp_path / "plain.jsonl")]) == 0
+    plain = capsys.readouterr().err
+    spec_args = ["--speculative-tokens", "4", "--no-adaptive-speculation",
+                 "--speculative-ngram-min", "1"]  # fmt: skip
+    assert main([*args, "--output", str(tmp_path / "spec.jsonl"), *spec_args]) == 0
+    spec = capsys.readouterr().err
+    captions = {name: [(r["id"], r["caption"]) for r in lines(tmp_path / name)]
+                for name in ("plain.jsonl", "spec.jsonl")}  # fmt: skip
+    assert len(captions["plain.jsonl"]) == 4
+    assert sorted(captions["spec.jsonl"]) == sorted(captions["plain.jsonl"])  # lossless
+    assert "speculation off" in plain
+    match = re.search(r"speculation (\d+) drafted", spec)
+    assert match and int(match.group(1)) > 0, spec

@@ -26,6 +26,7 @@ from vlmserve.server.media import (
     can_use_host,
     check_image_header,
     file_url,
+    ip_literal,
     load_media,
     resolve_checked,
 )
@@ -42,7 +43,7 @@ def png_bytes(width: int = 8, height: int = 6) -> bytes:
 class ImageHost:
     """A loopback HTTP server with the paths the tests need; counts its hits."""
 
-    def __init__(self) -> None:
+    def __init__(self, bind: str = "127.0.0.1") -> None:
         host = self
         self.hits: list[str] = []
         self.image = png_bytes()
@@ -81,7 +82,7 @@ class ImageHost:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer((bind, 0), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -139,8 +140,9 @@ def test_file_urls_only_under_the_allowed_dir(tmp_path):
         f"file://{allowed}/sub/../../secret.png",  # `..` out of the root
         file_url(allowed / "link.png"),  # a symlink pointing out of the root
     ):
-        with pytest.raises(MediaError, match="outside the allowed media path"):
+        with pytest.raises(MediaError, match="outside the allowed media path") as info:
             fetch(url, allowed_local_dir=root)
+        assert "secret.png" not in str(info.value) or "link.png" not in url  # never the target
     with pytest.raises(MediaError, match="disabled"):
         fetch(file_url(allowed / "sub" / "a.png"))
     with pytest.raises(MediaError, match="must not name a host"):
@@ -177,6 +179,13 @@ def test_unknown_and_plain_http_schemes_are_refused_by_default():
         ("fc00::1", False),
         ("::ffff:127.0.0.1", False),  # IPv4-mapped loopback
         ("::", False),
+        ("::127.0.0.1", False),  # IPv4-compatible loopback
+        ("::ffff:10.0.0.1", False),
+        ("64:ff9b::7f00:1", False),  # NAT64 of 127.0.0.1
+        ("64:ff9b::a9fe:a9fe", False),  # NAT64 of 169.254.169.254
+        ("64:ff9b::808:808", True),  # NAT64 of 8.8.8.8
+        ("2002:7f00:1::1", False),  # 6to4 of 127.0.0.1
+        ("2002:c0a8:101::1", False),  # 6to4 of 192.168.1.1
     ],
 )
 def test_only_public_addresses_are_usable_by_default(address, usable):
@@ -293,3 +302,83 @@ def test_image_header_check_reads_size_and_refuses_non_images():
         check_image_header(b"GIF89a but not really", max_pixels=10_000)
     with pytest.raises(ImageDecodeError, match="empty"):
         check_image_header(b"", max_pixels=10_000)
+
+
+# --- SSRF probes: each refused by default, before any connection or DNS lookup ------------
+
+NUMERIC_LOOPBACK = ["2130706433", "0x7f.1", "017700000001", "127.1", "0x7f000001", "0177.0.0.1",
+                    "127.0.0.1.", "0"]  # fmt: skip
+
+
+@pytest.mark.parametrize("host", NUMERIC_LOOPBACK)
+def test_decimal_octal_and_hex_spellings_are_the_address_they_spell(host, image_host, monkeypatch):
+    assert ip_literal(host) in (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("0.0.0.0"))
+
+    async def no_dns(*args, **kwargs):
+        raise AssertionError("a numeric host went to DNS")
+
+    async def run() -> None:
+        monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", no_dns)
+        with pytest.raises(MediaError, match="non-public address"):
+            await load_media(f"https://{host}:{image_host.port}/img.png", MediaPolicy())
+        with pytest.raises(MediaError, match="non-public address"):
+            await load_media(f"http://{host}:{image_host.port}/img.png",
+                             MediaPolicy(allow_http=True))  # fmt: skip
+
+    before = len(image_host.hits)
+    asyncio.run(run())
+    assert len(image_host.hits) == before
+
+
+def test_numeric_spellings_of_an_allowed_address_still_reach_it(image_host):
+    """The spelling is read as the address (so the allow-list applies to it, not a name)."""
+    url = f"http://2130706433:{image_host.port}/img.png"
+    assert fetch(url, **LOOPBACK_ONLY) == image_host.image
+    with pytest.raises(MediaError, match="not a valid address"):
+        fetch("https://0x1ffffffff/img.png")
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["[::ffff:127.0.0.1]", "[::ffff:7f00:1]", "[::127.0.0.1]", "[64:ff9b::7f00:1]",
+     "[2002:7f00:1::1]", "[::1]", "[fe80::1%25lo]", "169.254.169.254", "100.100.100.200",
+     "10.0.0.1", "192.168.0.1", "[fd00::1]", "0.0.0.0"],
+)  # fmt: skip
+def test_private_loopback_link_local_and_mapped_addresses_are_refused(host, image_host):
+    before = len(image_host.hits)
+    with pytest.raises(MediaError, match="non-public address"):
+        fetch(f"https://{host}:{image_host.port}/img.png")
+    assert len(image_host.hits) == before
+
+
+def test_a_name_that_resolves_to_loopback_is_refused():
+    """A real DNS answer (localhost -> 127.0.0.1 / ::1) is checked, not the name."""
+    with pytest.raises(MediaError, match="non-public address"):
+        fetch("https://localhost/img.png")
+    with pytest.raises(MediaError, match="non-public address"):
+        fetch("http://localhost/img.png", allow_http=True)
+
+
+def test_a_redirect_chain_ending_on_loopback_is_refused(image_host):
+    """Two allowed hops (127.0.0.1), then loopback outside the allowed network: the last
+    host never sees a request, however its address is spelt."""
+    other = ImageHost(bind="127.0.0.2")
+    try:
+        before = len(other.hits)
+        for target in (f"http://127.0.0.2:{other.port}/img.png",
+                       f"http://2130706434:{other.port}/img.png",
+                       f"http://[::ffff:127.0.0.2]:{other.port}/img.png",
+                       f"http://0x7f.0.0.2:{other.port}/img.png"):  # fmt: skip
+            hop2 = image_host.url("/redirect?" + target)
+            with pytest.raises(MediaError, match="non-public address"):
+                fetch(image_host.url("/redirect?" + hop2), **LOOPBACK_ONLY)
+        assert len(other.hits) == before
+        direct = f"http://127.0.0.2:{other.port}/img.png"  # the peer is up: refusal is policy
+        assert fetch(direct, allowed_networks=("127.0.0.2/32",), allow_http=True) == other.image
+    finally:
+        other.close()
+
+
+def test_an_invalid_port_is_a_400():
+    with pytest.raises(MediaError, match="invalid port"):
+        fetch("https://8.8.8.8:99999/img.png")

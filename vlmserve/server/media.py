@@ -2,10 +2,13 @@
 
 What must stay true for a remote URL (SSRF rules):
 - the host passes the domain allow-list (when one is set) before any DNS lookup;
-- every address the host resolves to is public (`ipaddress.is_global`) unless it lies in
-  an explicitly allowed network, and the connection goes to that checked address (the
-  URL is pinned to the IP; Host header and TLS SNI keep the name), so a second DNS
-  answer cannot swap in a private address;
+- a host written as a number in any spelling inet_aton takes (2130706433, 0x7f.1,
+  017700000001, 127.1) is that IPv4 address, checked as one (no DNS lookup);
+- every address the host resolves to is public (`ipaddress.is_global`, and so is every
+  IPv4 address embedded in an IPv6 one: mapped, compatible, 6to4, NAT64, Teredo) unless
+  it lies in an explicitly allowed network, and the connection goes to that checked
+  address (the URL is pinned to the IP; Host header and TLS SNI keep the name), so a
+  second DNS answer cannot swap in a private address;
 - redirects are followed by hand, each hop checked like the first;
 - a total deadline (504 when passed) and a byte cap (413), checked on Content-Length
   and again while streaming; no proxies from the environment.
@@ -16,18 +19,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import io
 import ipaddress
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
 import httpx
-from PIL import Image, UnidentifiedImageError
 
-from encoders.errors import ImageDecodeError, ImageTooLargeError, RequestError
+from encoders.errors import RequestError
+from encoders.image_io import read_header
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -113,25 +116,65 @@ def read_local_file(url: str, policy: MediaPolicy) -> bytes:
     if parts.netloc not in ("", "localhost"):
         raise MediaError(f"file:// URL must not name a host, got {parts.netloc!r}")
     root = Path(policy.allowed_local_dir).resolve()
-    path = Path(unquote(parts.path)).resolve()
+    given = unquote(parts.path)
+    path = Path(given).resolve()
+    # Messages name the path as the client wrote it: the resolved one could reveal where
+    # a link points on this machine.
     if not path.is_relative_to(root):
-        raise MediaError(f"file {str(path)!r} is outside the allowed media path")
+        raise MediaError(f"file {given!r} is outside the allowed media path")
     try:
         size = path.stat().st_size
         if size > policy.max_bytes:
             raise MediaTooLargeError(f"file is {size} bytes, over the cap of {policy.max_bytes}")
         return path.read_bytes()
     except OSError as e:
-        raise MediaError(f"cannot read {str(path)!r}: {e.strerror}") from e
+        raise MediaError(f"cannot read {given!r}: {e.strerror}") from e
+
+
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+
+
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses an IPv6 address carries (and may be routed to): IPv4-mapped,
+    IPv4-compatible, 6to4, NAT64 and both Teredo ends."""
+    found = [ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ())]
+    if ip in _IPV4_COMPATIBLE or any(ip in net for net in _NAT64):
+        found.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return [v4 for v4 in found if v4 is not None]
 
 
 def can_use_address(ip: IPAddress, policy: MediaPolicy) -> bool:
-    """Public addresses, or ones inside an explicitly allowed network."""
+    """Public addresses, or ones inside an explicitly allowed network. An IPv6 address
+    that carries an IPv4 one is judged by that too."""
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     if any(ip in ipaddress.ip_network(net) for net in policy.allowed_networks):
         return True
+    if isinstance(ip, ipaddress.IPv6Address):
+        if not all(can_use_address(v4, policy) for v4 in embedded_ipv4(ip)):
+            return False
     return ip.is_global and not ip.is_multicast
+
+
+# What inet_aton (and so getaddrinfo) reads as an IPv4 address: 1-4 dot-separated
+# decimal, octal (leading 0) or hex (0x) numbers, e.g. 2130706433, 0x7f.1, 017700000001.
+_NUMERIC_HOST = re.compile(r"^(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+)){0,3}\.?$", re.I)
+
+
+def ip_literal(host: str) -> IPAddress | None:
+    """`host` as an address when it is one in any spelling the resolver would accept
+    (dotted quad, IPv6, or the decimal/octal/hex inet_aton forms); None for a name."""
+    try:
+        return ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        pass
+    if _NUMERIC_HOST.match(host):
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(host.rstrip(".")))
+        except OSError:
+            return None  # numeric but out of range: the resolver refuses it too
+    return None
 
 
 def can_use_host(host: str, policy: MediaPolicy) -> bool:
@@ -145,9 +188,11 @@ async def resolve_checked(host: str, port: int, policy: MediaPolicy) -> IPAddres
     """The address to connect to: every address of `host` must pass the rules."""
     if not can_use_host(host, policy):
         raise MediaError(f"host {host!r} is not in the media domain allow-list")
-    try:
-        addresses = [ipaddress.ip_address(host)]
-    except ValueError:
+    if (literal := ip_literal(host)) is not None:
+        addresses = [literal]
+    elif _NUMERIC_HOST.match(host):
+        raise MediaError(f"host {host!r} is not a valid address")
+    else:
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(
                 host, port, type=socket.SOCK_STREAM
@@ -171,7 +216,10 @@ async def _fetch(url: str, policy: MediaPolicy) -> bytes:
                 raise MediaError(f"redirect to a {scheme!r} URL is not allowed")
             if not parts.hostname:
                 raise MediaError(f"image URL {url!r} has no host")
-            port = parts.port or (443 if scheme == "https" else 80)
+            try:
+                port = parts.port or (443 if scheme == "https" else 80)
+            except ValueError as e:  # a port out of range or not a number
+                raise MediaError(f"image URL {url!r} has an invalid port") from e
             ip = await resolve_checked(parts.hostname, port, policy)
             pinned = httpx.URL(url).copy_with(host=str(ip))
             extensions = {"sni_hostname": parts.hostname} if scheme == "https" else {}
@@ -210,22 +258,12 @@ async def _read_capped(response: httpx.Response, max_bytes: int) -> bytes:
 
 
 def check_image_header(data: bytes, max_pixels: int) -> tuple[int, int]:
-    """(width, height) from the header only; refuses non-images (400) and images over
-    the pixel cap (413) before anything is decoded."""
-    if not data:
-        raise ImageDecodeError("image is empty (0 bytes)")
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            width, height = image.size
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise ImageDecodeError(f"cannot decode image: {e}") from e
-    except Image.DecompressionBombError as e:
-        raise ImageTooLargeError(f"image rejected as a decompression bomb: {e}") from e
-    if width * height > max_pixels:
-        raise ImageTooLargeError(
-            f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}"
-        )
-    return width, height
+    """(width, height) as the model sees them (EXIF orientation applied), from the
+    header only, with the engine's own opener and checks (`encoders.image_io`): refuses
+    unsupported formats and broken headers (400) and images over the pixel cap (413)
+    before anything is decoded."""
+    header = read_header(data, max_pixels)
+    return header.width, header.height
 
 
 def file_url(path: str | os.PathLike) -> str:

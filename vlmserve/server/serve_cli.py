@@ -1,9 +1,11 @@
-"""`vlmserve serve`: the OpenAI-compatible HTTP server on uvicorn."""
+"""`vlmserve serve`: the OpenAI-compatible HTTP server on uvicorn. If the engine fails to
+load or dies, the server stops and the command exits 1."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from vlmserve.engine_args import add_engine_args, engine_config_from_args
@@ -40,7 +42,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     media.add_argument("--allow-http-media", action="store_true", help="plain http:// too")
     media.add_argument("--media-timeout", type=float, default=10.0, help="seconds per fetch")
     media.add_argument("--max-media-mb", type=int, default=20)
-    media.add_argument("--max-image-pixels", type=int, default=64_000_000)
     p.set_defaults(func=cmd_serve)
 
 
@@ -59,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allowed_networks=tuple(args.allowed_media_networks),
         allow_http=args.allow_http_media,
         allowed_local_dir=args.allowed_local_media_path,
-        max_image_pixels=args.max_image_pixels,
+        max_image_pixels=args.max_image_pixels,  # the engine flag: one cap for both
     )
     config = ServerConfig(
         model_name=args.served_model_name or Path(args.model).resolve().name,
@@ -70,6 +71,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_mb << 20,
         default_max_tokens=args.default_max_tokens,
     )
-    app = create_app(lambda: Engine(engine_config), config)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    # A dead engine stops the server, which exits non-zero (never a live port in front
+    # of a dead engine): a supervisor (systemd, Kubernetes) restarts it.
+    deaths: list[BaseException] = []
+
+    def on_engine_death(cause: BaseException) -> None:
+        deaths.append(cause)
+        server.should_exit = True
+
+    app = create_app(lambda: Engine(engine_config), config, on_engine_death)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    server.run()
+    if deaths:
+        print(f"error: the engine failed ({type(deaths[0]).__name__}: {deaths[0]}); "
+              "see the log above", file=sys.stderr)  # fmt: skip
+        return 1
     return 0
