@@ -1,6 +1,7 @@
 """``vlmserve estimate``: the article's Labs 1–4 as a command line.
 
-``image`` (Lab 4), ``kv`` (Lab 1), ``plan`` (Lab 2), ``batching`` (Lab 3). A table by
+``image`` (Lab 4), ``kv`` (Lab 1), ``plan`` (Lab 2), ``batching`` (Lab 3), ``capacity``
+(a request trace through the real scheduler on the cost model's clock). A table by
 default, ``--json`` for scripts, ``--plot FILE.png`` for the curves the labs draw.
 Every figure is a roofline model (search/), not a measurement.
 """
@@ -37,6 +38,7 @@ from search.presets import (
     get_model,
     get_weight_precision,
 )
+from vlmserve import estimate_capacity
 from vlmserve.estimate_plot import Curve, draw
 
 Row = tuple[str, str]
@@ -106,15 +108,18 @@ def _tp_arg(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``estimate`` with its ``image``, ``kv``, ``plan`` and ``batching`` commands."""
+    """Add ``estimate`` with its ``image``, ``kv``, ``plan``, ``batching`` and ``capacity``
+    commands."""
     estimate = subparsers.add_parser(
         "estimate",
-        help="roofline cost estimates: image budget, KV cache, serving plan, batching",
+        help="roofline cost estimates: image budget, KV cache, serving plan, batching, capacity",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     estimate.set_defaults(func=lambda args: _usage(estimate))
-    sub = estimate.add_subparsers(dest="estimate_command", metavar="{image,kv,plan,batching}")
+    sub = estimate.add_subparsers(
+        dest="estimate_command", metavar="{image,kv,plan,batching,capacity}"
+    )
 
     p = sub.add_parser(
         "image", parents=[_common("mha-7b", 2.0)], help="what an image costs to serve (Lab 4)"
@@ -158,10 +163,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=8192, help="tokens (default: 8192)")
     p.set_defaults(func=lambda args: _run(args, _batching))
 
+    p = sub.add_parser(
+        "capacity",
+        parents=[_common("mha-7b", 2.0)],
+        help="simulate a request trace: latency percentiles, goodput, max rate at an SLO",
+    )
+    estimate_capacity.add_arguments(p)
+    p.set_defaults(func=lambda args: _run(args, estimate_capacity.run_capacity))
+
 
 def _usage(parser: argparse.ArgumentParser) -> int:
     parser.print_usage(sys.stderr)
-    print("vlmserve estimate: error: choose one of image, kv, plan, batching", file=sys.stderr)
+    choices = "image, kv, plan, batching, capacity"
+    print(f"vlmserve estimate: error: choose one of {choices}", file=sys.stderr)
     return 2
 
 

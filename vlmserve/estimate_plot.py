@@ -1,4 +1,5 @@
-"""Plots for `vlmserve estimate --plot`: the curves the article's labs draw."""
+"""Plots for `vlmserve estimate --plot`: the curves the article's labs draw, and the
+simulator's KV occupancy and queue over time."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class Curve:
     log_y: bool = False
     hlines: tuple[tuple[float, str], ...] = ()
     vlines: tuple[tuple[float, str], ...] = ()
+    marker: str | None = "o"  # None for dense series (a simulated timeline)
 
 
 def draw(path: Path, title: str, curves: list[Curve]) -> None:
@@ -29,7 +31,7 @@ def draw(path: Path, title: str, curves: list[Curve]) -> None:
     fig, axes = plt.subplots(1, len(curves), figsize=(max(8.0, 5.5 * len(curves)), 4.5))
     fig.suptitle(title, fontsize=9, wrap=True)
     for ax, c in zip(fig.axes, curves, strict=True):
-        ax.plot(c.xs, c.ys, marker="o")
+        ax.plot(c.xs, c.ys, marker=c.marker)
         for y, label in c.hlines:
             ax.axhline(y, ls="--", lw=0.8, color="gray")
             ax.annotate(label, (c.xs[0], y), fontsize=8, va="bottom")

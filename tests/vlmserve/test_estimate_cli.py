@@ -231,3 +231,57 @@ def test_subprocess_json_and_error_exit():
     bad = run_process("image", "--model", "nope", "--width", "10", "--height", "10")
     assert bad.returncode == 2
     assert "unknown model" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# --- capacity (trace simulator) ---------------------------------------------------------
+
+
+def test_capacity_table_per_class(capsys):
+    argv = ["capacity", "--mix", "vlm", "--num-requests", "80", "--rate", "2"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0 and err == ""
+    for label in ("text (n=", "image (n=", "all (n=80)", "goodput", "preemptions", "lost / hang"):
+        assert label in out
+    assert "0 / no" in out
+
+
+def test_capacity_trace_json_plot_and_refusal(tmp_path, capsys):
+    from search.traces import lumpy_trace, to_jsonl
+
+    trace = tmp_path / "lumpy.jsonl"
+    trace.write_text(to_jsonl(lumpy_trace(4.0, 10.0, 3.0, 3, 1.0, seed=0, num_never_fits=1)))
+    png = tmp_path / "kv.png"
+    argv = ["capacity", "--trace", str(trace), "--json", "--plot", str(png)]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0 and png.read_bytes()[:8] == PNG_MAGIC
+    doc = json.loads(out)
+    r = doc["results"]
+    assert doc["command"] == "capacity"
+    assert r["num_refused"] == 1 and r["num_lost"] == 0 and r["hang"] is False
+    classes = {c["request_class"]: c for c in r["classes"]}
+    assert classes["never-fits"]["num_refused"] == 1
+    assert classes["4x13-tile"]["num_finished"] == 3
+    assert doc["timeline"] and 0 < r["peak_kv_occupancy"] <= 1
+
+
+def test_capacity_find_max_rate(capsys):
+    argv = ["capacity", "--mix", "chat", "--num-requests", "40", "--find-max-rate"]
+    argv += ["--slo-ttft-ms", "50", "--accelerator", "h200", "--json"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    doc = json.loads(out)
+    search = doc["rate_search"]
+    assert search["max_rate"] > 0 and doc["rate"] == search["max_rate"]
+    assert doc["accelerator"]["name"] == "h200"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--trace", "/nonexistent/trace.jsonl"], "cannot read trace"),
+        (["--rate", "0"], "--rate"),
+    ],
+)
+def test_capacity_bad_input_exits_2(capsys, argv, message):
+    code, _, err = run_cli(capsys, "capacity", *argv)
+    assert code == 2 and message in err

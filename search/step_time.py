@@ -1,0 +1,98 @@
+"""What one engine step costs on a preset accelerator: a roofline over the step's work.
+
+A step encodes some tiles (the ViT, compute-bound, before the LLM runs), then one LLM
+forward over its query rows: prefill chunk tokens plus decode rows. That forward reads
+the weights once and the KV of every scheduled sequence, and does 2·P FLOPs per dense
+row plus 4·L·d per (query row, key) pair (§3: the ``4·L·N·d`` of a decode step; for a
+whole prompt the "full" variant that reproduces §17's 36.6 TFLOP). Its time is the
+larger of the compute time and the memory time (§10, §11); the ViT adds on top.
+
+Pure functions: the trace simulator (search/trace_sim.py) prices every step with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from search import cost_model as cm
+from search.image_budget import ImageAssumptions, vit_flops
+from search.presets import Accelerator, ModelShape, VisionEncoder
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The shape of one step, counted from its plan."""
+
+    num_prefill_tokens: int = 0  # query rows of prefill chunks (recomputation included)
+    num_decode_rows: int = 0  # one row per decoding sequence
+    # Σ over query rows of the keys each attends (a row at position p sees p + 1 keys;
+    # a chunk is priced as if every row saw the whole chunk: the article's full variant).
+    num_attention_pairs: int = 0
+    num_kv_tokens_read: int = 0  # Σ over scheduled sequences of their context after the step
+    num_tiles_encoded: int = 0  # ViT tiles run this step (encoder-cache misses only)
+
+    @property
+    def num_dense_rows(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_rows
+
+
+@dataclass(frozen=True)
+class StepHardware:
+    """What the step runs on: backbone, tower, device, and the §17 efficiency constants."""
+
+    model: ModelShape
+    encoder: VisionEncoder
+    accel: Accelerator
+    assumptions: ImageAssumptions = ImageAssumptions()
+    cache_bytes: float = 2.0
+    # Fixed per-step cost (launches, scheduling, sampling); 0 keeps the pure roofline.
+    step_overhead_s: float = 0.0
+
+
+class StepTime(NamedTuple):
+    vit_s: float
+    compute_s: float
+    memory_s: float
+    total_s: float
+
+
+def chunk_attention_pairs(num_computed: int, num_new: int) -> int:
+    """(query row, key) pairs of a chunk of `num_new` rows after `num_computed` cached
+    tokens, every row priced at the full context: n·(c + n). For a whole prompt that is
+    n², the "full" term of §17's prefill; for a decode (n = 1) it is the context N."""
+    return num_new * (num_computed + num_new)
+
+
+def step_time(work: StepWork, hw: StepHardware) -> StepTime:
+    """t = t_vit + max(t_compute, t_memory) + overhead, in seconds."""
+    model, a = hw.model, hw.assumptions
+    peak = hw.accel.peak_flops("bf16")
+    vit_s = 0.0
+    if work.num_tiles_encoded:
+        vit_s = cm.compute_time(
+            vit_flops(hw.encoder, work.num_tiles_encoded), peak, a.vit_efficiency
+        )
+    if work.num_dense_rows == 0:
+        return StepTime(vit_s, 0.0, 0.0, vit_s + (hw.step_overhead_s if vit_s else 0.0))
+    flops = 2 * model.num_params * work.num_dense_rows
+    flops += 4 * model.num_layers * model.hidden_size * float(work.num_attention_pairs)
+    compute_s = cm.compute_time(flops, peak, a.prefill_efficiency)
+    kv_bytes = cm.kv_bytes_per_sequence(model, work.num_kv_tokens_read, hw.cache_bytes)
+    memory_s = (cm.weight_bytes_total(model, a.weight_bytes) + kv_bytes) / hw.accel.mem_bandwidth
+    total = vit_s + max(compute_s, memory_s) + hw.step_overhead_s
+    return StepTime(vit_s, compute_s, memory_s, total)
+
+
+def kv_pool_blocks(hw: StepHardware, block_size: int) -> int:
+    """KV blocks that fit beside the backbone, the tower and the workspace (§17's ledger)."""
+    a = hw.assumptions
+    resident = (hw.model.num_params + hw.encoder.num_params) * a.weight_bytes + a.workspace_bytes
+    per_block = cm.kv_bytes_per_token(hw.model, hw.cache_bytes) * block_size
+    num_blocks = int((hw.accel.memory_bytes - resident) // per_block)
+    if num_blocks < 1:
+        raise ValueError(
+            f"{hw.model.name} and {hw.encoder.name} leave no KV cache on {hw.accel.name} "
+            f"({hw.accel.memory_bytes / 1e9:.3g} GB)"
+        )
+    return num_blocks
