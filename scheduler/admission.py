@@ -1,27 +1,89 @@
-"""Admission policy: which waiting sequence may start, given the free KV blocks.
+"""Admission policy: which waiting sequence may start, in which order, with what
+reservation, and which running sequence gives way when the pool runs dry.
 
-The basic policy is first-come first-served with a watermark: a sequence is admitted when
-the blocks its whole prompt still needs (after prefix-cache hits), plus what already
-admitted prompts still need, leave the watermark free. Reserving the whole prompt up
-front keeps chunked prefills from admitting more work than fits and then thrashing.
+Two policies. `FcfsAdmission` is the baseline: arrival order, the whole prompt reserved
+(after prefix-cache hits) plus a watermark, no overtaking, the newest running sequence
+preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
+
+- reservation: the exact prompt (text + visual tokens) plus the expected decode growth,
+  min(max_tokens, decode_reserve_tokens), plus the watermark. Running sequences keep
+  their reservation until they have grown into it, so admitted lumps never collide.
+- hysteresis: a sequence is preempted only when the pool has no block left for a running
+  one; it comes back only when its whole lump plus its growth plus the watermark are
+  free after every running reservation. The band between the two thresholds is what
+  keeps a burst of image requests from thrashing.
+- order: quick requests first (no tower work: images in the encoder or prefix cache, or
+  no images; and a prefill that fits one step), then the rest, each by arrival. A
+  request that does not fit is skipped, so a later one may start, until it has waited
+  `max_wait_steps`: then it goes first and nobody behind it starts until it fits.
+- victim: the running sequence whose preemption throws away the least computed KV not
+  kept by the prefix cache (`recompute_cost`), newest first among equals (§19).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
+from collections.abc import Sequence as SeqList
+from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler.sequence import Sequence
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A ready waiting sequence as the policy sees it this step."""
+
+    seq: Sequence
+    quick: bool  # no tower work and its prefill fits one step's token budget
+    aged: bool  # waited max_wait_steps: goes ahead of every later arrival
+
+
 class AdmissionPolicy(Protocol):
-    def candidates(self, waiting: Iterable[Sequence]) -> Iterable[Sequence]:
-        """Waiting sequences in the order they should be considered."""
+    watermark_blocks: int  # kept free of reservations (running sequences grow into it)
+
+    def order(self, candidates: list[Candidate]) -> list[Candidate]:
+        """Candidates (waiting-queue order) in the order they should be tried."""
+        ...
+
+    def may_overtake(self, blocked: Candidate) -> bool:
+        """Whether later candidates may still start when `blocked` does not fit."""
+        ...
+
+    def reserve_tokens(self, seq: Sequence, max_num_tokens: int | None) -> int:
+        """Tokens of KV a sequence holds a reservation for (at least `seq.num_tokens`)."""
         ...
 
     def can_admit(self, seq: Sequence, blocks_needed: int, blocks_available: int) -> bool:
         """Whether `seq` may start; `blocks_available` already excludes reservations."""
         ...
+
+    def victim(
+        self, others: SeqList[Sequence], current: Sequence, cost: Callable[[Sequence], int]
+    ) -> Sequence:
+        """Who loses its KV so `current` can grow: one of `others` (running, not yet
+        scheduled this step) or `current` itself."""
+        ...
+
+
+def reserved_tokens(
+    num_tokens: int,
+    num_prompt_tokens: int,
+    max_num_tokens: int | None,
+    decode_reserve: int,
+    max_reservable: int,
+) -> int:
+    """Prompt plus the expected decode growth, min(max new tokens, decode_reserve), but
+    no more than the pool can ever reserve (`max_reservable` tokens: a request that fits
+    must stay admissible) and never less than what the sequence already holds."""
+    target = num_prompt_tokens + decode_reserve
+    if max_num_tokens is not None:
+        target = min(target, max_num_tokens)
+    return max(num_tokens, min(target, max_reservable))
+
+
+def watermark_blocks(num_blocks: int, watermark: float) -> int:
+    return int(num_blocks * watermark)
 
 
 class FcfsAdmission:
@@ -29,10 +91,51 @@ class FcfsAdmission:
     large image prompt is never starved by a stream of small ones)."""
 
     def __init__(self, num_blocks: int, watermark: float) -> None:
-        self.watermark_blocks = int(num_blocks * watermark)
+        self.watermark_blocks = watermark_blocks(num_blocks, watermark)
 
-    def candidates(self, waiting: Iterable[Sequence]) -> Iterable[Sequence]:
-        return waiting
+    def order(self, candidates: list[Candidate]) -> list[Candidate]:
+        return candidates
+
+    def may_overtake(self, blocked: Candidate) -> bool:
+        return False
+
+    def reserve_tokens(self, seq: Sequence, max_num_tokens: int | None) -> int:
+        return seq.num_tokens
 
     def can_admit(self, seq: Sequence, blocks_needed: int, blocks_available: int) -> bool:
         return blocks_available - blocks_needed >= self.watermark_blocks
+
+    def victim(
+        self, others: SeqList[Sequence], current: Sequence, cost: Callable[[Sequence], int]
+    ) -> Sequence:
+        return max(others, key=lambda s: s.arrival) if others else current
+
+
+class LumpyAdmission(FcfsAdmission):
+    """Lump reservation with hysteresis, quick-first order with an aging bound, and the
+    cheapest-recompute victim (see the module docstring)."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, watermark: float, decode_reserve_tokens: int
+    ) -> None:
+        super().__init__(num_blocks, watermark)
+        self.decode_reserve_tokens = decode_reserve_tokens
+        self.max_reservable_tokens = (num_blocks - self.watermark_blocks) * block_size
+
+    def order(self, candidates: list[Candidate]) -> list[Candidate]:
+        # Aged first (by arrival), then quick, then the rest; arrival breaks ties.
+        return sorted(candidates, key=lambda c: (not c.aged, c.aged or not c.quick, c.seq.arrival))
+
+    def may_overtake(self, blocked: Candidate) -> bool:
+        return not blocked.aged
+
+    def reserve_tokens(self, seq: Sequence, max_num_tokens: int | None) -> int:
+        return reserved_tokens(
+            seq.num_tokens, seq.num_prompt_tokens, max_num_tokens,
+            self.decode_reserve_tokens, self.max_reservable_tokens,
+        )  # fmt: skip
+
+    def victim(
+        self, others: SeqList[Sequence], current: Sequence, cost: Callable[[Sequence], int]
+    ) -> Sequence:
+        return min([*others, current], key=lambda s: (cost(s), -s.arrival))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+AdmissionKind = Literal["fcfs", "lumpy"]
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,45 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
+    # "fcfs": arrival order, whole-prompt reservation, newest running sequence preempted
+    # (the baseline). "lumpy" (article §17, "cache pressure arrives in lumps"): reserve
+    # prompt + expected decode growth, quick requests first with an aging bound, the
+    # victim is the sequence whose preemption wastes the least recompute (§19).
+    admission: AdmissionKind = "lumpy"
+    # Aging bound, in scheduler steps: a ready request that has waited this long goes
+    # ahead of every later arrival and, until it fits, no later arrival is admitted.
+    # 32 steps is ~0.3-1 s at 10-30 ms a step: long enough for a burst of quick requests
+    # (cached images, short text) to pass a cold 13-tile image, short enough that the
+    # image's TTFT grows by at most about one prefill of itself.
+    max_wait_steps: int = 32
+    # Vision-tower tiles encoded per step; None: unlimited. One so400m tile is ~0.65
+    # TFLOP (search.image_budget.vit_flops) = ~1.3 ms on an H100 at 50% MFU; a 7B decode
+    # step reads 15 GB of weights = ~4.5 ms. 8 tiles keep the tower to about two decode
+    # steps' time, so a 13-tile image (which then goes alone) cannot stall every decode
+    # for long, and most 1-6 tile images still batch together.
+    encoder_tiles_per_step: int | None = 8
+    # Decode growth reserved at admission per request: min(max_tokens, this). Clients
+    # often send max_tokens = the whole context; reserving it all would admit a handful
+    # of requests. VLM answers and captions are mostly under 256 tokens (16 blocks of
+    # 16), so the reservation covers the typical request, and a longer one grows into the
+    # watermark and, past it, is preempted at the least recompute.
+    decode_reserve_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.admission not in ("fcfs", "lumpy"):
+            raise ValueError(f"admission={self.admission!r} must be 'fcfs' or 'lumpy'")
+        if self.max_wait_steps < 0:
+            raise ValueError(f"max_wait_steps={self.max_wait_steps} must be >= 0")
+        if self.encoder_tiles_per_step is not None and self.encoder_tiles_per_step < 1:
+            raise ValueError(
+                f"encoder_tiles_per_step={self.encoder_tiles_per_step} must be >= 1 (or None)"
+            )
+        if self.decode_reserve_tokens < 0:
+            raise ValueError(f"decode_reserve_tokens={self.decode_reserve_tokens} must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,16 @@
 
 Order within a step: running sequences that need a single token (decodes) first, then
 running prefills continue their chunks (each group by arrival), then waiting sequences are
-admitted while the dense token budget and the KV pool allow. When a running sequence
-cannot grow, the victim is the latest-arrived running sequence this step has not visited
-yet (never one already scheduled); with none left, the sequence itself. A victim loses
-its KV, goes to the front of the waiting queue and is recomputed later (article §19); a
-step that preempts admits no one.
+admitted while the dense token budget, the encoder tile budget and the KV pool allow, in
+the order and with the reservation the admission policy gives (`scheduler.admission`).
+A sequence whose images are still being decoded (`ready` False) is never admitted.
+When a running sequence cannot grow, the policy picks a victim among the running
+sequences this step has not visited yet and the sequence itself (lumpy: the least
+recompute; fcfs: the newest). A victim loses its KV, goes to the front of the waiting
+queue and is recomputed later (article §19); a step that preempts admits no one.
+
+Prefill chunks stop before an image that would take the step's vision-tower work past
+`encoder_tiles_per_step` (`scheduler.encoder_budget`).
 
 With speculation on, a decode may also carry n-gram drafts (article §15): its query rows
 are its last token plus the drafts, they count against the budget, and blocks are grown
@@ -17,14 +22,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.admission import AdmissionPolicy, FcfsAdmission
+from scheduler.admission import AdmissionPolicy, Candidate, FcfsAdmission, LumpyAdmission
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from scheduler.encoder_budget import cut_chunk, needs_tower
 from scheduler.kv_blocks import BlockManager
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
-from scheduler.sequence import Sequence
+from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spec_policy import SpecPolicy
 
 
@@ -52,7 +59,18 @@ class StepPlan:
         return not self.scheduled
 
 
+def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> AdmissionPolicy:
+    """The policy `config.admission` names."""
+    if config.admission == "fcfs":
+        return FcfsAdmission(num_blocks, cache.watermark)
+    return LumpyAdmission(
+        num_blocks, cache.block_size, cache.watermark, config.decode_reserve_tokens
+    )
+
+
 class Scheduler:
+    """Plans each step over the waiting and running sequences; owns the block manager."""
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -60,13 +78,17 @@ class Scheduler:
         num_blocks: int,
         admission: AdmissionPolicy | None = None,
         speculative: SpeculativeConfig | None = None,
+        encoder_cached: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.config = config
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.admission = admission or FcfsAdmission(num_blocks, cache.watermark)
+        self.admission = admission or make_admission(config, cache, num_blocks)
+        # Whether the encoder cache holds an image (by ImagePlaceholder.content_hash).
+        self.encoder_cached = encoder_cached or (lambda _: False)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed KV thrown away by preemption
         self.proposer: NgramProposer | None = None
         self.spec_policy: SpecPolicy | None = None
         if speculative is not None and speculative.enabled:
@@ -76,14 +98,46 @@ class Scheduler:
             self.spec_policy = SpecPolicy(speculative, ridge)
         # request id -> the most tokens (prompt + output) the sequence may reach.
         self._max_num_tokens: dict[str, int] = {}
+        # request id -> the position its current admission started computing at.
+        self._admitted_at: dict[str, int] = {}
 
     @property
     def block_size(self) -> int:
         return self.block_manager.block_size
 
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request of this size can never be served here (None: it can): its whole
+        length over the KV pool, its prompt (the lump admission must reserve at once)
+        over the pool less the watermark, or a prompt over the step budget with chunked
+        prefill off. Pure: the engine refuses with it at arrival (400), the simulator the
+        same way."""
+        bm = self.block_manager
+        needed = bm.blocks_for(num_prompt_tokens + max_tokens)
+        if needed > bm.num_blocks:
+            return (
+                f"request needs {needed} KV blocks ({num_prompt_tokens} prompt + {max_tokens} "
+                f"output tokens), the KV pool holds {bm.num_blocks}"
+            )
+        lump = bm.blocks_for(num_prompt_tokens)
+        usable = bm.num_blocks - self.admission.watermark_blocks
+        if lump > usable:
+            return (
+                f"prompt needs {lump} KV blocks at once ({num_prompt_tokens} tokens), the KV "
+                f"pool holds {bm.num_blocks} of which {usable} can be reserved (the rest is "
+                "the watermark)"
+            )
+        sched = self.config
+        if not sched.enable_chunked_prefill and num_prompt_tokens > sched.max_num_batched_tokens:
+            return (
+                f"prompt is {num_prompt_tokens} tokens, over max_num_batched_tokens="
+                f"{sched.max_num_batched_tokens} with chunked prefill off"
+            )
+        return None
+
     def add(self, seq: Sequence, max_num_tokens: int | None = None) -> None:
         """Queue `seq`; `max_num_tokens` caps prompt + output (drafts never pass it)."""
         seq.status = "waiting"
+        seq.num_waiting_steps = 0
         self.waiting.append(seq)
         if max_num_tokens is not None:
             self._max_num_tokens[seq.request_id] = max_num_tokens
@@ -100,21 +154,44 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = "finished"
         self._max_num_tokens.pop(seq.request_id, None)
+        self._admitted_at.pop(seq.request_id, None)
         if self.proposer is not None and self.spec_policy is not None:
             self.proposer.drop(seq.request_id)
             self.spec_policy.drop(seq.request_id)
 
+    def recompute_cost(self, seq: Sequence) -> int:
+        """Computed tokens of `seq` that preempting it would throw away: all of them but
+        the leading blocks another live sequence also holds (those stay cached)."""
+        shared = 0
+        for block_id in seq.block_table:
+            if self.block_manager.blocks[block_id].ref_count < 2:
+                break
+            shared += self.block_size
+        return max(0, seq.num_computed_tokens - shared)
+
     def _preempt(self, seq: Sequence) -> None:
+        self.num_recomputed_tokens += self.recompute_cost(seq)
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._admitted_at.pop(seq.request_id, None)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = "waiting"
+        seq.num_waiting_steps = 0
         self.waiting.appendleft(seq)
 
+    def _is_cached(self, image: ImagePlaceholder) -> bool:
+        return self.encoder_cached(image.content_hash)
+
+    def _cut_for_tiles(self, seq: Sequence, start: int, end: int, tiles_used: int):
+        return cut_chunk(
+            seq.images, start, end, self._admitted_at.get(seq.request_id, start),
+            self._is_cached, tiles_used, self.config.encoder_tiles_per_step,
+        )  # fmt: skip
+
     def schedule(self) -> StepPlan:
-        budget = self.config.max_num_batched_tokens
+        budget, tiles_used = self.config.max_num_batched_tokens, 0
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         queue = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
@@ -124,6 +201,14 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
                 continue
+            if seq.images:
+                start = seq.num_computed_tokens
+                end, tiles = self._cut_for_tiles(seq, start, start + num_new, tiles_used)
+                if end < start + num_new and not self.config.enable_chunked_prefill:
+                    continue
+                if end == start:
+                    continue  # its next image waits for a step with tower room
+                num_new, tiles_used = end - start, tiles_used + tiles
             total = seq.num_computed_tokens + num_new
             sample = total == seq.num_tokens
             drafts: tuple[int, ...] = ()
@@ -135,7 +220,7 @@ class Scheduler:
                 else:
                     drafts = ()
             while not self.block_manager.can_grow(seq, total):
-                victim = max(queue, key=lambda s: s.arrival) if queue else seq
+                victim = self.admission.victim(queue, seq, self.recompute_cost)
                 if victim is not seq:
                     queue.remove(victim)
                 self._preempt(victim)
@@ -148,30 +233,62 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new, sample, drafts))
             budget -= num_new
         if not preempted:
-            scheduled += self._admit(budget)
+            scheduled += self._admit(budget, tiles_used)
+        for seq in self.waiting:
+            if seq.ready:
+                seq.num_waiting_steps += 1
         return StepPlan(scheduled, preempted)
 
-    def _admit(self, budget: int) -> list[ScheduledSeq]:
-        bm, scheduled = self.block_manager, []
-        # Blocks that admitted prompts have yet to take are spoken for.
-        # (A speculating sequence may hold more than its tokens need: that is not a credit.)
-        reserved = sum(
-            max(0, bm.blocks_for(s.num_tokens) - len(s.block_table)) for s in self.running
-        )
-        available = bm.num_free_blocks - reserved
-        for seq in list(self.admission.candidates(self.waiting)):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
+    def _candidates(self) -> list[tuple[Candidate, list[int]]]:
+        """Ready waiting sequences, each with its prefix-cache match (blocks)."""
+        bm, out = self.block_manager, []
+        for seq in self.waiting:
+            if not seq.ready:
+                continue
             hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
             # Keep at least one token to compute: its logits give the next token.
             matched = bm.match_prefix(hashes)[: (seq.num_tokens - 1) // self.block_size]
-            cost = bm.cost_of(matched, seq.num_tokens)
             num_cached = len(matched) * self.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if num_new < seq.num_tokens - num_cached and not self.config.enable_chunked_prefill:
+            tower = any(
+                needs_tower(img, num_cached, seq.num_tokens, num_cached, self._is_cached(img))
+                for img in seq.images
+            )
+            quick = not tower and seq.num_tokens - num_cached <= self.config.max_num_batched_tokens
+            aged = seq.num_waiting_steps >= self.config.max_wait_steps
+            out.append((Candidate(seq, quick, aged), matched))
+        return out
+
+    def _admit(self, budget: int, tiles_used: int) -> list[ScheduledSeq]:
+        bm, policy, scheduled = self.block_manager, self.admission, []
+        # Blocks that admitted sequences have yet to take are spoken for: the rest of
+        # their prompt and (lumpy) their expected growth.
+        # (A speculating sequence may hold more than its tokens need: that is not a credit.)
+        reserved = sum(
+            max(0, bm.blocks_for(self._reserve(s)) - len(s.block_table)) for s in self.running
+        )
+        available = bm.num_free_blocks - reserved
+        found = self._candidates()
+        matches = {id(c.seq): m for c, m in found}
+        for cand in policy.order([c for c, _ in found]):
+            seq = cand.seq
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if not self.admission.can_admit(seq, cost, available):
+            matched = matches[id(seq)]
+            cost = bm.cost_of(matched, self._reserve(seq))
+            num_cached = len(matched) * self.block_size
+            num_new, tiles = min(seq.num_tokens - num_cached, budget), 0
+            fits = num_new == seq.num_tokens - num_cached or self.config.enable_chunked_prefill
+            if fits and seq.images:
+                end, tiles = self._cut_for_tiles(seq, num_cached, num_cached + num_new, tiles_used)
+                fits = end > num_cached and (
+                    end == num_cached + num_new or self.config.enable_chunked_prefill
+                )
+                num_new = end - num_cached
+            if not (fits and policy.can_admit(seq, cost, available)):
+                if policy.may_overtake(cand):
+                    continue
                 break
+            tiles_used += tiles
             bm.take(seq, matched)
             seq.num_computed_tokens = num_cached
             if seq.num_preemptions == 0:
@@ -180,10 +297,15 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
             seq.status = "running"
+            seq.num_waiting_steps = 0
+            self._admitted_at[seq.request_id] = num_cached
             scheduled.append(ScheduledSeq(seq, num_new, num_cached + num_new == seq.num_tokens))
             budget -= num_new
             available -= cost
         return scheduled
+
+    def _reserve(self, seq: Sequence) -> int:
+        return self.admission.reserve_tokens(seq, self._max_num_tokens.get(seq.request_id))
 
     def update(self, plan: StepPlan, sampled: list[list[int]]) -> None:
         """Advance after the runner executed `plan`: `sampled[i]` are the tokens accepted

@@ -20,6 +20,8 @@ class ImagePlaceholder:
     content_hash: bytes
     positions: list[int]
     data: object = None  # what the runner needs to encode it; opaque to the scheduler
+    # Tiles the tower runs for it (the per-step encoder budget); 0 = unknown, counts as 1.
+    num_tiles: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +43,10 @@ class Sequence:
     # Chained hashes of the full blocks so far (prefix cache); extended lazily.
     block_hashes: list[bytes] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))
+    # False while its images are still being decoded: never admitted until it is True.
+    ready: bool = True
+    # Steps spent ready in the waiting queue since it was added or last admitted (aging).
+    num_waiting_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -19,11 +19,13 @@ import dataclasses
 import itertools
 import json
 import logging
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from encoders.errors import PromptTooLongError, RequestError
+from encoders.stage import ImageWork
 from scheduler.planner import Scheduler, StepPlan
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecMetrics
@@ -42,6 +44,9 @@ from vlmserve.spec_decode import ridge_batch_for, sample_plan
 log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+# Longest an idle step waits for an image decode (the engine thread has nothing else).
+_IMAGE_POLL_S = 0.005
 
 
 class StepFailedError(RuntimeError):
@@ -106,9 +111,11 @@ class Engine:
         if speculative.enabled and speculative.adaptive and speculative.ridge_batch is None:
             ridge = ridge_batch_for(self.runner.device, self.runner.dtype)
             speculative = dataclasses.replace(speculative, ridge_batch=ridge)
+        cache = self.runner.encoder_cache  # pool images: content_hash is the cache key
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.runner.num_blocks, speculative=speculative
-        )
+            config.scheduler, config.cache, self.runner.num_blocks, speculative=speculative,
+            encoder_cached=cache.__contains__,
+        )  # fmt: skip
         self.eos_token_ids = _eos_token_ids(config.model.path, model.config, self.tokenizer)
         self._states: dict[str, _State] = {}
         self._ids = itertools.count()
@@ -132,7 +139,9 @@ class Engine:
                 "tokens (and at least one must be left to generate)"
             )
         max_tokens = min(params.max_tokens, self.max_model_len - num_prompt)
-        self._check_fits(num_prompt, max_tokens)
+        refusal = self.scheduler.check_fits(num_prompt, max_tokens)
+        if refusal is not None:  # never admissible: refused now, never a hang
+            raise RequestError(refusal)
         return PreparedRequest(request.request_id, prompt, params, max_tokens)
 
     def add_request(self, request: Request | PreparedRequest) -> str:
@@ -155,23 +164,10 @@ class Engine:
         detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop)
         state = _State(seq, params, SamplerState(params), request.max_tokens, output, detokenizer)
         self._states[request_id] = state
+        # Its images may still be decoding in the pool: queued now, admitted once ready.
+        seq.ready = not _pending_images(seq)
         self.scheduler.add(seq, num_prompt + request.max_tokens)
         return request_id
-
-    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
-        block_manager = self.scheduler.block_manager
-        needed = block_manager.blocks_for(num_prompt + max_tokens)
-        if needed > block_manager.num_blocks:
-            raise RequestError(
-                f"request needs {needed} KV blocks ({num_prompt} prompt + {max_tokens} "
-                f"output tokens), the KV pool holds {block_manager.num_blocks}"
-            )
-        sched = self.config.scheduler
-        if not sched.enable_chunked_prefill and num_prompt > sched.max_num_batched_tokens:
-            raise PromptTooLongError(
-                f"prompt is {num_prompt} tokens, over max_num_batched_tokens="
-                f"{sched.max_num_batched_tokens} with chunked prefill off"
-            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self._states.get(request_id)
@@ -188,12 +184,15 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: plan, run, sample, advance. Returns the outputs of requests that
         produced tokens or finished (failed ones included) in this step."""
+        failed = self._poll_images()
         plan = self.scheduler.schedule()
         for seq in plan.preempted:
-            self.runner.release(seq.request_id)
+            self.runner.preempt(seq)
         if plan.is_empty:
-            return []
-        failed = [
+            if not failed:
+                self._wait_for_images()
+            return failed
+        failed += [
             self._fail(self._states[request_id], error)
             for request_id, error in self.runner.encode_images(plan).items()
         ]
@@ -238,6 +237,30 @@ class Engine:
             out.text_delta = state.detokenizer.take_delta(out.finished)
             outputs.append(out)
         return outputs
+
+    def _poll_images(self) -> list[RequestOutput]:
+        """Mark waiting sequences whose images are decoded ready; fail (alone) those
+        whose decode failed. Never blocks."""
+        failed = []
+        for seq in [s for s in self.scheduler.waiting if not s.ready]:
+            if _pending_images(seq):
+                continue
+            try:
+                for image in seq.images:
+                    if isinstance(image.data, ImageWork):
+                        image.data.wait()  # done: records timings, raises a decode error
+            except Exception as e:  # noqa: BLE001 - this request's image alone
+                failed.append(self._fail(self._states[seq.request_id], e))
+                continue
+            seq.ready = True
+        return failed
+
+    def _wait_for_images(self) -> None:
+        """Nothing to run but images still decoding: wait briefly for one of them rather
+        than spin (short, so new requests and aborts are still taken promptly)."""
+        pending = [f for s in self.scheduler.waiting for f in _pending_images(s)]
+        if pending:
+            futures.wait(pending, timeout=_IMAGE_POLL_S, return_when=futures.FIRST_COMPLETED)
 
     @staticmethod
     def _without(plan: StepPlan, request_ids: set[str]) -> StepPlan:
@@ -310,6 +333,7 @@ class Engine:
             "kv_usage": used / bm.num_blocks,
             "num_steps": float(self.num_steps),
             "num_preemptions": float(scheduler.num_preemptions),
+            "recomputed_tokens_total": float(scheduler.num_recomputed_tokens),
             "computed_prompt_tokens": float(self.num_computed_prompt_tokens),
         }
         cache = self.runner.encoder_cache.stats()
@@ -350,6 +374,17 @@ class Engine:
         while self.has_unfinished():
             self.step()
         return outputs
+
+
+def _pending_images(seq: Sequence) -> list[futures.Future]:
+    """Futures of `seq`'s images still being decoded and tiled in the pool."""
+    return [
+        image.data.future
+        for image in seq.images
+        if isinstance(image.data, ImageWork)
+        and image.data.future is not None
+        and not image.data.future.done()
+    ]
 
 
 def _eos_token_ids(path: str, config: dict, tokenizer: object) -> set[int]:

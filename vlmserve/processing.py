@@ -299,14 +299,16 @@ class HFPromptProcessor:
             submit_timeout=self.encoder.submit_timeout_s,
             budget=self._budget(),
         )
-        for work in works:
-            work.wait()  # a bad image fails its request here, not inside a later step
+        # No waiting here: the header gave each layout and token count, so the request
+        # is tokenised and queued while the pool decodes; the engine marks it ready when
+        # its tiles exist, and a bad image found then fails that request alone.
         expanded = pieces[0] + "".join(
             placeholder_text(work.layout, image_token) + piece
             for work, piece in zip(works, pieces[1:], strict=True)
         )
         token_ids = self._tokenizer.get()(expanded, add_special_tokens=add_special)["input_ids"]
         images = [(work.cache_key, work.layout.num_tokens, work) for work in works]
-        return ProcessedPrompt(
-            list(token_ids), place_images(token_ids, self.model.image_token_id, images)
-        )
+        placed = place_images(token_ids, self.model.image_token_id, images)
+        for placeholder, work in zip(placed, works, strict=True):
+            placeholder.num_tiles = work.layout.num_tiles  # the encoder budget's unit
+        return ProcessedPrompt(list(token_ids), placed)

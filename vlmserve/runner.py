@@ -11,11 +11,11 @@ import torch
 
 from encoders.cache import EncoderCache
 from encoders.errors import RequestError
-from encoders.stage import EncoderStage
+from encoders.stage import EncoderStage, ImageWork
 from kernels.attention import AttentionBatch, select_backend
 from scheduler.config import kv_pool_num_blocks
 from scheduler.planner import StepPlan
-from scheduler.sequence import ImagePlaceholder
+from scheduler.sequence import ImagePlaceholder, Sequence
 from vlmserve.config import EngineConfig
 from vlmserve.models.loader import LoadedModel, load_model
 
@@ -75,6 +75,15 @@ class ModelRunner:
         """Forget per-request state (finished, aborted or preempted)."""
         for key in [k for k in self._image_embeds if k[0] == request_id]:
             del self._image_embeds[key]
+
+    def preempt(self, seq: Sequence) -> None:
+        """`seq` lost its KV: pin its images' encoder-cache entries to it (as a hit at
+        arrival is pinned), so its recompute never runs the tower again, then forget it."""
+        for image in seq.images:
+            work = image.data
+            if isinstance(work, ImageWork) and work.embedding is None:
+                work.embedding = self.encoder_cache.peek(work.cache_key)
+        self.release(seq.request_id)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:

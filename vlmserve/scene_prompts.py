@@ -58,4 +58,6 @@ class ScenePromptProcessor:
             for (_, digest), tiles in zip(loaded, encoded.pixel_values, strict=True)
         ]
         placeholders = place_images(encoded.token_ids, scene.image_token_id, images)
+        for placeholder, tiles in zip(placeholders, encoded.pixel_values, strict=True):
+            placeholder.num_tiles = tiles.shape[0]  # [num_tiles, 3, S, S]
         return ProcessedPrompt(encoded.token_ids, placeholders)

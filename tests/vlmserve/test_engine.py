@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from encoders.errors import ImageDecodeError, PromptTooLongError, TooManyImagesError
+from encoders.errors import (
+    ImageDecodeError,
+    PromptTooLongError,
+    RequestError,
+    TooManyImagesError,
+)
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine import Engine
@@ -15,12 +20,14 @@ from vlmserve.sampling import SamplingParams
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
-def make_engine(path, *, num_blocks=256, block_size=4, budget=64, **model) -> Engine:
+def make_engine(
+    path, *, num_blocks=256, block_size=4, budget=64, scheduler=None, **model
+) -> Engine:
     return Engine(
         EngineConfig(
             ModelConfig(str(path), **model),
             CacheConfig(num_blocks=num_blocks, block_size=block_size),
-            SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16),
+            SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, **(scheduler or {})),
         )
     )
 
@@ -151,11 +158,62 @@ def test_second_question_about_same_image_reuses_its_blocks(llava_ov_path, rando
 
 def test_tiny_kv_pool_preempts_and_still_gives_the_same_tokens(llava_ov_path, random_image):
     reference = run_checked(make_engine(llava_ov_path, budget=64), mixed_requests(random_image))
-    engine = make_engine(llava_ov_path, num_blocks=60, budget=64)
-    squeezed = run_checked(engine, mixed_requests(random_image))
+    # FCFS reserves only the prompt, so the burst of 8 image requests thrashes the pool.
+    fcfs = make_engine(llava_ov_path, num_blocks=60, budget=64, scheduler={"admission": "fcfs"})
+    squeezed = run_checked(fcfs, mixed_requests(random_image))
     assert [o.token_ids for o in squeezed] == [o.token_ids for o in reference]
-    preemptions = engine.scheduler.num_preemptions
+    preemptions = fcfs.scheduler.num_preemptions
     assert preemptions > 0, "the pool was meant to be too small to hold every request"
+    assert fcfs.stats()["recomputed_tokens_total"] == fcfs.scheduler.num_recomputed_tokens > 0
+    # Lumpy reserves prompt + min(max_tokens, decode_reserve_tokens): with max_tokens under
+    # the reserve every admitted lump is whole, so the bound is 0 preemptions.
+    lumpy = make_engine(llava_ov_path, num_blocks=60, budget=64)
+    squeezed = run_checked(lumpy, mixed_requests(random_image))
+    assert [o.token_ids for o in squeezed] == [o.token_ids for o in reference]
+    assert lumpy.scheduler.num_preemptions == 0
+    assert lumpy.stats()["recomputed_tokens_total"] == 0
+
+
+def test_request_that_can_never_fit_the_pool_is_refused_at_arrival(llava_ov_path, random_image):
+    engine = make_engine(llava_ov_path, num_blocks=20)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    with pytest.raises(RequestError, match=r"prompt \+ 60 output tokens\), the KV pool holds 20"):
+        engine.add_request(chat([random_image(1, 40, 40)], "describe", params))
+    assert not engine.has_unfinished()  # nothing was queued
+
+
+def test_images_still_decoding_are_waited_for_and_a_late_bad_one_fails_alone(
+    llava_ov_path, random_image
+):
+    from concurrent.futures import Future
+
+    reference = run_checked(make_engine(llava_ov_path), [chat([random_image(1, 40, 40)], "a")])
+    engine = make_engine(llava_ov_path)
+    ids = [
+        engine.add_request(chat([random_image(1, 40, 40)], "a", request_id="slow")),
+        engine.add_request(chat([random_image(2, 40, 40)], "b", request_id="bad")),
+        engine.add_request(chat([random_image(3, 40, 40)], "c", request_id="fine")),
+    ]
+    seqs = [engine._states[rid].seq for rid in ids]
+    slow_work, bad_work = seqs[0].images[0].data, seqs[1].images[0].data
+    slow_work.tiles()  # (the real tiles, computed now)
+    done, slow_work.future = slow_work.future, Future()  # as if still in the pool
+    bad_work.future = Future()
+    seqs[0].ready = seqs[1].ready = False
+    outputs = {rid: engine._states[rid].output for rid in ids}
+    for _ in range(3):
+        engine.step()
+        assert seqs[0].status == seqs[1].status == "waiting"  # never scheduled
+    bad_work.future.set_exception(ImageDecodeError("cannot decode image: truncated"))
+    failed = [o for o in engine.step() if o.finish_reason == "error"]
+    assert [o.request_id for o in failed] == ["bad"]
+    assert failed[0].error_status == 400 and "truncated" in failed[0].error
+    slow_work.future = done
+    while engine.has_unfinished():
+        engine.step()
+        engine.scheduler.block_manager.check_integrity()
+    assert outputs["slow"].token_ids == reference[0].token_ids
+    assert outputs["fine"].finish_reason == "length"
 
 
 def test_prompt_longer_than_context_names_both_lengths(llama_path):

@@ -552,3 +552,19 @@ def test_embedded_model_answers_a_question_about_a_generated_scene():
         )  # fmt: skip
     assert reply.choices[0].message.content.strip() == caption(scene)
     assert reply.choices[0].finish_reason == "stop"
+
+
+def test_never_fitting_request_is_400_and_a_bad_streamed_image_is_4xx(llava_ov_path, random_image):
+    with serve(lambda: Engine(engine_config(llava_ov_path, num_blocks=12))) as small:
+        body = {"messages": [user("hi")], "max_tokens": 60}
+        assert_error(small.post(body), 400, r"60 output tokens), the KV pool holds 12")
+        # A header that reads fine and a body that does not: the decode fails after the
+        # request was queued, and the stream still answers with a JSON error.
+        buffer = io.BytesIO()
+        random_image(3, 48, 48).save(buffer, format="JPEG")
+        truncated = buffer.getvalue()[:300]
+        parts = [{"type": "image_url", "image_url": {"url": data_url(truncated)}},
+                 {"type": "text", "text": "hi"}]  # fmt: skip
+        stream = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2,
+                  "stream": True}  # fmt: skip
+        assert_error(small.post(stream), 400, "image")

@@ -30,12 +30,14 @@ COPY_HEAVY = [
 ]
 
 
-def make_engine(path, spec: SpeculativeConfig | None = None, *, num_blocks=256, budget=24):
+def make_engine(
+    path, spec: SpeculativeConfig | None = None, *, num_blocks=256, budget=24, admission="lumpy"
+):
     return Engine(
         EngineConfig(
             ModelConfig(str(path)),
             CacheConfig(num_blocks=num_blocks, block_size=4),
-            SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16),
+            SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, admission=admission),
             speculative=spec or SpeculativeConfig(),
         )
     )
@@ -140,7 +142,8 @@ def test_rejected_drafts_roll_back_and_every_block_returns(llama_path):
     params = [SamplingParams(max_tokens=40, top_k=3, seed=i, ignore_eos=True)
               for i in range(16)]  # fmt: skip
     spec = SpeculativeConfig(num_speculative_tokens=6, min_n=1, adaptive=False)
-    engine = make_engine(llama_path, spec, num_blocks=48)
+    # FCFS reserves only prompts, so the small pool preempts (lumpy would not).
+    engine = make_engine(llama_path, spec, num_blocks=48, admission="fcfs")
     outputs = run_checked(engine, text_requests(params))
     metrics = engine.spec_metrics
     assert metrics.num_proposed_tokens - metrics.num_accepted_tokens > 200, metrics

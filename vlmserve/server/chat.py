@@ -140,8 +140,17 @@ class ChatHandler:
         self.metrics.stage.observe(first.process_s, stage="process")
         track = _Tracker(arrival, self.metrics)
         if body.stream:
+            # An image's decode may still fail after Accepted: wait for the first item so
+            # a bad image is a 4xx JSON error, not a 200 stream with an error event.
+            try:
+                second = await sink.queue.get()
+            except BaseException:  # cancelled (client gone, server shutting down)
+                self.loop.abort(request_id)
+                raise
+            if isinstance(second, Failed):
+                return self._failed(second.error)
             state = _StreamState()
-            stream = self._stream(request_id, body.include_usage, sink, track, state)
+            stream = self._stream(request_id, body.include_usage, sink, track, state, second)
             return _AbortingStream(stream, lambda: self._close_stream(request_id, state))
         return await self._complete(request_id, sink, track, http)
 
@@ -199,11 +208,14 @@ class ChatHandler:
         sink: AsyncSink,
         track: _Tracker,
         state: _StreamState,
+        first: Item,
     ) -> AsyncIterator[str]:
         model, created = self.settings.model_name, int(time.time())
         yield _sse(chunk_body(request_id, model, created, {"role": "assistant", "content": ""}))
+        item: Item | None = first
         while not state.done:
-            item = await sink.queue.get()
+            if item is None:
+                item = await sink.queue.get()
             if isinstance(item, Failed):
                 state.done = True  # terminal already: nothing to abort
                 self.metrics.requests.inc(outcome=f"http_{status_of(item.error)}")
@@ -217,6 +229,7 @@ class ChatHandler:
                 yield _sse(chunk_body(request_id, model, created, {}, item.finish_reason))
                 if include_usage:
                     yield _sse(chunk_body(request_id, model, created, None, None, _usage(item)))
+            item = None
         yield "data: [DONE]\n\n"
 
 

@@ -1,0 +1,80 @@
+"""Admission policies: reservation, order, overtaking, victims, and the arrival check."""
+
+from __future__ import annotations
+
+import pytest
+from sched_testing import make_request, make_scheduler, run_step
+
+from scheduler.admission import Candidate, FcfsAdmission, LumpyAdmission, reserved_tokens
+from scheduler.config import SchedulerConfig
+
+
+def test_reservation_is_prompt_plus_capped_growth_within_the_pool():
+    assert reserved_tokens(100, 100, 1100, 256, 10_000) == 356  # growth capped at 256
+    assert reserved_tokens(100, 100, 120, 256, 10_000) == 120  # max_tokens is smaller
+    assert reserved_tokens(100, 100, None, 256, 300) == 300  # never over the pool
+    assert reserved_tokens(400, 100, 1100, 256, 10_000) == 400  # already past it
+
+
+def test_lumpy_order_puts_aged_then_quick_first_and_only_aged_block_others():
+    seqs = [make_request(f"r{i}", 4) for i in range(4)]
+    cold, quick, aged, cold2 = (
+        Candidate(seqs[0], quick=False, aged=False),
+        Candidate(seqs[1], quick=True, aged=False),
+        Candidate(seqs[2], quick=False, aged=True),
+        Candidate(seqs[3], quick=False, aged=False),
+    )
+    policy = LumpyAdmission(num_blocks=100, block_size=4, watermark=0.01, decode_reserve_tokens=8)
+    assert policy.order([cold, quick, aged, cold2]) == [aged, quick, cold, cold2]
+    assert policy.may_overtake(cold) and not policy.may_overtake(aged)
+    fcfs = FcfsAdmission(num_blocks=100, watermark=0.01)
+    assert fcfs.order([cold, quick, aged]) == [cold, quick, aged]
+    assert not fcfs.may_overtake(cold)
+
+
+def test_never_fits_is_refused_at_arrival_naming_both_numbers():
+    scheduler = make_scheduler(num_blocks=10, block_size=4)
+    assert scheduler.check_fits(20, 20) is None
+    message = scheduler.check_fits(30, 20)
+    assert "13 KV blocks" in message and "30 prompt + 20 output" in message
+    assert "holds 10" in message
+    big_pool = make_scheduler(num_blocks=200, block_size=4)  # watermark: 2 blocks
+    message = big_pool.check_fits(795, 1)
+    assert "199 KV blocks at once (795 tokens)" in message and "198 can be reserved" in message
+    chunkless = make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=16)
+    assert "over max_num_batched_tokens=16" in chunkless.check_fits(17, 1)
+
+
+def test_preempted_request_waits_for_its_lump_plus_the_watermark():
+    """Hysteresis: a and b (12-token prompts, 26 tokens at most) share 8 blocks of 4. At
+    16 tokens each holds 4 and a needs a fifth: b (equal cost, newer) is preempted. It
+    needs 5 blocks back; while a grows from 5 to 7 blocks, 3 then 1 are free, so b does
+    not come back (no thrash) until a has finished."""
+    scheduler = make_scheduler(num_blocks=8, admission="lumpy", decode_reserve_tokens=0)
+    a, b = make_request("a", 12), make_request("b", 12)
+    limits = {"a": 26, "b": 26}
+    scheduler.add(a, 26)
+    scheduler.add(b, 26)
+    run_step(scheduler, limits)  # both prefilled: 3 + 3 blocks
+    preempted_at = None
+    for step in range(40):
+        plan = run_step(scheduler, limits)
+        if plan.preempted and preempted_at is None:
+            preempted_at = step
+            assert [s.request_id for s in plan.preempted] == ["b"]
+        if preempted_at is not None and a.status != "finished":
+            assert b.status == "waiting", "re-admitted before the pool had its lump free"
+        if not scheduler.has_unfinished():
+            break
+    assert preempted_at is not None and scheduler.num_preemptions == 1
+    assert b.status == "finished" and len(b.token_ids) == 26
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("admission", "lifo"), ("max_wait_steps", -1), ("encoder_tiles_per_step", 0),
+     ("decode_reserve_tokens", -1)],
+)  # fmt: skip
+def test_config_names_the_bad_value(field, value):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: value})

@@ -1,0 +1,145 @@
+"""The step planner: readiness, the per-step encoder budget, the aging bound, the
+cheapest-recompute victim, and a burst of image requests that must not thrash."""
+
+from __future__ import annotations
+
+from sched_testing import make_request, make_scheduler, run_step, tiles_encoded
+
+from scheduler.encoder_budget import cut_chunk
+
+
+def test_not_ready_sequence_is_never_scheduled():
+    scheduler = make_scheduler()
+    waiting = make_request("img", 12, images=[(2, 8, 2)], ready=False)
+    text = make_request("text", 6)
+    scheduler.add(waiting, 14)
+    scheduler.add(text, 8)
+    for _ in range(3):
+        plan = run_step(scheduler, {"img": 14, "text": 8})
+        assert all(item.seq is not waiting for item in plan.scheduled)
+    assert waiting.status == "waiting" and waiting.num_waiting_steps == 0  # not aging
+    waiting.ready = True
+    [item] = scheduler.schedule().scheduled
+    assert item.seq is waiting and item.num_new_tokens == 12
+
+
+def test_encoder_budget_caps_the_tiles_of_every_step():
+    # Budget 5 tiles: requests of 3, 3, 2 and a 9-tile image (over the budget on its own).
+    scheduler = make_scheduler(encoder_tiles_per_step=5, max_num_batched_tokens=256)
+    specs = {"a": 3, "b": 3, "c": 2, "huge": 9, "d": 1}
+    limits = {}
+    for rid, tiles in specs.items():
+        scheduler.add(make_request(rid, 12, images=[(2, 8, tiles)]), 14)
+        limits[rid] = 14
+    per_step = []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        per_step.append(tiles_encoded(scheduler, plan))
+        scheduler.update(plan, [[7] if item.sample else [] for item in plan.scheduled])
+        for item in plan.scheduled:
+            if item.seq.num_tokens >= limits[item.seq.request_id]:
+                scheduler.finish(item.seq)
+    # a (3) + c (2) = 5 first (b's chunk stops before its image: quick-first does not
+    # apply, none is cached), then b (3) + d (1), then the huge one alone.
+    assert [t for t in per_step if t] == [5, 4, 9]
+    assert max(t for t in per_step if t != 9) <= 5
+
+
+def test_cut_chunk_stops_before_the_image_that_passes_the_budget():
+    a = make_request("x", 30, images=[(2, 4, 2), (10, 4, 3), (20, 4, 1)]).images
+    never = lambda image: False  # noqa: E731
+    assert cut_chunk(a, 0, 30, 0, never, 0, 5) == (20, 5)  # third would make 6
+    assert cut_chunk(a, 0, 30, 0, never, 4, 5) == (2, 0)  # 4 spent: not even the first
+    assert cut_chunk(a, 0, 30, 0, never, 0, 1) == (10, 2)  # the first goes alone
+    assert cut_chunk(a, 12, 30, 0, never, 0, 1) == (30, 1)  # image 2 began earlier: free
+    assert cut_chunk(a, 0, 30, 0, lambda image: True, 0, 1) == (30, 0)  # all cached
+
+
+def test_aging_bound_holds_against_an_endless_stream_of_small_requests():
+    """A new small text request arrives every step and lives 3 steps holding 2 of the 10
+    blocks, so about 3 run at once and 4 blocks are free. A cold image request needing 8
+    blocks arrives once the stream runs. Quick requests go first and it does not fit,
+    so without aging it never starts; with max_wait_steps=W it starts within W steps plus
+    the 3 the small ones already running take to drain."""
+
+    def first_admitted(max_wait_steps: int, num_steps: int = 120) -> int | None:
+        scheduler = make_scheduler(num_blocks=10, max_wait_steps=max_wait_steps)
+        big = make_request("big", 30, images=[(2, 24, 13)])
+        limits = {"big": 31}
+        for step in range(-4, num_steps):
+            if step == 0:
+                scheduler.add(big, 31)
+            small = make_request(f"s{step}", 4)
+            scheduler.add(small, 7)
+            limits[small.request_id] = 7
+            plan = run_step(scheduler, limits)
+            if any(item.seq is big for item in plan.scheduled):
+                return step
+        return None
+
+    assert first_admitted(max_wait_steps=10**9) is None
+    for bound in (0, 5, 20):
+        admitted = first_admitted(bound)
+        assert admitted is not None and bound <= admitted <= bound + 3, (bound, admitted)
+        assert admitted == bound + 1  # here the running small ones drain in one step
+
+
+def test_preemption_takes_the_cheapest_victim_not_the_newest():
+    """A (8 prompt tokens), B (4), C (11), arrived in that order, fill 6 blocks of 4. At
+    the first decode A needs a third block. FCFS takes the newest, C, throwing away 11
+    computed tokens; lumpy takes B, which has computed only 4."""
+
+    def preempt(admission: str):
+        scheduler = make_scheduler(num_blocks=6, admission=admission, decode_reserve_tokens=0)
+        seqs = [make_request("A", 8), make_request("B", 4), make_request("C", 11)]
+        limits = {s.request_id: 20 for s in seqs}
+        for s in seqs:
+            scheduler.add(s, 20)
+        first = run_step(scheduler, limits)
+        assert [item.seq.request_id for item in first.scheduled] == ["A", "B", "C"]
+        plan = run_step(scheduler, limits)
+        return [s.request_id for s in plan.preempted], scheduler.num_recomputed_tokens
+
+    assert preempt("fcfs") == (["C"], 11)
+    assert preempt("lumpy") == (["B"], 4)
+
+
+def test_recompute_cost_leaves_out_blocks_shared_with_a_live_sequence():
+    scheduler = make_scheduler(num_blocks=16)
+    first = make_request("first", 9)
+    second = make_request("second", 9)
+    second.token_ids[:8] = first.token_ids[:8]  # two shared full blocks
+    scheduler.add(first, 20)
+    run_step(scheduler, {"first": 20})
+    scheduler.add(second, 20)
+    run_step(scheduler, {"first": 20, "second": 20})
+    assert second.num_cached_tokens == 8
+    assert scheduler.recompute_cost(first) == first.num_computed_tokens - 8
+    assert scheduler.recompute_cost(second) == second.num_computed_tokens - 8
+
+
+def burst(admission: str) -> tuple[int, int]:
+    """8 image requests (24-token prompts with a 16-token image, 8 output tokens) into a
+    pool of 20 blocks of 4 tokens (80 tokens: room for 2.5 whole requests)."""
+    scheduler = make_scheduler(num_blocks=20, admission=admission, max_num_batched_tokens=32)
+    limits = {}
+    for i in range(8):
+        scheduler.add(make_request(f"r{i}", 24, images=[(4, 16, 4)]), 32)
+        limits[f"r{i}"] = 32
+    steps = 0
+    while scheduler.has_unfinished():
+        run_step(scheduler, limits)
+        steps += 1
+        assert steps < 500, "the burst never drained"
+    assert scheduler.block_manager.num_free_blocks == 20
+    return scheduler.num_preemptions, scheduler.num_recomputed_tokens
+
+
+def test_a_burst_of_image_requests_does_not_thrash():
+    # Lumpy reserves prompt + min(max_tokens, decode_reserve_tokens): every admitted
+    # request holds its whole lump, so the bound is 0 preemptions whenever max_tokens <=
+    # decode_reserve_tokens. FCFS reserves only the prompt and thrashes.
+    preemptions, recomputed = burst("lumpy")
+    assert (preemptions, recomputed) == (0, 0)
+    preemptions, recomputed = burst("fcfs")
+    assert preemptions > 0 and recomputed > 0
