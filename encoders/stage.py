@@ -130,7 +130,10 @@ def prepare_images(
                                num_pixels=num_pixels, budget=budget))  # fmt: skip
     for work in items:
         if cache is not None and (hit := cache.peek(work.cache_key)) is not None:
-            work.embedding = hit  # pinned: skips decode and tiling even if evicted later
+            # Pinned: skips decode and tiling even if evicted later. Counted here, where it
+            # saves the work: the prefix cache may cover the image so the step never asks.
+            work.embedding = hit
+            cache.note_hit(work.cache_key)
             continue
         if pool is None or isinstance(work.source, Image.Image):
             work.tiles()  # already decoded (or no pool): tile in this thread
@@ -204,7 +207,7 @@ class EncoderStage:
             if isinstance(image, ImageWork) and image.embedding is not None:
                 out[i] = image.embedding
                 if self.cache is not None:
-                    self.cache.note_hit(key)
+                    self.cache.touch(key)  # its hit was counted when it was pinned
                 continue
             hit = self.cache.get(key) if self.cache is not None and isinstance(key, bytes) else None
             if hit is not None:

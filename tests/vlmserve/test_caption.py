@@ -213,10 +213,20 @@ def test_embedded_model_captions_match_the_scenes(tmp_path):
             SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16),
         )
     )
+    shutil.copy(root / "s0.jpg", root / "s0_again.jpg")  # the same bytes twice
+    sources = []  # what the job hands the engine: bytes, never a decoded image
+    prepare = engine.prepare
+    engine.prepare = lambda request: (
+        sources.append(request.messages[0]["content"][0]["image"]) or prepare(request)
+    )
     out = tmp_path / "captions.jsonl"
     params = SamplingParams(max_tokens=40, temperature=0.0)
-    run_caption(engine, discover(root), out, params, progress=False)
+    run_caption(engine, discover(root), out, params, max_in_flight=4, num_workers=1, progress=False)
+    assert len(sources) == 9 and all(isinstance(s, bytes) for s in sources)
+    stats = engine.stats()
+    assert stats["preprocess_images"] >= 8 and stats["encoder_cache_misses"] >= 8
     got = {row["id"]: row["caption"].strip() for row in lines(out)}
+    assert got["s0_again.jpg"] == got["s0.jpg"]
     right = sum(
         got[f"s{i}.{'png' if i % 2 else 'jpg'}"] == caption(s) for i, s in enumerate(scenes)
     )
