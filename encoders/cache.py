@@ -67,7 +67,7 @@ class EncoderCache:
 
     def peek(self, key: bytes) -> torch.Tensor | None:
         """The value without counting a hit or refreshing it (a caller that pins it
-        counts the hit when it uses it: `note_hit`)."""
+        counts the hit when it takes it: `note_hit`)."""
         with self._lock:
             return self._entries.get(key)
 
@@ -82,9 +82,15 @@ class EncoderCache:
             return value
 
     def note_hit(self, key: bytes) -> None:
-        """A pinned value was used: a hit, and most recently used if still held."""
+        """A pinned value was taken: a hit, and most recently used if still held."""
         with self._lock:
             self.hits += 1
+            if key in self._entries:
+                self._entries.move_to_end(key)
+
+    def touch(self, key: bytes) -> None:
+        """A pinned value was used again (its hit already counted): most recently used."""
+        with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
 

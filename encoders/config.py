@@ -21,7 +21,11 @@ class EncoderConfig:
     # Pixels being decoded at once, process-wide (`encoders.pixel_budget`); an image waits
     # up to `submit_timeout_s` for room, then gets a retryable 503. None: 2 x max_pixels.
     max_decode_pixels: int | None = None
-    jpeg_draft: bool = True  # decode JPEGs at 1/2..1/8 scale when targets are that small
+    # JPEG draft decoding (1/2..1/8 scale when every resample target is that small) is
+    # opt-in: it changed 16-token greedy outputs on 32% of requests for Idefics3, 12% for
+    # LLaVA-OneVision, 5% for the embedded model vs 0% with it off
+    # (benchmarks/jpeg_draft_divergence.py, 100 JPEGs per family). Off: exact pixels.
+    jpeg_draft: bool = False
     # Encoder-output cache (pooled embeddings on the runner's device); 0 turns it off.
     cache_bytes: int = 256 << 20
     # False: keep the checkpoint's HF image processor on the serving path.

@@ -35,6 +35,7 @@ from PIL import Image, UnidentifiedImageError
 from encoders.errors import ImageDecodeError, ImageTooLargeError
 from encoders.image_spec import ImageLayout, ImageSpec
 from encoders.tiling_anyres import AnyresLayout
+from encoders.tiling_internvl import InternVLLayout
 
 __all__ = [
     "ALLOWED_FORMATS", "CorruptImageError", "ImageHeader", "TruncatedImageError",
@@ -333,6 +334,15 @@ def tile_image(
         new_height, new_width = layout.resized
         grid = np.asarray(image.resize((new_width, new_height), resample))
         _cut_tiles(grid, tiles[1:], layout.grid, layout.padding[1], layout.padding[0])
+        return tiles
+    if isinstance(layout, InternVLLayout):
+        # InternVL: the grid from one resize of the decoded image, the thumbnail (last)
+        # from another (the embedded model's SceneProcessor, bit for bit).
+        height1, width1 = layout.resized
+        grid_tiles = tiles[:-1] if layout.has_thumbnail else tiles
+        _cut_tiles(np.asarray(_resize(image, (width1, height1), resample)), grid_tiles, layout.grid)
+        if layout.has_thumbnail:
+            tiles[-1] = np.asarray(_resize(image, (size, size), resample))
         return tiles
     height1, width1 = layout.resized
     image = _resize(image, (width1, height1), resample)  # longest edge -> spec.longest_edge

@@ -15,11 +15,12 @@ from typing import Literal
 from encoders.connectors import max_patches_from_aspect_ratio
 from encoders.tiling_anyres import AnyresLayout, anyres_layout
 from encoders.tiling_idefics3 import Idefics3Layout, idefics3_layout
+from encoders.tiling_internvl import InternVLLayout, internvl_layout
 
 __all__ = ["ImageLayout", "ImageSpec", "placeholder_text"]
 
-ImageLayout = AnyresLayout | Idefics3Layout
-SpecFamily = Literal["llava_onevision", "idefics3"]
+ImageLayout = AnyresLayout | Idefics3Layout | InternVLLayout
+SpecFamily = Literal["llava_onevision", "idefics3", "internvl"]
 
 # Idefics3 / SmolVLM prompt tokens (fixed strings in the HF processors)
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
@@ -45,8 +46,14 @@ class ImageSpec:
     longest_edge: int = 0
     do_image_splitting: bool = True
     image_seq_len: int = 0
-    # Decoding: JPEG draft mode (DCT-domain downscale) changes pixels slightly.
-    jpeg_draft: bool = True
+    # InternVL dynamic tiling (the embedded default model)
+    tokens_per_tile: int = 0
+    min_num_tiles: int = 1
+    max_num_tiles: int = 12
+    use_thumbnail: bool = True
+    # Decoding: JPEG draft mode (DCT-domain downscale) changes pixels, and so some
+    # outputs (benchmarks/jpeg_draft_divergence.py): opt-in.
+    jpeg_draft: bool = False
 
     def __post_init__(self) -> None:
         if self.tile_size < 1:
@@ -55,6 +62,8 @@ class ImageSpec:
             raise ValueError("LLaVA-OneVision needs grid_pinpoints and num_patches")
         if self.family == "idefics3" and (self.longest_edge < 1 or self.image_seq_len < 1):
             raise ValueError("Idefics3 needs longest_edge and image_seq_len")
+        if self.family == "internvl" and self.tokens_per_tile < 1:
+            raise ValueError("InternVL needs tokens_per_tile")
 
     def layout(self, width: int, height: int, multi_image: bool = False) -> ImageLayout:
         """Tiles and exact token count of a width x height image (header size suffices)."""
@@ -63,6 +72,12 @@ class ImageSpec:
                 width, height, tile_size=self.tile_size, grid_pinpoints=self.grid_pinpoints,
                 num_patches=self.num_patches, max_num_patches=self.max_num_patches,
                 select_strategy=self.select_strategy, multi_image=multi_image,
+            )  # fmt: skip
+        if self.family == "internvl":
+            return internvl_layout(
+                width, height, tile_size=self.tile_size, tokens_per_tile=self.tokens_per_tile,
+                min_num_tiles=self.min_num_tiles, max_num_tiles=self.max_num_tiles,
+                use_thumbnail=self.use_thumbnail,
             )  # fmt: skip
         return idefics3_layout(
             width, height, longest_edge=self.longest_edge, tile_size=self.tile_size,
@@ -76,7 +91,7 @@ class ImageSpec:
             if layout.multi_image:  # padded at full size first: no draft
                 return layout.width, layout.height
             return max(layout.resized[1], self.tile_size), max(layout.resized[0], self.tile_size)
-        return layout.resized[1], layout.resized[0]
+        return layout.resized[1], layout.resized[0]  # InternVL: the grid is >= the thumbnail
 
     @property
     def key(self) -> bytes:
@@ -84,7 +99,7 @@ class ImageSpec:
         return hashlib.blake2b(repr(sorted(asdict(self).items())).encode(), digest_size=16).digest()
 
     @classmethod
-    def from_hf(cls, processor: object, jpeg_draft: bool = True) -> ImageSpec | None:
+    def from_hf(cls, processor: object, jpeg_draft: bool = False) -> ImageSpec | None:
         """From a loaded HF processor; None when its settings are outside what we
         reproduce (then the HF image processor stays on the serving path)."""
         ip = getattr(processor, "image_processor", None)
@@ -125,7 +140,7 @@ class ImageSpec:
 def placeholder_text(layout: ImageLayout, image_token: str) -> str:
     """The prompt text one image's `<image>` expands to, exactly as the HF processor
     writes it (so tokenising the expanded prompt gives the HF token ids)."""
-    if isinstance(layout, AnyresLayout):
+    if isinstance(layout, (AnyresLayout, InternVLLayout)):
         return image_token * layout.num_tokens
     tokens_per_tile = layout.num_tokens // layout.num_tiles
     tile = image_token * tokens_per_tile

@@ -21,15 +21,19 @@ import torch
 from PIL import Image
 
 from encoders.cache import EncoderCache, encoder_cache_key
+from encoders.config import EncoderConfig
 from encoders.errors import ImageDecodeError
 from encoders.image_io import preprocess_bytes, read_header, tile_image, to_rgb
 from encoders.image_spec import ImageLayout, ImageSpec
 from encoders.images import ImageSource, content_hash, load_image
-from encoders.pixel_budget import PixelBudget
-from encoders.preprocess import PreprocessPool, StageTimings, TileResult
+from encoders.pixel_budget import PixelBudget, shared_budget
+from encoders.preprocess import PreprocessPool, StageTimings, TileResult, shared_pool
 from encoders.vision import VisionEncoder, VisionInput
 
-__all__ = ["EncoderStage", "ImageWork", "normalize_tiles", "prepare_images"]
+__all__ = [
+    "EncoderStage", "ImageWork", "configured_pool", "normalize_tiles", "pool_metrics",
+    "prepare_images", "submit_images",
+]  # fmt: skip
 
 
 @dataclass
@@ -126,7 +130,10 @@ def prepare_images(
                                num_pixels=num_pixels, budget=budget))  # fmt: skip
     for work in items:
         if cache is not None and (hit := cache.peek(work.cache_key)) is not None:
-            work.embedding = hit  # pinned: skips decode and tiling even if evicted later
+            # Pinned: skips decode and tiling even if evicted later. Counted here, where it
+            # saves the work: the prefix cache may cover the image so the step never asks.
+            work.embedding = hit
+            cache.note_hit(work.cache_key)
             continue
         if pool is None or isinstance(work.source, Image.Image):
             work.tiles()  # already decoded (or no pool): tile in this thread
@@ -136,6 +143,37 @@ def prepare_images(
                 num_pixels=work.num_pixels, read_s=work.timings.read_s,
             )  # fmt: skip
     return items
+
+
+def configured_pool(config: EncoderConfig) -> PreprocessPool | None:
+    """The process's shared pool of `config`'s size; None with 0 workers (inline)."""
+    workers = config.resolved_num_workers
+    if not workers:
+        return None
+    return shared_pool(workers, config.max_pending, config.resolved_max_decode_pixels)
+
+
+def pool_metrics(config: EncoderConfig) -> dict[str, float]:
+    """The pool's counters and per-stage seconds ({} when images are tiled inline)."""
+    pool = configured_pool(config)
+    return {} if pool is None else pool.metrics()
+
+
+def submit_images(
+    sources: list[ImageSource],
+    spec: ImageSpec,
+    config: EncoderConfig,
+    cache: EncoderCache | None,
+    *,
+    multi_image: bool = False,
+) -> list[ImageWork]:
+    """`prepare_images` with `config`'s pool, pixel cap, timeout and decode budget: the
+    one image path every model's prompt processor takes."""
+    return prepare_images(
+        sources, spec, multi_image=multi_image, pool=configured_pool(config), cache=cache,
+        max_pixels=config.max_pixels, submit_timeout=config.submit_timeout_s,
+        budget=shared_budget(config.resolved_max_decode_pixels),
+    )  # fmt: skip
 
 
 def normalize_tiles(tiles: torch.Tensor, spec: ImageSpec, device: torch.device) -> torch.Tensor:
@@ -169,7 +207,7 @@ class EncoderStage:
             if isinstance(image, ImageWork) and image.embedding is not None:
                 out[i] = image.embedding
                 if self.cache is not None:
-                    self.cache.note_hit(key)
+                    self.cache.touch(key)  # its hit was counted when it was pinned
                 continue
             hit = self.cache.get(key) if self.cache is not None and isinstance(key, bytes) else None
             if hit is not None:

@@ -3,7 +3,9 @@
 A folder (recursive) of images or a JSONL of `{"path" | "url", "prompt"?, "id"?}` in,
 one JSONL line per item out (caption, token counts, timings, or the item's error).
 Throughput comes from keeping the engine's dense batch full: up to `max_in_flight`
-requests live in the engine while a thread pool reads and decodes the next images.
+requests live in the engine while a thread pool reads the next images (bytes, header
+checked) and prepares their requests; the images take the engine's image path
+(preprocessing pool, encoder cache), never a decoded image.
 
 What must stay true: the output holds whole lines only and each item at most once, so a
 rerun (after Ctrl-C, a crash or `--limit`) skips what is done and appends the rest.
@@ -23,9 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from PIL import Image
-
-from encoders.images import load_image
+from encoders.image_io import read_header
+from encoders.images import read_source
 from vlmserve.engine import Engine, PreparedRequest, RequestOutput
 from vlmserve.engine_summary import render_engine_stats
 from vlmserve.processing import Request
@@ -134,8 +135,11 @@ def read_done(output: Path, retry_errors: bool = False) -> set[str]:
 # --- the job --------------------------------------------------------------------------
 
 
-def _load(item: CaptionItem) -> Image.Image:
-    """Read and decode one image (in a worker thread: PIL releases the GIL)."""
+def _load(item: CaptionItem, max_pixels: int) -> bytes:
+    """Read one image's bytes (in a worker thread) and check its header, so a file that is
+    not a supported image fails alone and early. The bytes, never a decoded image, go to
+    the engine: its image path (header token count, preprocessing pool, encoder cache
+    keyed by the bytes) is the one every front door takes."""
     source = item.source
     if "://" in source or source.startswith("data:"):
         if source.startswith("file://"):
@@ -146,8 +150,9 @@ def _load(item: CaptionItem) -> Image.Image:
             from vlmserve.server.media import MediaPolicy, load_media
 
             source = asyncio.run(load_media(source, MediaPolicy()))
-    image, _ = load_image(source)
-    return image
+    data = read_source(source)
+    read_header(data, max_pixels)
+    return data
 
 
 class _Writer:
@@ -159,10 +164,10 @@ class _Writer:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
-    def error(self, item: CaptionItem, error: BaseException) -> None:
+    def error(self, item: CaptionItem, message: str, error_type: str) -> None:
         self.summary.num_failed += 1
         self.write({"id": item.item_id, "path": item.source, "caption": None,
-                    "error": str(error), "error_type": type(error).__name__})  # fmt: skip
+                    "error": message, "error_type": error_type})  # fmt: skip
 
     def caption(self, item: CaptionItem, out: RequestOutput, load_s: float, gen_s: float) -> None:
         self.summary.num_captioned += 1
@@ -249,7 +254,7 @@ def _drive(
                 prepared, load_s = future.result()
                 in_flight[engine.add_request(prepared)] = (item, load_s, time.perf_counter())
             except (ValueError, OSError) as e:  # RequestError is a ValueError
-                writer.error(item, e)
+                writer.error(item, str(e), type(e).__name__)
                 bar.update(1)
             refill()
         if not engine.has_unfinished():
@@ -257,7 +262,10 @@ def _drive(
         for out in engine.step():
             if out.finished:
                 item, load_s, t_add = in_flight.pop(out.request_id)
-                writer.caption(item, out, load_s, time.perf_counter() - t_add)
+                if out.finish_reason == "error":  # e.g. an image that failed in the pool
+                    writer.error(item, out.error or "failed", out.error_type or "RequestError")
+                else:
+                    writer.caption(item, out, load_s, time.perf_counter() - t_add)
                 bar.update(1)
                 elapsed = time.perf_counter() - start
                 bar.set_postfix(tok_s=f"{writer.summary.num_output_tokens / elapsed:.1f}")
@@ -269,7 +277,8 @@ def _timed_prepare(
     """On a loader thread: read the image and prepare its request (template, tokens, tiles),
     so the engine's thread only steps."""
     start = time.perf_counter()
-    content = [{"type": "image", "image": _load(item)}, {"type": "text", "text": item.prompt}]
+    data = _load(item, engine.config.encoder.max_pixels)
+    content = [{"type": "image", "image": data}, {"type": "text", "text": item.prompt}]
     request = Request([{"role": "user", "content": content}], sampling=sampling)
     return engine.prepare(request), time.perf_counter() - start
 
@@ -291,7 +300,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-in-flight", type=int, default=32, help="requests kept in the engine")
-    p.add_argument("--workers", type=int, default=4, help="image read/decode threads")
+    p.add_argument("--workers", type=int, default=4, help="image read / request prepare threads")
     p.add_argument("--limit", type=int, default=None, help="caption at most N items this run")
     p.add_argument("--retry-errors", action="store_true", help="rerun items that failed")
     p.add_argument("--no-progress", action="store_true")

@@ -1,9 +1,10 @@
 """`vlmserve demo`: the main job on the default model.
 
 Offline multimodal generation with the embedded model: generated scenes (written as real
-PNG/JPEG files, several sizes from one tile to a panorama) go through the whole engine at
-once (processor, tiling, vision tower, paged KV, continuous batching), and each answer is
-printed beside the scene's ground truth.
+PNG/JPEG files, several sizes from one tile to a panorama) go through the whole engine
+(header-only token counts, the preprocessing pool, the encoder cache, vision tower, paged
+KV, continuous batching), and each answer is printed beside the scene's ground truth. The
+questions about one scene come after the captions, so its embeddings are cache hits.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def _scene_files(folder: Path) -> list[tuple[Path, object]]:
     return files
 
 
+def _ask(path: Path, prompt: str, params: SamplingParams) -> Request:
+    content = [{"type": "image", "image": str(path)}, {"type": "text", "text": prompt}]
+    return Request(messages=[{"role": "user", "content": content}], sampling=params)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     engine = Engine(engine_config_from_args(args))
     params = SamplingParams(max_tokens=40, temperature=0.0)
@@ -48,23 +54,16 @@ def run_demo(args: argparse.Namespace) -> int:
         asks = [(path, scene, CAPTION_PROMPT, caption(scene)) for path, scene in files]
         path, scene = files[1]
         asks += [(path, scene, qa.question, qa.answer) for qa in heldout_questions(scene)]
-        requests = [
-            Request(
-                messages=[
-                    {
-                        "role": "user",
-                        "content": [
-                            {"type": "image", "image": str(path)},
-                            {"type": "text", "text": prompt},
-                        ],
-                    }
-                ],
-                sampling=params,
-            )
-            for path, _, prompt, _ in asks
-        ]
         start = time.perf_counter()
-        outputs = engine.generate(requests)
+        # Two waves: the captions, then the questions about one of the images, whose
+        # bytes the encoder cache then holds (its embeddings are hits, not tower calls).
+        num_captions = len(files)
+        outputs = engine.generate(
+            [_ask(path, prompt, params) for path, _, prompt, _ in asks[:num_captions]]
+        )
+        outputs += engine.generate(
+            [_ask(path, prompt, params) for path, _, prompt, _ in asks[num_captions:]]
+        )
         elapsed = time.perf_counter() - start
     print(f"model: {args.model} ({engine.runner.model.family})\n")
     num_right = 0

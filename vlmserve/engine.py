@@ -68,6 +68,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_status: int | None = None  # HTTP status of `error`: 4xx its input, 5xx ours
+    error_type: str | None = None  # the error's class (RequestError subclasses by name)
     num_prompt_tokens: int = 0
     num_image_tokens: int = 0
     num_cached_tokens: int = 0
@@ -302,7 +303,9 @@ class Engine:
         out = state.output
         if isinstance(error, RequestError):
             out.error, out.error_status = str(error), error.status
+            out.error_type = type(error).__name__
         else:
+            out.error_type = "InternalError"
             if not isinstance(error, StepFailedError):
                 log.error("request %s failed: %r", state.seq.request_id, error)
             out.error = "the engine failed on this request (internal error; see the server log)"

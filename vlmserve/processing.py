@@ -26,8 +26,7 @@ from encoders.errors import PromptTooLongError, TooManyImagesError
 from encoders.image_spec import ImageSpec, placeholder_text
 from encoders.images import ImageSource, load_image
 from encoders.pixel_budget import PixelBudget, shared_budget
-from encoders.preprocess import PreprocessPool, shared_pool
-from encoders.stage import prepare_images
+from encoders.stage import ImageWork, pool_metrics, submit_images
 from scheduler.sequence import ImagePlaceholder
 from vlmserve.models.loader import LoadedModel
 
@@ -158,6 +157,18 @@ def prompt_from_ids(request: Request, vocab_size: int) -> ProcessedPrompt:
     return ProcessedPrompt(ids, [])
 
 
+def place_works(
+    token_ids: Sequence[int], image_token_id: int, works: Sequence[ImageWork]
+) -> list[ImagePlaceholder]:
+    """`place_images` for images on the pool path: keyed by their encoder-cache key, with
+    their tile counts (the scheduler's encoder-budget unit) known from the header."""
+    images = [(work.cache_key, work.layout.num_tokens, work) for work in works]
+    placed = place_images(token_ids, image_token_id, images)
+    for placeholder, work in zip(placed, works, strict=True):
+        placeholder.num_tiles = work.layout.num_tiles
+    return placed
+
+
 def check_image_count(num_images: int, max_images: int) -> None:
     if num_images > max_images:
         raise TooManyImagesError(f"request has {num_images} images, the limit is {max_images}")
@@ -177,7 +188,7 @@ def make_prompt_processor(
         if json.loads(config_path.read_text()).get("processor_class") == "SceneProcessor":
             from vlmserve.scene_prompts import ScenePromptProcessor
 
-            return ScenePromptProcessor(path, model, max_images, encoder)
+            return ScenePromptProcessor(path, model, max_images, encoder, encoder_cache)
     return HFPromptProcessor(path, model, max_images, encoder, encoder_cache)
 
 
@@ -263,19 +274,12 @@ class HFPromptProcessor:
         image_token_id = self.model.image_token_id
         return ProcessedPrompt(token_ids, place_images(token_ids, image_token_id, placed))
 
-    def _pool(self, workers: int) -> PreprocessPool:
-        encoder = self.encoder
-        return shared_pool(workers, encoder.max_pending, encoder.resolved_max_decode_pixels)
-
     def _budget(self) -> PixelBudget:
         return shared_budget(self.encoder.resolved_max_decode_pixels)
 
     def pool_metrics(self) -> dict[str, float]:
         """The preprocessing pool's counters and per-stage seconds ({} without a pool)."""
-        workers = self.encoder.resolved_num_workers
-        if self.image_spec is None or not workers:
-            return {}
-        return self._pool(workers).metrics()
+        return {} if self.image_spec is None else pool_metrics(self.encoder)
 
     def _with_pool(
         self, text: str, sources: list[ImageSource], add_special: bool
@@ -286,29 +290,17 @@ class HFPromptProcessor:
             raise ValueError(
                 f"prompt has {len(pieces) - 1} {image_token} markers for {len(sources)} images"
             )
-        workers = self.encoder.resolved_num_workers
-        works = prepare_images(
-            sources,
-            self.image_spec,
-            # As the HF processor is called here (a flat image list): every image of a
-            # prompt gets its full layout, multi-image prompts included.
-            multi_image=False,
-            pool=self._pool(workers) if workers else None,
-            cache=self.encoder_cache,
-            max_pixels=self.encoder.max_pixels,
-            submit_timeout=self.encoder.submit_timeout_s,
-            budget=self._budget(),
-        )
+        # As the HF processor is called here (a flat image list): every image of a
+        # prompt gets its full layout, multi-image prompts included (multi_image=False).
         # No waiting here: the header gave each layout and token count, so the request
         # is tokenised and queued while the pool decodes; the engine marks it ready when
         # its tiles exist, and a bad image found then fails that request alone.
+        works = submit_images(sources, self.image_spec, self.encoder, self.encoder_cache)
         expanded = pieces[0] + "".join(
             placeholder_text(work.layout, image_token) + piece
             for work, piece in zip(works, pieces[1:], strict=True)
         )
         token_ids = self._tokenizer.get()(expanded, add_special_tokens=add_special)["input_ids"]
-        images = [(work.cache_key, work.layout.num_tokens, work) for work in works]
-        placed = place_images(token_ids, self.model.image_token_id, images)
-        for placeholder, work in zip(placed, works, strict=True):
-            placeholder.num_tiles = work.layout.num_tiles  # the encoder budget's unit
-        return ProcessedPrompt(list(token_ids), placed)
+        return ProcessedPrompt(
+            list(token_ids), place_works(token_ids, self.model.image_token_id, works)
+        )

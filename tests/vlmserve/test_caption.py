@@ -213,10 +213,20 @@ def test_embedded_model_captions_match_the_scenes(tmp_path):
             SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16),
         )
     )
+    shutil.copy(root / "s0.jpg", root / "s0_again.jpg")  # the same bytes twice
+    sources = []  # what the job hands the engine: bytes, never a decoded image
+    prepare = engine.prepare
+    engine.prepare = lambda request: (
+        sources.append(request.messages[0]["content"][0]["image"]) or prepare(request)
+    )
     out = tmp_path / "captions.jsonl"
     params = SamplingParams(max_tokens=40, temperature=0.0)
-    run_caption(engine, discover(root), out, params, progress=False)
+    run_caption(engine, discover(root), out, params, max_in_flight=4, num_workers=1, progress=False)
+    assert len(sources) == 9 and all(isinstance(s, bytes) for s in sources)
+    stats = engine.stats()
+    assert stats["preprocess_images"] >= 8 and stats["encoder_cache_misses"] >= 8
     got = {row["id"]: row["caption"].strip() for row in lines(out)}
+    assert got["s0_again.jpg"] == got["s0.jpg"]
     right = sum(
         got[f"s{i}.{'png' if i % 2 else 'jpg'}"] == caption(s) for i, s in enumerate(scenes)
     )
@@ -246,3 +256,27 @@ def test_cli_speculates_and_captions_as_without(tmp_path, capsys):
     assert "speculation off" in plain
     match = re.search(r"speculation (\d+) drafted", spec)
     assert match and int(match.group(1)) > 0, spec
+
+
+def test_an_image_that_fails_in_the_pool_is_an_error_line(engine, tmp_path, random_image):
+    """A valid header over corrupt pixel data: the request is queued on its header and the
+    decode fails later, in the pool; the job still writes that item's error line."""
+    root = tmp_path / "late"
+    root.mkdir()
+    random_image(1, 48, 40).save(root / "good.png")
+    buf = io.BytesIO()
+    random_image(2, 64, 64).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    idat = data.index(b"IDAT") + 8
+    data[idat + 2 : idat + 60] = bytes(58)  # the compressed pixel stream, garbled
+    (root / "late.png").write_bytes(bytes(data))
+    assert image_io.read_header(bytes(data)).width == 64  # the header alone is fine
+    out = tmp_path / "captions.jsonl"
+    summary = run_caption(engine, discover(root), out, GREEDY, progress=False)
+    records = {r["id"]: r for r in lines(out)}
+    assert records["good.png"]["error"] is None and records["good.png"]["num_output_tokens"] == 6
+    assert records["late.png"]["caption"] is None
+    assert issubclass(
+        getattr(image_io, records["late.png"]["error_type"]), image_io.ImageDecodeError
+    )
+    assert (summary.num_captioned, summary.num_failed) == (1, 1)

@@ -103,6 +103,9 @@ def test_generate_speculates_and_answers_as_without(scene_png, capsys):
     always = capsys.readouterr()
     assert plain.out.strip() and plain.out == adaptive.out == always.out  # greedy: lossless
     assert "speculation off" in plain.err
+    # The default model's image takes the pool and the encoder cache, like any model's.
+    assert re.search(r"preprocess pool [1-9]\d* workers, [1-9]\d* images", plain.err)
+    assert "encoder cache 0 hits, 1 misses" in plain.err
     assert num_drafted(adaptive.err) >= 0  # on; how much it drafts depends on the ridge
     assert num_drafted(always.err) > 0
 
@@ -117,6 +120,10 @@ def test_demo_speculates_and_answers_as_without(capsys):
     spec = capsys.readouterr().out
     assert len(answers(plain)) == 8 and answers(spec) == answers(plain)
     assert "speculation off" in plain and num_drafted(spec) > 0
+    # Three scene files through the pool; the questions about one of them after the
+    # captions find its embeddings in the encoder cache.
+    assert re.search(r"preprocess pool [1-9]\d* workers, [1-9]\d* images", plain)
+    assert re.search(r"encoder cache 5 hits, 3 misses, [1-9]\d* KiB held", plain)
 
 
 def test_preprocess_and_encoder_cache_flags_reach_the_engine(llava_ov_path, jpeg, capsys):

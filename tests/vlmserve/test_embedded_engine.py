@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from encoders.config import EncoderConfig
+from encoders.images import load_image
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
@@ -70,3 +72,47 @@ def test_multi_tile_scene_prefix_cache_and_images_counted(engine):
     assert first.num_image_tokens == 9 * processor.num_tiles(*image.size)
     # The second question about the same image reuses the image's KV blocks.
     assert second.num_cached_tokens >= second.num_image_tokens - 16
+
+
+def _engine(**encoder) -> Engine:
+    return Engine(
+        EngineConfig(
+            ModelConfig(str(DEFAULT_MODEL_DIR)),
+            CacheConfig(num_blocks=512, block_size=16),
+            SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=16),
+            encoder=EncoderConfig(**encoder),
+        )
+    )
+
+
+def test_files_go_through_the_pool_and_the_encoder_cache(tmp_path):
+    """The default model takes the same image path as every other: header-only token
+    count, tiles from the pool, embeddings from the encoder cache on a repeat; the token
+    ids and answers are SceneProcessor's."""
+    [scene] = heldout_scenes(1, multi_tile=True)
+    path = tmp_path / "scene.jpg"
+    render_scene(scene).save(path, quality=90)
+    question = heldout_questions(scene)[0]
+    pooled = _engine(num_workers=1)
+    request = ask(str(path), CAPTION_PROMPT)
+    prepared = pooled.processor.process(request)
+    processor = pooled.processor.scene
+    image, _ = load_image(path)
+    message = {
+        "role": "user",
+        "content": [{"type": "image"}, {"type": "text", "text": CAPTION_PROMPT}],
+    }
+    assert prepared.token_ids == processor.encode([message], images=[image]).token_ids
+    before = pooled.stats()["preprocess_images"]  # the pool is shared by the process
+    [first] = pooled.generate([request])
+    [second] = pooled.generate([ask(str(path), question.question)])
+    stats = pooled.stats()
+    assert stats["preprocess_workers"] == 1 and stats["preprocess_images"] == before + 1
+    assert (stats["encoder_cache_misses"], stats["encoder_cache_hits"]) == (1, 1)
+    assert first.text.strip() == caption(scene) and second.text.strip() == question.answer
+    # No pool (tiles made inline) and SceneProcessor's own PIL path: the same answers.
+    for encoder in ({"num_workers": 0}, {"use_pool": False}):
+        engine = _engine(**encoder)
+        outs = engine.generate([ask(str(path), CAPTION_PROMPT), ask(str(path), question.question)])
+        assert [o.token_ids for o in outs] == [first.token_ids, second.token_ids], encoder
+        assert engine.processor.pool_metrics() == {}

@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 from transformers import PreTrainedTokenizerFast
 
+from encoders.image_spec import ImageSpec
 from encoders.tiling import internvl_grid, internvl_tile_boxes
 from vlmserve.embedded.tokenizer import (
     IMAGE_END_TOKEN,
@@ -66,6 +67,18 @@ class ImageConfig:
     @property
     def tokens_per_tile(self) -> int:
         return (self.image_size // self.patch_size // self.scale_factor) ** 2
+
+    def image_spec(self, jpeg_draft: bool = False) -> ImageSpec:
+        """These settings as the serving pipeline's ImageSpec (layout from the header,
+        uint8 tiles from the pool, normalisation on the device): the same tiles and
+        pixel values as `SceneProcessor.pixel_values`."""
+        return ImageSpec(
+            "internvl", tile_size=self.image_size, resample=int(Image.Resampling.BICUBIC),
+            image_mean=self.image_mean, image_std=self.image_std, rescale_factor=1 / 255,
+            tokens_per_tile=self.tokens_per_tile, min_num_tiles=self.min_num_tiles,
+            max_num_tiles=self.max_num_tiles, use_thumbnail=self.use_thumbnail,
+            jpeg_draft=jpeg_draft,
+        )  # fmt: skip
 
 
 class EncodedPrompt(NamedTuple):
@@ -173,16 +186,19 @@ class SceneProcessor:
         """
         pil_images = _collect_images(messages, images)
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        segments = text.split(IMAGE_TOKEN)
-        if len(segments) - 1 != len(pil_images):
-            raise ValueError(f"{len(segments) - 1} image parts but {len(pil_images)} images")
-        token_ids = self._text_ids(segments[0])
-        pixel_values = []
-        for image, segment in zip(pil_images, segments[1:], strict=True):
-            tiles = self.pixel_values(image)
-            pixel_values.append(tiles)
-            token_ids += self.image_prompt_ids(tiles.shape[0]) + self._text_ids(segment)
+        _check_image_count(text, len(pil_images))
+        pixel_values = [self.pixel_values(image) for image in pil_images]
+        token_ids = self.expand_ids(text, [tiles.shape[0] for tiles in pixel_values])
         return EncodedPrompt(token_ids, pixel_values)
+
+    def expand_ids(self, text: str, num_tiles: Sequence[int]) -> list[int]:
+        """Token ids of a templated prompt whose i-th `<image>` becomes an image of
+        `num_tiles[i]` tiles (the serving path knows the counts from the headers)."""
+        segments = _check_image_count(text, len(num_tiles))
+        token_ids = self._text_ids(segments[0])
+        for count, segment in zip(num_tiles, segments[1:], strict=True):
+            token_ids += self.image_prompt_ids(count) + self._text_ids(segment)
+        return token_ids
 
     def image_prompt_ids(self, num_tiles: int) -> list[int]:
         start, end = self.tokenizer.convert_tokens_to_ids([IMAGE_START_TOKEN, IMAGE_END_TOKEN])
@@ -201,6 +217,14 @@ class SceneProcessor:
 
     def _text_ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def _check_image_count(text: str, num_images: int) -> list[str]:
+    """The prompt's text segments around its `<image>` markers, one marker per image."""
+    segments = text.split(IMAGE_TOKEN)
+    if len(segments) - 1 != num_images:
+        raise ValueError(f"{len(segments) - 1} image parts but {num_images} images")
+    return segments
 
 
 def _strip_images(message: Message) -> Message:
