@@ -12,6 +12,7 @@ miss are normalised on the device and run through the SigLIP tower in ONE batche
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -151,6 +152,14 @@ def configured_pool(config: EncoderConfig) -> PreprocessPool | None:
     if not workers:
         return None
     return shared_pool(workers, config.max_pending, config.resolved_max_decode_pixels)
+
+
+def warm_pool(config: EncoderConfig) -> None:
+    """Start the shared pool now, on a background thread, so its worker start (the
+    forkserver imports the decode stack: seconds on a loaded 2-core machine) overlaps the
+    rest of engine start-up instead of the first image request."""
+    if config.resolved_num_workers:
+        threading.Thread(target=configured_pool, args=(config,), daemon=True).start()
 
 
 def pool_metrics(config: EncoderConfig) -> dict[str, float]:

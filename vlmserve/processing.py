@@ -26,7 +26,7 @@ from encoders.errors import PromptTooLongError, TooManyImagesError
 from encoders.image_spec import ImageSpec, placeholder_text
 from encoders.images import ImageSource, load_image
 from encoders.pixel_budget import PixelBudget, shared_budget
-from encoders.stage import ImageWork, pool_metrics, submit_images
+from encoders.stage import ImageWork, pool_metrics, submit_images, warm_pool
 from scheduler.sequence import ImagePlaceholder
 from vlmserve.models.loader import LoadedModel
 
@@ -215,6 +215,7 @@ class HFPromptProcessor:
             self.tokenizer = self.processor.tokenizer
             if self.encoder.use_pool:
                 self.image_spec = ImageSpec.from_hf(self.processor, self.encoder.jpeg_draft)
+                warm_pool(self.encoder)
         else:
             self.processor = None
             self.tokenizer = AutoTokenizer.from_pretrained(path)

@@ -15,7 +15,7 @@ from encoders.cache import EncoderCache
 from encoders.config import EncoderConfig
 from encoders.images import ImageSource, load_image
 from encoders.pixel_budget import shared_budget
-from encoders.stage import pool_metrics, submit_images
+from encoders.stage import pool_metrics, submit_images, warm_pool
 from encoders.vision import VisionInput
 from vlmserve.embedded.processor import SceneProcessor
 from vlmserve.models.loader import LoadedModel
@@ -54,6 +54,8 @@ class ScenePromptProcessor:
             else None
         )
         self._scene = PerThread(self.scene)  # process() runs on several threads at once
+        if self.image_spec is not None:
+            warm_pool(self.encoder)
 
     def pool_metrics(self) -> dict[str, float]:
         return {} if self.image_spec is None else pool_metrics(self.encoder)
