@@ -16,6 +16,14 @@ preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
   no images; and a prefill that fits one step), then the rest, each by arrival. A
   request that does not fit is skipped, so a later one may start, until it has waited
   `max_wait_steps`: then it goes first and nobody behind it starts until it fits.
+- headroom: a share of the pool (`lump_headroom`) that only quick requests may take. A
+  non-quick request starts only if, after it, the part of that share quick sequences do
+  not already hold is still free. Quick requests may pass an aged lump that does not fit
+  while they stay inside the share: that leaves the lump's own condition unchanged, so
+  the aging bound still holds (a lump too big to leave the share free gets a smaller one).
+- prefill cap: at most `lump_prefill_tokens` prefill tokens a step go to non-quick
+  sequences, so a step that carries a lump stays short and a text request arriving
+  during it waits little (the planner applies it).
 - victim: the running sequence whose preemption throws away the least computed KV not
   kept by the prefix cache (`recompute_cost`), newest first among equals (§19).
 """
@@ -41,6 +49,8 @@ class Candidate:
 
 class AdmissionPolicy(Protocol):
     watermark_blocks: int  # kept free of reservations (running sequences grow into it)
+    # Prefill tokens a step may give non-quick sequences; None: no cap.
+    lump_prefill_tokens: int | None
 
     def order(self, candidates: list[Candidate]) -> list[Candidate]:
         """Candidates (waiting-queue order) in the order they should be tried."""
@@ -54,8 +64,19 @@ class AdmissionPolicy(Protocol):
         """Tokens of KV a sequence holds a reservation for (at least `seq.num_tokens`)."""
         ...
 
-    def can_admit(self, seq: Sequence, blocks_needed: int, blocks_available: int) -> bool:
-        """Whether `seq` may start; `blocks_available` already excludes reservations."""
+    def can_admit(
+        self, cand: Candidate, blocks_needed: int, blocks_available: int, quick_blocks: int
+    ) -> bool:
+        """Whether `cand` may start; `blocks_available` already excludes reservations,
+        `quick_blocks` are held or reserved by running sequences admitted as quick."""
+        ...
+
+    def may_pass(
+        self, blocked: Candidate, blocked_needs: int, cand: Candidate, cand_needs: int,
+        quick_blocks: int,
+    ) -> bool:  # fmt: skip
+        """Whether `cand` may start although `blocked` (aged, needing `blocked_needs`
+        blocks) did not fit, without delaying it."""
         ...
 
     def victim(
@@ -90,6 +111,8 @@ class FcfsAdmission:
     """Arrival order; stops at the first sequence that does not fit (no overtaking, so a
     large image prompt is never starved by a stream of small ones)."""
 
+    lump_prefill_tokens: int | None = None
+
     def __init__(self, num_blocks: int, watermark: float) -> None:
         self.watermark_blocks = watermark_blocks(num_blocks, watermark)
 
@@ -102,8 +125,16 @@ class FcfsAdmission:
     def reserve_tokens(self, seq: Sequence, max_num_tokens: int | None) -> int:
         return seq.num_tokens
 
-    def can_admit(self, seq: Sequence, blocks_needed: int, blocks_available: int) -> bool:
+    def can_admit(
+        self, cand: Candidate, blocks_needed: int, blocks_available: int, quick_blocks: int
+    ) -> bool:
         return blocks_available - blocks_needed >= self.watermark_blocks
+
+    def may_pass(
+        self, blocked: Candidate, blocked_needs: int, cand: Candidate, cand_needs: int,
+        quick_blocks: int,
+    ) -> bool:  # fmt: skip
+        return False
 
     def victim(
         self, others: SeqList[Sequence], current: Sequence, cost: Callable[[Sequence], int]
@@ -112,15 +143,50 @@ class FcfsAdmission:
 
 
 class LumpyAdmission(FcfsAdmission):
-    """Lump reservation with hysteresis, quick-first order with an aging bound, and the
-    cheapest-recompute victim (see the module docstring)."""
+    """Lump reservation with hysteresis, quick-first order with an aging bound, a headroom
+    only quick requests take, a per-step prefill cap on lumps, and the cheapest-recompute
+    victim (see the module docstring)."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, watermark: float, decode_reserve_tokens: int
+        self,
+        num_blocks: int,
+        block_size: int,
+        watermark: float,
+        decode_reserve_tokens: int,
+        headroom: float = 0.0,
+        lump_prefill_tokens: int | None = None,
     ) -> None:
         super().__init__(num_blocks, watermark)
         self.decode_reserve_tokens = decode_reserve_tokens
-        self.max_reservable_tokens = (num_blocks - self.watermark_blocks) * block_size
+        self.usable_blocks = num_blocks - self.watermark_blocks
+        self.max_reservable_tokens = self.usable_blocks * block_size
+        self.headroom_blocks = int(num_blocks * headroom)
+        self.lump_prefill_tokens = lump_prefill_tokens
+
+    def lump_headroom(self, blocks_needed: int) -> int:
+        """Blocks a non-quick request needing `blocks_needed` must leave for quick ones:
+        the headroom, shrunk so that a lump that fits the pool can still start."""
+        return min(self.headroom_blocks, max(0, self.usable_blocks - blocks_needed))
+
+    def can_admit(
+        self, cand: Candidate, blocks_needed: int, blocks_available: int, quick_blocks: int
+    ) -> bool:
+        left = blocks_available - blocks_needed - self.watermark_blocks
+        if cand.quick:
+            return left >= 0
+        # Quick sequences already inside the headroom use it: only the rest stays free.
+        return left >= max(0, self.lump_headroom(blocks_needed) - quick_blocks)
+
+    def may_pass(
+        self, blocked: Candidate, blocked_needs: int, cand: Candidate, cand_needs: int,
+        quick_blocks: int,
+    ) -> bool:  # fmt: skip
+        # Inside the headroom a quick start lowers both sides of the lump's condition
+        # by the same amount; an aged quick request that does not fit means the pool is
+        # full, and nobody passes it.
+        if blocked.quick or not cand.quick:
+            return False
+        return quick_blocks + cand_needs <= self.lump_headroom(blocked_needs)
 
     def order(self, candidates: list[Candidate]) -> list[Candidate]:
         # Aged first (by arrival), then quick, then the rest; arrival breaks ties.

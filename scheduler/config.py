@@ -68,6 +68,20 @@ class SchedulerConfig:
     # 16), so the reservation covers the typical request, and a longer one grows into the
     # watermark and, past it, is preempted at the least recompute.
     decode_reserve_tokens: int = 256
+    # Lumpy only. Share of the KV pool a non-quick request (tower work, or a prefill over
+    # one step) must leave free for quick ones: a burst of lumps larger than the pool
+    # then cannot take every block and hold text requests out until it has decoded.
+    # In the lumpy_admission benchmark (a burst of 4x13-tile requests, 3.2x the pool)
+    # 0.1 still lets the burst fill the pool; 0.2 and 0.3 free it at 10 text req/s, and
+    # only 0.3 at 20 req/s (text p99 TTFT 8.9x vs 2.4x unloaded).
+    lump_headroom: float = 0.3
+    # Lumpy only, with chunked prefill. Prefill tokens a step gives non-quick sequences;
+    # None: the whole step budget. Prefill is compute-bound from a few hundred rows, so a
+    # small cap costs the lump little throughput and keeps every step short. 192 rows
+    # sit just above a 7B's ridge on an H100 (~150: 7 ms of compute vs 5.6 ms of weight
+    # reads): in the benchmark 256 gives text p99 2.2x unloaded, 192 1.9x, and 128 (below
+    # the ridge) 1.55x but the burst's p99 TTFT grows from 20 s to 27 s.
+    lump_prefill_tokens_per_step: int | None = 192
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -84,6 +98,11 @@ class SchedulerConfig:
             )
         if self.decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens={self.decode_reserve_tokens} must be >= 0")
+        if not 0.0 <= self.lump_headroom < 1.0:
+            raise ValueError(f"lump_headroom={self.lump_headroom} must be in [0, 1)")
+        cap = self.lump_prefill_tokens_per_step
+        if cap is not None and cap < 1:
+            raise ValueError(f"lump_prefill_tokens_per_step={cap} must be >= 1 (or None)")
 
 
 @dataclass(frozen=True)

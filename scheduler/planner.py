@@ -11,7 +11,9 @@ recompute; fcfs: the newest). A victim loses its KV, goes to the front of the wa
 queue and is recomputed later (article §19); a step that preempts admits no one.
 
 Prefill chunks stop before an image that would take the step's vision-tower work past
-`encoder_tiles_per_step` (`scheduler.encoder_budget`).
+`encoder_tiles_per_step` (`scheduler.encoder_budget`). Under lumpy admission, sequences not
+admitted as quick share `lump_prefill_tokens_per_step` prefill tokens a step, and quick
+ones may use the KV headroom lumps must leave (`scheduler.admission`).
 
 With speculation on, a decode may also carry n-gram drafts (article §15): its query rows
 are its last token plus the drafts, they count against the budget, and blocks are grown
@@ -63,9 +65,11 @@ def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int)
     """The policy `config.admission` names."""
     if config.admission == "fcfs":
         return FcfsAdmission(num_blocks, cache.watermark)
+    lump_prefill = config.lump_prefill_tokens_per_step if config.enable_chunked_prefill else None
     return LumpyAdmission(
-        num_blocks, cache.block_size, cache.watermark, config.decode_reserve_tokens
-    )
+        num_blocks, cache.block_size, cache.watermark, config.decode_reserve_tokens,
+        config.lump_headroom, lump_prefill,
+    )  # fmt: skip
 
 
 class Scheduler:
@@ -100,6 +104,9 @@ class Scheduler:
         self._max_num_tokens: dict[str, int] = {}
         # request id -> the position its current admission started computing at.
         self._admitted_at: dict[str, int] = {}
+        # Running sequences admitted as quick: they may use the lump headroom and their
+        # prefill is not capped.
+        self._quick_ids: set[str] = set()
 
     @property
     def block_size(self) -> int:
@@ -155,6 +162,7 @@ class Scheduler:
         seq.status = "finished"
         self._max_num_tokens.pop(seq.request_id, None)
         self._admitted_at.pop(seq.request_id, None)
+        self._quick_ids.discard(seq.request_id)
         if self.proposer is not None and self.spec_policy is not None:
             self.proposer.drop(seq.request_id)
             self.spec_policy.drop(seq.request_id)
@@ -174,6 +182,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         self._admitted_at.pop(seq.request_id, None)
+        self._quick_ids.discard(seq.request_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -196,9 +205,15 @@ class Scheduler:
         preempted: list[Sequence] = []
         queue = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
         step_gamma = self._step_gamma(queue, budget)
+        lump_left = self.admission.lump_prefill_tokens
         while queue and budget > 0:
             seq = queue.pop(0)
             num_new = min(seq.num_uncomputed_tokens, budget)
+            lump = seq.num_uncomputed_tokens > 1 and seq.request_id not in self._quick_ids
+            if lump and lump_left is not None:
+                if lump_left == 0:
+                    continue
+                num_new = min(num_new, lump_left)
             if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
                 continue
             if seq.images:
@@ -232,8 +247,10 @@ class Scheduler:
             self.block_manager.grow(seq, total)
             scheduled.append(ScheduledSeq(seq, num_new, sample, drafts))
             budget -= num_new
+            if lump and lump_left is not None:
+                lump_left -= num_new
         if not preempted:
-            scheduled += self._admit(budget, tiles_used)
+            scheduled += self._admit(budget, tiles_used, lump_left)
         for seq in self.waiting:
             if seq.ready:
                 seq.num_waiting_steps += 1
@@ -258,7 +275,7 @@ class Scheduler:
             out.append((Candidate(seq, quick, aged), matched))
         return out
 
-    def _admit(self, budget: int, tiles_used: int) -> list[ScheduledSeq]:
+    def _admit(self, budget: int, tiles_used: int, lump_left: int | None) -> list[ScheduledSeq]:
         bm, policy, scheduled = self.block_manager, self.admission, []
         # Blocks that admitted sequences have yet to take are spoken for: the rest of
         # their prompt and (lumpy) their expected growth.
@@ -267,42 +284,79 @@ class Scheduler:
             max(0, bm.blocks_for(self._reserve(s)) - len(s.block_table)) for s in self.running
         )
         available = bm.num_free_blocks - reserved
+        quick_blocks = sum(
+            max(len(s.block_table), bm.blocks_for(self._reserve(s)))
+            for s in self.running
+            if s.request_id in self._quick_ids
+        )
         found = self._candidates()
         matches = {id(c.seq): m for c, m in found}
+        blocked: tuple[Candidate, int] | None = None  # an aged candidate that did not fit
         for cand in policy.order([c for c, _ in found]):
             seq = cand.seq
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             matched = matches[id(seq)]
             cost = bm.cost_of(matched, self._reserve(seq))
+            if blocked is not None and not policy.may_pass(*blocked, cand, cost, quick_blocks):
+                continue
             num_cached = len(matched) * self.block_size
-            num_new, tiles = min(seq.num_tokens - num_cached, budget), 0
-            fits = num_new == seq.num_tokens - num_cached or self.config.enable_chunked_prefill
-            if fits and seq.images:
-                end, tiles = self._cut_for_tiles(seq, num_cached, num_cached + num_new, tiles_used)
-                fits = end > num_cached and (
-                    end == num_cached + num_new or self.config.enable_chunked_prefill
-                )
-                num_new = end - num_cached
-            if not (fits and policy.can_admit(seq, cost, available)):
+            step_room = budget if cand.quick or lump_left is None else min(budget, lump_left)
+            chunk = self._first_chunk(seq, num_cached, step_room, tiles_used)
+            if chunk is None or not policy.can_admit(cand, cost, available, quick_blocks):
                 if policy.may_overtake(cand):
                     continue
-                break
+                if blocked is not None:
+                    break
+                blocked = (cand, cost)  # later ones start only if the policy lets them pass
+                continue
+            num_new, tiles = chunk
             tiles_used += tiles
-            bm.take(seq, matched)
-            seq.num_computed_tokens = num_cached
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_cached
-            bm.grow(seq, num_cached + num_new)
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            seq.status = "running"
-            seq.num_waiting_steps = 0
-            self._admitted_at[seq.request_id] = num_cached
+            self._start(seq, matched, num_cached, num_new, cand.quick)
             scheduled.append(ScheduledSeq(seq, num_new, num_cached + num_new == seq.num_tokens))
             budget -= num_new
             available -= cost
+            if cand.quick:
+                quick_blocks += cost
+            elif lump_left is not None:
+                lump_left -= num_new
         return scheduled
+
+    def _first_chunk(
+        self, seq: Sequence, num_cached: int, room: int, tiles_used: int
+    ) -> tuple[int, int] | None:
+        """(tokens, tiles) of the first chunk of a waiting sequence given `room` tokens
+        this step, or None when it cannot start this step (chunking off, no tower room)."""
+        todo = seq.num_tokens - num_cached
+        num_new, tiles = min(todo, room), 0
+        chunked = self.config.enable_chunked_prefill
+        if num_new == 0 or (num_new < todo and not chunked):
+            return None
+        if seq.images:
+            end, tiles = self._cut_for_tiles(seq, num_cached, num_cached + num_new, tiles_used)
+            if end == num_cached or (end < num_cached + num_new and not chunked):
+                return None
+            num_new = end - num_cached
+        return num_new, tiles
+
+    def _start(
+        self, seq: Sequence, matched: list[int], num_cached: int, num_new: int, quick: bool
+    ) -> None:
+        """Move `seq` from waiting to running with its prefix-cache blocks and its first
+        chunk's blocks."""
+        bm = self.block_manager
+        bm.take(seq, matched)
+        seq.num_computed_tokens = num_cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_cached
+        bm.grow(seq, num_cached + num_new)
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = "running"
+        seq.num_waiting_steps = 0
+        self._admitted_at[seq.request_id] = num_cached
+        if quick:
+            self._quick_ids.add(seq.request_id)
 
     def _reserve(self, seq: Sequence) -> int:
         return self.admission.reserve_tokens(seq, self._max_num_tokens.get(seq.request_id))

@@ -70,10 +70,35 @@ def test_preempted_request_waits_for_its_lump_plus_the_watermark():
     assert b.status == "finished" and len(b.token_ids) == 26
 
 
+def test_lump_headroom_is_kept_for_quick_requests_and_shared_by_them():
+    # 100 blocks, no watermark, headroom 20 blocks.
+    policy = LumpyAdmission(
+        num_blocks=100, block_size=4, watermark=0.0, decode_reserve_tokens=0, headroom=0.2
+    )
+    seqs = [make_request(f"r{i}", 4) for i in range(3)]
+    lump, quick = Candidate(seqs[0], False, False), Candidate(seqs[1], True, False)
+    aged_lump = Candidate(seqs[2], False, True)
+    assert policy.can_admit(lump, 60, 80, quick_blocks=0)  # 20 left: the headroom
+    assert not policy.can_admit(lump, 61, 80, quick_blocks=0)
+    assert policy.can_admit(lump, 65, 80, quick_blocks=5)  # quick ones already use 5
+    assert policy.can_admit(quick, 80, 80, quick_blocks=0)  # quick ones may take it all
+    assert policy.lump_headroom(60) == 20 and policy.lump_headroom(90) == 10
+    assert policy.lump_headroom(100) == 0  # a lump of the whole pool can still start
+    # Behind a blocked aged lump, quick requests pass only inside the headroom.
+    assert policy.may_pass(aged_lump, 60, quick, 15, quick_blocks=5)
+    assert not policy.may_pass(aged_lump, 60, quick, 16, quick_blocks=5)
+    assert not policy.may_pass(aged_lump, 90, quick, 6, quick_blocks=5)  # shrunk to 10
+    assert not policy.may_pass(aged_lump, 60, lump, 1, quick_blocks=0)
+    assert not policy.may_pass(Candidate(seqs[1], True, True), 1, quick, 1, quick_blocks=0)
+    fcfs = FcfsAdmission(num_blocks=100, watermark=0.0)
+    assert not fcfs.may_pass(aged_lump, 60, quick, 1, quick_blocks=0)
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("admission", "lifo"), ("max_wait_steps", -1), ("encoder_tiles_per_step", 0),
-     ("decode_reserve_tokens", -1)],
+     ("decode_reserve_tokens", -1), ("lump_headroom", 1.0),
+     ("lump_prefill_tokens_per_step", 0)],
 )  # fmt: skip
 def test_config_names_the_bad_value(field, value):
     with pytest.raises(ValueError, match=field):

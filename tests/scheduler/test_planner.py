@@ -143,3 +143,65 @@ def test_a_burst_of_image_requests_does_not_thrash():
     assert (preemptions, recomputed) == (0, 0)
     preemptions, recomputed = burst("fcfs")
     assert preemptions > 0 and recomputed > 0
+
+
+def lumps_and_text(scheduler, texts: dict[str, int]) -> dict[str, int]:
+    """Three cold one-tile image requests of 24 tokens (6 blocks of 4 each, no decode
+    reserve), then text requests of the given lengths; returns the limits."""
+    limits = {}
+    for rid in ("l1", "l2", "l3"):
+        scheduler.add(make_request(rid, 24, images=[(2, 8, 1)]), 26)
+        limits[rid] = 26
+    for rid, n in texts.items():
+        scheduler.add(make_request(rid, n), n + 2)
+        limits[rid] = n + 2
+    return limits
+
+
+def test_lumps_leave_the_headroom_free_for_quick_requests():
+    """20 blocks, headroom 5. t (2 blocks, quick) goes first; l1 and l2 leave 12 then 6
+    free, above the 3 of the headroom t does not already use; l3 would leave 0 and
+    waits. Without the headroom all four start."""
+    options = {"admission": "lumpy", "decode_reserve_tokens": 0}
+    scheduler = make_scheduler(num_blocks=20, lump_headroom=0.25, **options)
+    lumps_and_text(scheduler, {"t": 8})
+    plan = scheduler.schedule()
+    assert [item.seq.request_id for item in plan.scheduled] == ["t", "l1", "l2"]
+    assert [s.request_id for s in scheduler.waiting] == ["l3"]
+    unbounded = make_scheduler(num_blocks=20, lump_headroom=0.0, **options)
+    lumps_and_text(unbounded, {"t": 8})
+    assert [item.seq.request_id for item in unbounded.schedule().scheduled] == [
+        "t", "l1", "l2", "l3",
+    ]  # fmt: skip
+
+
+def test_quick_requests_pass_an_aged_lump_only_inside_the_headroom():
+    """Everyone is aged at once (max_wait_steps 0), so the order is arrival: l1, l2 start
+    (8 blocks left), l3 needs 6 and leaving the 5-block headroom it cannot: it blocks.
+    t1 (2 blocks) passes inside the headroom; t2 (4 more: 6 > 5) does not, though the
+    pool has room for it, so l3's wait is not stretched by quick arrivals."""
+    scheduler = make_scheduler(
+        num_blocks=20, admission="lumpy", decode_reserve_tokens=0, lump_headroom=0.25,
+        max_wait_steps=0,
+    )  # fmt: skip
+    lumps_and_text(scheduler, {"t1": 8, "t2": 16})
+    plan = scheduler.schedule()
+    assert [item.seq.request_id for item in plan.scheduled] == ["l1", "l2", "t1"]
+    assert [s.request_id for s in scheduler.waiting] == ["l3", "t2"]
+
+
+def test_lump_prefill_is_capped_per_step_and_quick_prefill_is_not():
+    scheduler = make_scheduler(
+        num_blocks=64, admission="lumpy", lump_prefill_tokens_per_step=8,
+        max_num_batched_tokens=64,
+    )  # fmt: skip
+    scheduler.add(make_request("lump", 30, images=[(2, 8, 1)]), 32)
+    scheduler.add(make_request("text", 20), 22)
+    limits = {"lump": 32, "text": 22}
+    steps = []
+    while scheduler.has_unfinished():
+        plan = run_step(scheduler, limits)
+        steps.append({item.seq.request_id: item.num_new_tokens for item in plan.scheduled})
+    assert steps[0] == {"text": 20, "lump": 8}
+    assert [step["lump"] for step in steps[:4]] == [8, 8, 8, 6]  # then it decodes
+    assert all(step.get("lump", 1) == 1 for step in steps[4:])
