@@ -153,3 +153,19 @@ def _wait(predicate, timeout: float = 20.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def test_a_retryable_failure_inside_a_step_stays_a_503():
+    from vlmserve.engine import RequestOutput
+    from vlmserve.server.chat import error_response, public_message
+    from vlmserve.server.engine_loop import failure_of
+
+    message = "preprocessing worker died on each of 2 attempts; retry later"
+    out = RequestOutput("r", finished=True, finish_reason="error", error_status=503, error=message)
+    response = error_response(failure_of(out))
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+    out.error_status = 500
+    assert error_response(failure_of(out)).status_code == 500
+    # Our messages keep a host spelled in hex; an object address is redacted.
+    assert "0x7f000001" in public_message(ValueError("cannot fetch https://0x7f000001/"))
+    assert "0x7f3a5c2e1b90" not in public_message(ValueError("<obj at 0x7f3a5c2e1b90>"))

@@ -62,7 +62,8 @@ def status_of(error: BaseException) -> int:
     return 400 if isinstance(error, ValueError) else 500
 
 
-_ADDRESS = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>|\b0x[0-9a-fA-F]{8,}\b")
+# An object repr, or a bare pointer (longer than an IPv4 address written in hex).
+_ADDRESS = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>|\b0x[0-9a-fA-F]{10,}\b")
 
 
 def public_message(error: BaseException) -> str:

@@ -107,9 +107,9 @@ def snapshot(out: RequestOutput) -> Snapshot:
 def failure_of(out: RequestOutput) -> Exception:
     """The error a request that finished with `finish_reason="error"` is answered with."""
     status = out.error_status or 500
-    if status >= 500:
+    if status == 500:
         return EngineFailure(out.error or "the engine failed on this request")
-    error = RequestError(out.error or "the request failed")
+    error = RequestError(out.error or "the request failed")  # 4xx, or a retryable 503
     error.status = status
     return error
 

@@ -131,13 +131,19 @@ def read_local_file(url: str, policy: MediaPolicy) -> bytes:
         raise MediaError(f"cannot read {given!r}: {e.strerror}") from e
 
 
-_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+# NAT64 (RFC 6052, 8215) and SIIT's IPv4-translated ::ffff:0:a.b.c.d (RFC 2765): the low
+# 32 bits are the IPv4 address a translator routes to.
+_NAT64 = (
+    ipaddress.ip_network("64:ff9b::/96"),
+    ipaddress.ip_network("64:ff9b:1::/48"),
+    ipaddress.ip_network("::ffff:0:0:0/96"),
+)
 _IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
 
 
 def embedded_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
     """The IPv4 addresses an IPv6 address carries (and may be routed to): IPv4-mapped,
-    IPv4-compatible, 6to4, NAT64 and both Teredo ends."""
+    IPv4-compatible, IPv4-translated (SIIT), 6to4, NAT64 and both Teredo ends."""
     found = [ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ())]
     if ip in _IPV4_COMPATIBLE or any(ip in net for net in _NAT64):
         found.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))

@@ -81,7 +81,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     app = create_app(lambda: Engine(engine_config), config, on_engine_death)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # a second Ctrl-C during the graceful shutdown
+        pass
     if deaths:
         print(f"error: the engine failed ({type(deaths[0]).__name__}: {deaths[0]}); "
               "see the log above", file=sys.stderr)  # fmt: skip
