@@ -40,6 +40,11 @@ class _Group:
     q_valid: torch.Tensor  # [S, Qm] bool
     ctx_slots: torch.Tensor  # [S, Cm] cache slot of each context position
     bias: torch.Tensor  # [S, Qm, 1, Cm] float: 0 where the query may attend, -inf elsewhere
+    # Built once per step, used by every layer: the flat token index of each valid
+    # (seq, query row), and where those rows sit in the flattened [S * Qm] result (None
+    # when no row is padding, as in an all-decode group).
+    out_rows: torch.Tensor  # [num_valid]
+    valid_rows: torch.Tensor | None  # [num_valid]
 
 
 @dataclass
@@ -100,7 +105,12 @@ def _group(
         mask[row, :q_len, :ctx_len] = torch.arange(ctx_len)[None, :] <= q_pos
         mask[row, q_len:, 0] = True  # padded rows see one slot: no NaN, result discarded
     bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))[:, :, None]
-    return _Group(q_index.to(device), q_valid.to(device), ctx_slots.to(device), bias.to(device))
+    flat_valid = q_valid.flatten()
+    valid_rows = None if bool(flat_valid.all()) else flat_valid.nonzero().squeeze(1).to(device)
+    return _Group(
+        q_index.to(device), q_valid.to(device), ctx_slots.to(device), bias.to(device),
+        q_index.flatten()[flat_valid].to(device), valid_rows,
+    )  # fmt: skip
 
 
 def _buckets(members: list[int], context_lens: list[int], max_waste: float = 1.3):
@@ -195,10 +205,12 @@ class TorchPagedAttention:
                     q[rows].transpose(0, 1), ks, vs, attn_mask=g.bias[0, :, 0] == 0,
                     scale=scale, enable_gqa=True,
                 )  # fmt: skip
-                out[rows] = os.transpose(0, 1)
+                out.index_copy_(0, rows, os.transpose(0, 1))
                 continue
-            og = self._grouped_attention(q, kv_cache, g, scale)  # [S, Qm, H, D]
-            out[g.q_index[g.q_valid]] = og[g.q_valid]
+            og = self._grouped_attention(q, kv_cache, g, scale).flatten(0, 1)  # [S*Qm, H, D]
+            if g.valid_rows is not None:
+                og = og.index_select(0, g.valid_rows)
+            out.index_copy_(0, g.out_rows, og)
         return out
 
     def _grouped_attention(

@@ -23,15 +23,20 @@ from search.presets import Precision, get_accelerator, measure_cpu
 from vlmserve.sampling import SamplerState, filtered_probs, sample
 
 
+def verify_greedy(targets: list[int], drafts: tuple[int, ...]) -> list[int]:
+    """The longest prefix of `drafts` that matches the argmaxes `targets` (one per row,
+    len(drafts) + 1), then the argmax at the first mismatch (or the bonus one)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return [*drafts[:accepted], targets[accepted]]
+
+
 def verify(logits: torch.Tensor, drafts: tuple[int, ...], state: SamplerState) -> list[int]:
     """The accepted drafts and one more token. logits: [len(drafts) + 1, vocab] float32."""
     params = state.params
     if params.greedy:
-        targets = logits.argmax(-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-            accepted += 1
-        return [*drafts[:accepted], targets[accepted]]
+        return verify_greedy(logits.argmax(-1).tolist(), drafts)
     tokens: list[int] = []
     for row, draft in zip(logits, drafts, strict=False):
         probs = filtered_probs(row, params)
@@ -52,17 +57,32 @@ def sample_plan(
     keep the tokens (and generator states) they would have had anyway.
     logits: [num_sampling_rows, vocab] as the runner returns them; `samplers` has one
     state per sampling item, in plan order."""
-    logits = logits.float().cpu()
-    sampled: list[list[int] | Exception] = []
+    # Greedy rows never come to the host as logits: one argmax over every row where the
+    # logits are, and only token ids come back; the rows of sampling requests move alone.
+    spans: list[tuple[SamplerState, tuple[int, ...], int]] = []  # per sampling item
     row, states = 0, iter(samplers)
+    for item in scheduled:
+        if item.sample:
+            spans.append((next(states), item.draft_token_ids, row))
+            row += 1 + len(item.draft_token_ids)
+    targets = logits.argmax(-1).tolist() if any(s.params.greedy for s, _, _ in spans) else []
+    moved = [
+        r for s, d, first in spans if not s.params.greedy for r in range(first, first + 1 + len(d))
+    ]
+    host: dict[int, int] = {r: i for i, r in enumerate(moved)}  # row -> row of `on_host`
+    on_host = logits[moved].float().cpu() if moved else logits.new_empty(0)
+    sampled: list[list[int] | Exception] = []
+    taken = iter(spans)
     for item in scheduled:
         if not item.sample:
             sampled.append([])
             continue
-        state, drafts = next(states), item.draft_token_ids
-        rows = logits[row : row + 1 + len(drafts)]
-        row += 1 + len(drafts)
+        state, drafts, first = next(taken)
         try:
+            if state.params.greedy:
+                sampled.append(verify_greedy(targets[first : first + 1 + len(drafts)], drafts))
+                continue
+            rows = on_host[host[first] : host[first] + 1 + len(drafts)]
             sampled.append(verify(rows, drafts, state) if drafts else sample(rows, [state]))
         except Exception as e:  # noqa: BLE001 - reported as this request's failure
             sampled.append(e)

@@ -31,18 +31,18 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
 def run_step(
     backend: TorchPagedAttention, cache: torch.Tensor, tables: list[list[int]],
-    spans: list[tuple[int, int]], qkv: list[tuple[torch.Tensor, ...]],
+    spans: list[tuple[int, int]], qkv: list[tuple[torch.Tensor, ...]], block: int = BLOCK,
 ) -> None:  # fmt: skip
     """One step: sequence i computes positions spans[i] = (start, end) over its full q, k,
     v in `qkv`; checks every output row against `reference`."""
     rows = [(i, s, e) for i, (s, e) in enumerate(spans) if e > s]
     q, k, v = (torch.cat([qkv[i][j][s:e] for i, s, e in rows]) for j in range(3))
     slot_mapping = torch.tensor(
-        [tables[i][p // BLOCK] * BLOCK + p % BLOCK for i, s, e in rows for p in range(s, e)]
+        [tables[i][p // block] * block + p % block for i, s, e in rows for p in range(s, e)]
     )
     batch = AttentionBatch(
         query_lens=[e - s for _, s, e in rows], context_lens=[e for _, _, e in rows],
-        block_tables=[tables[i] for i, _, _ in rows], block_size=BLOCK,
+        block_tables=[tables[i] for i, _, _ in rows], block_size=block,
     )  # fmt: skip
     meta = backend.build_metadata(batch, slot_mapping, cache.device)
     out = backend.forward(q, k, v, cache, meta, scale=DIM**-0.5)
@@ -54,22 +54,30 @@ def run_step(
         start += e - s
 
 
-def check_paged_attention(device: torch.device) -> None:
+def check_paged_attention(
+    device: torch.device, heads: int = HEADS, kv_heads: int = KV_HEADS, block: int = BLOCK
+) -> None:
     """Two steps on a paged cache with scattered blocks: step 1 writes the prefixes, step 2
     reads them back through the block tables."""
     gen = torch.Generator().manual_seed(0)
     backend = TorchPagedAttention()
-    shape = backend.kv_cache_shape(NUM_BLOCKS, BLOCK, KV_HEADS, DIM)
+    shape = backend.kv_cache_shape(NUM_BLOCKS, block, kv_heads, DIM)
     cache = torch.zeros(shape, device=device)
     free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()  # non-contiguous blocks
-    tables = [[free.pop() for _ in range(-(-(c + n) // BLOCK))] for c, n in SHAPES]
+    tables = [[free.pop() for _ in range(-(-(c + n) // block))] for c, n in SHAPES]
     qkv = [
         tuple(torch.randn(c + n, h, DIM, generator=gen).to(device)
-              for h in (HEADS, KV_HEADS, KV_HEADS))
+              for h in (heads, kv_heads, kv_heads))
         for c, n in SHAPES
     ]  # fmt: skip
-    run_step(backend, cache, tables, [(0, c) for c, _ in SHAPES], qkv)
-    run_step(backend, cache, tables, [(c, c + n) for c, n in SHAPES], qkv)
+    run_step(backend, cache, tables, [(0, c) for c, _ in SHAPES], qkv, block)
+    run_step(backend, cache, tables, [(c, c + n) for c, n in SHAPES], qkv, block)
+
+
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])  # GQA and MHA
+def test_block_sizes_gqa_and_mha_match_sdpa(heads, kv_heads, block):
+    check_paged_attention(torch.device("cpu"), heads, kv_heads, block)
 
 
 @pytest.mark.parametrize(

@@ -7,14 +7,14 @@ for (article §8: computing logits for every prompt position is the prefill logi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoders.weights import CheckpointError, load_into
+from encoders.weights import CheckpointError, load_into, take
 from kernels.attention import AttentionBackend
 from vlmserve.models.rope import RopeConfig, RotaryEmbedding, apply_rope, rope_config_from_hf
 
@@ -91,17 +91,19 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.cfg, self.backend = cfg, backend
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias)
+        # q, k and v as one GEMM: rows [q | k | v], concatenated at load time.
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, ctx: StepContext, layer: int) -> torch.Tensor:
         n, c = x.shape[0], self.cfg
-        q = apply_rope(self.q_proj(x).view(n, c.num_heads, c.head_dim), ctx.cos, ctx.sin)
-        k = apply_rope(self.k_proj(x).view(n, c.num_kv_heads, c.head_dim), ctx.cos, ctx.sin)
-        v = self.v_proj(x).view(n, c.num_kv_heads, c.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(n, c.num_heads, c.head_dim), ctx.cos, ctx.sin)
+        k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), ctx.cos, ctx.sin)
+        v = v.reshape(n, c.num_kv_heads, c.head_dim)
         out = self.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.attn_metadata, self.scale)
         return self.o_proj(out.reshape(n, c.num_heads * c.head_dim))
 
@@ -109,12 +111,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        # gate and up as one GEMM: rows [gate | up], concatenated at load time.
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -168,15 +171,63 @@ class Decoder(nn.Module):
         return F.linear(hidden, weight).float()
 
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str, lm_head_name: str) -> None:
-        """Copy HF Llama/Qwen2 weights: `prefix` is where `embed_tokens.weight` lives."""
+        """Copy HF Llama/Qwen2 weights: `prefix` is where `embed_tokens.weight` lives.
+        The fused qkv_proj / gate_up_proj take the checkpoint's separate projections,
+        concatenated (each part checked and named on its own, see `_FusedWeights`)."""
         names = {}
         for ours, _ in self.named_parameters():
             if ours == "lm_head.weight":
                 names[ours] = lm_head_name
             else:
                 names[ours] = prefix + ours
+        tensors = _FusedWeights(tensors, prefix, self.cfg)
         if self.lm_head is not None and lm_head_name not in tensors:
             raise CheckpointError(
                 f"missing weight {lm_head_name!r} and the config does not tie word embeddings"
             )
         load_into(self, tensors, names)
+
+
+# Our fused parameter -> the checkpoint's parts, in row order.
+_FUSED_PARTS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+class _FusedWeights(Mapping[str, torch.Tensor]):
+    """The checkpoint's tensors plus our fused names, concatenated only when read (one
+    layer at a time, so loading never holds a second copy of every projection)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], prefix: str, cfg: DecoderConfig):
+        self.tensors = tensors
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        rows = {
+            "self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
+            "mlp.gate_proj": cfg.intermediate_size, "mlp.up_proj": cfg.intermediate_size,
+        }  # fmt: skip
+        # fused name -> [(part name, part shape)]
+        self.parts: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+        for layer in range(cfg.num_layers):
+            base = f"{prefix}layers.{layer}."
+            for fused, parts in _FUSED_PARTS.items():
+                for kind in ("weight", "bias"):
+                    self.parts[f"{base}{fused}.{kind}"] = [
+                        (f"{base}{part}.{kind}",
+                         (rows[part], cfg.hidden_size) if kind == "weight" else (rows[part],))
+                        for part in parts
+                    ]  # fmt: skip
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.parts:
+            return torch.cat([take(self.tensors, part, shape) for part, shape in self.parts[name]])
+        return self.tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.parts or name in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
