@@ -105,6 +105,43 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="a prompt longer than --max-num-batched-tokens waits for a step of its own",
     )
+    sched = SchedulerConfig()
+    group.add_argument(
+        "--admission",
+        choices=["lumpy", "fcfs"],
+        default=sched.admission,
+        help="lumpy (default): reserve each request's exact lump + decode growth, quick "
+        "requests first with an aging bound, cheapest-recompute preemption; fcfs: arrival "
+        "order with a watermark (the baseline)",
+    )
+    group.add_argument(
+        "--max-wait-steps",
+        type=_int_at_least(0),
+        default=sched.max_wait_steps,
+        help=f"aging bound: a request waits at most this many steps behind later arrivals "
+        f"(default: {sched.max_wait_steps})",
+    )
+    group.add_argument(
+        "--encoder-tiles-per-step",
+        type=_int_at_least(0),
+        default=sched.encoder_tiles_per_step,
+        help=f"vision-tower tiles encoded per step, 0 = unlimited (default: "
+        f"{sched.encoder_tiles_per_step}; an image bigger than this goes alone)",
+    )
+    group.add_argument(
+        "--decode-reserve-tokens",
+        type=_int_at_least(0),
+        default=sched.decode_reserve_tokens,
+        help=f"decode growth reserved per request at admission: min(max_tokens, this) "
+        f"(default: {sched.decode_reserve_tokens})",
+    )
+    group.add_argument(
+        "--lump-headroom",
+        type=float,
+        default=sched.lump_headroom,
+        help=f"share of the KV pool that requests with tower work or long prefills leave to "
+        f"quick ones (default: {sched.lump_headroom})",
+    )
 
 
 def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
@@ -213,11 +250,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         **({"device": args.device} if args.device else {}),
     )
     scheduler = _with_flags(
-        "--max-num-batched-tokens / --max-num-seqs",
+        "--max-num-batched-tokens / --max-num-seqs / --admission / --lump-headroom / ...",
         SchedulerConfig,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        admission=args.admission,
+        max_wait_steps=args.max_wait_steps,
+        encoder_tiles_per_step=args.encoder_tiles_per_step or None,
+        decode_reserve_tokens=args.decode_reserve_tokens,
+        lump_headroom=args.lump_headroom,
     )
     cache = _with_flags(
         "--block-size / --num-kv-blocks",

@@ -323,8 +323,10 @@ def _storm_bodies(num: int, seed: int) -> list[tuple[str, dict, str, int | None]
 def aborts_and_preemption(num_streams: int = 200, num_storm: int = 120, num_kv_blocks: int = 40,
                           root=None) -> tuple[dict, dict]:  # fmt: skip
     kw = {"root": root} if root is not None else {}
+    # No decode growth reserved at admission: the default (lumpy) policy then admits on the
+    # prompt alone, and growth into a 40-block pool preempts (its cheapest-recompute path).
     args = ("--num-kv-blocks", str(num_kv_blocks), "--block-size", "16", "--max-num-seqs", "32",
-            "--default-max-tokens", "16")  # fmt: skip
+            "--default-max-tokens", "16", "--decode-reserve-tokens", "0")  # fmt: skip
     with ServerProcess(*args, **kw) as server:
         start = server.settled_vitals()
 
