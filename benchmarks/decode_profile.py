@@ -18,9 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import environment, table, write_result
-from benchmarks.offline_throughput import parse_args, workload
-from scheduler.config import CacheConfig, SchedulerConfig
-from vlmserve.config import EngineConfig, ModelConfig
+from benchmarks.offline_throughput import make_engine, parse_args, workload
 from vlmserve.engine import Engine
 from vlmserve.models.random_checkpoint import make_text_checkpoint
 from vlmserve.processing import Request
@@ -54,14 +52,7 @@ def main(argv: list[str]) -> dict:
             tmp, "llama", hidden=args.hidden, layers=args.layers, heads=args.heads,
             kv_heads=args.kv_heads, vocab=args.vocab, intermediate_size=args.intermediate,
         )  # fmt: skip
-        kv_tokens = sum(len(ids) + out for ids, out in requests)
-        engine = Engine(
-            EngineConfig(
-                ModelConfig(tmp, device=args.device, dtype=args.dtype),
-                CacheConfig(num_blocks=kv_tokens // 16 + 64, block_size=16),
-                SchedulerConfig(max_num_batched_tokens=args.token_budget, max_num_seqs=256),
-            )
-        )
+        engine = make_engine(tmp, requests, args)
         for ids, out in requests:
             params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
             engine.add_request(Request(prompt_token_ids=ids, sampling=params))

@@ -39,15 +39,20 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     return requests
 
 
-def run_engine(path: str, requests, args: argparse.Namespace) -> dict:
+def make_engine(path: str, requests, args: argparse.Namespace) -> Engine:
+    """The engine the benchmark measures: a KV pool that holds every request at once."""
     kv_tokens = sum(len(ids) + out for ids, out in requests)
-    engine = Engine(
+    return Engine(
         EngineConfig(
             ModelConfig(path, device=args.device, dtype=args.dtype),
             CacheConfig(num_blocks=kv_tokens // 16 + 64, block_size=16),
             SchedulerConfig(max_num_batched_tokens=args.token_budget, max_num_seqs=256),
         )
     )
+
+
+def run_engine(path: str, requests, args: argparse.Namespace) -> dict:
+    engine = make_engine(path, requests, args)
     batch = [
         Request(
             prompt_token_ids=ids,

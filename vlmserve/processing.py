@@ -78,19 +78,14 @@ class PerThread(Generic[T]):
 
 def check_prompt_chars(request: Request, max_model_len: int) -> None:
     """PromptTooLongError for text that cannot fit however it tokenises."""
-    if request.prompt is not None:
-        num_chars = len(request.prompt)
-    else:
-        num_chars = sum(
-            len(part.get("text", "")) if isinstance(part, dict) else 0
-            for message in request.messages or ()
-            if isinstance(message, dict)
-            for part in (
-                [{"text": message.get("content")}]
-                if isinstance(message.get("content"), str)
-                else message.get("content") or ()
-            )
-        )
+    texts = [request.prompt or ""]
+    for message in request.messages or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [p.get("text") or "" for p in content if isinstance(p, dict)]
+    num_chars = sum(len(text) for text in texts if isinstance(text, str))
     limit = max_model_len * MAX_CHARS_PER_TOKEN
     if num_chars > limit:
         raise PromptTooLongError(

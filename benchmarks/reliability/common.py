@@ -437,8 +437,9 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def in_process_server(app) -> Iterator[str]:
-    """An app (from `create_app`) on uvicorn in a thread on a free loopback port."""
+def in_process_server(app, wait_ready: bool = True) -> Iterator[str]:
+    """An app (from `create_app`) on uvicorn in a thread on a free loopback port; yields
+    its base URL, once /health answers 200 unless `wait_ready` is False."""
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
@@ -449,7 +450,7 @@ def in_process_server(app) -> Iterator[str]:
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.02)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    while httpx.get(url + "/health").status_code != 200:
+    while wait_ready and httpx.get(url + "/health").status_code != 200:
         assert time.monotonic() < deadline, "the engine did not load"
         time.sleep(0.05)
     try:

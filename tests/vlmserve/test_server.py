@@ -18,10 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from openai import OpenAI
 
+from benchmarks.reliability.common import in_process_server
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine import Engine
@@ -68,23 +68,8 @@ def engine_config(path, num_blocks: int = 1024) -> EngineConfig:
 @contextlib.contextmanager
 def serve(factory, wait_ready: bool = True, on_engine_death=None, **options) -> Iterator[Served]:
     app = create_app(factory, ServerConfig(model_name=MODEL, **options), on_engine_death)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    served = Served(f"http://127.0.0.1:{port}", app)
-    while wait_ready and httpx.get(served.url("/health")).status_code != 200:
-        assert time.monotonic() < deadline, "the engine did not load"
-        time.sleep(0.05)
-    try:
-        yield served
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with in_process_server(app, wait_ready) as url:
+        yield Served(url, app)
 
 
 @pytest.fixture(scope="module")
