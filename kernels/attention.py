@@ -7,8 +7,10 @@ A layer's cache is head-major, `[2 (k, v), num_kv_heads, num_slots, head_dim]`, 
 gather of a group's slots yields contiguous `[kv_heads, seqs, context, head_dim]` operands
 for batched matmuls. The layout is the backend's: `kv_cache_shape` says it, and the runner
 allocates what it returns.
-The torch backend is the only one today, on CPU and GPU alike. GPU kernels (FlashInfer,
-Triton) are planned; each will implement the same three methods and give its own layout.
+The torch backend runs on CPU and GPU alike and is the reference; the CPU backend
+(kernels/cpu_attention.py) replaces its decode path with a C++ kernel over the same
+layout. GPU kernels (FlashInfer, Triton) are planned; each will implement the same three
+methods and give its own layout.
 """
 
 from __future__ import annotations
@@ -163,6 +165,17 @@ class TorchPagedAttention:
     def build_metadata(
         self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
     ) -> TorchAttentionMetadata:
+        meta, starts, small = self._split(batch, slot_mapping, device)
+        buckets = _buckets(small, batch.context_lens)
+        meta.groups += [_group(m, batch, starts, device) for m in buckets]
+        return meta
+
+    def _split(
+        self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
+    ) -> tuple[TorchAttentionMetadata, list[int], list[int]]:
+        """The metadata of the fresh prefills and the long chunks on a prefix; each
+        sequence's first flat token index; and the sequences with short queries (decodes,
+        verifications), which each backend batches its own way."""
         starts, total = [], 0
         for q_len in batch.query_lens:
             starts.append(total)
@@ -172,9 +185,8 @@ class TorchPagedAttention:
         small = [i for i, (q, _) in enumerate(lens) if q <= SMALL_QUERY_LEN]
         large = [i for i, (q, c) in enumerate(lens) if q > SMALL_QUERY_LEN and q != c]
         groups = [_group([i], batch, starts, device) for i in large]
-        groups += [_group(m, batch, starts, device) for m in _buckets(small, batch.context_lens)]
         ranges = [(starts[i], starts[i] + batch.query_lens[i]) for i in fresh]
-        return TorchAttentionMetadata(slot_mapping.to(device), groups, ranges)
+        return TorchAttentionMetadata(slot_mapping.to(device), groups, ranges), starts, small
 
     def forward(
         self,
@@ -190,6 +202,20 @@ class TorchPagedAttention:
         kv_cache[0].index_copy_(1, metadata.slot_mapping, k.transpose(0, 1))
         kv_cache[1].index_copy_(1, metadata.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
+        self._attend(out, q, k, v, kv_cache, metadata, scale)
+        return out
+
+    def _attend(
+        self,
+        out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> None:
+        """Fill `out` for the fresh prefills and every group (their K/V are in the cache)."""
         for start, end in metadata.fresh:
             qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, len, D]
             os = F.scaled_dot_product_attention(
@@ -211,7 +237,6 @@ class TorchPagedAttention:
             if g.valid_rows is not None:
                 og = og.index_select(0, g.valid_rows)
             out.index_copy_(0, g.out_rows, og)
-        return out
 
     def _grouped_attention(
         self, q: torch.Tensor, kv_cache: torch.Tensor, g: _Group, scale: float
@@ -239,8 +264,22 @@ class TorchPagedAttention:
 
 
 def select_backend(device: torch.device, preferred: str | None = None) -> AttentionBackend:
-    """The attention backend for `device`. Only the torch backend exists so far; the
-    planned GPU backends will register here, imported lazily (flashinfer is GPU-only)."""
-    if preferred not in (None, "torch"):
-        raise ValueError(f"attention backend {preferred!r} is not available (have: torch)")
+    """The attention backend for `device`: on a CPU the C++ paged kernel where it builds
+    (kernels/cpu_attention.py), else plain torch. `preferred` names one ("torch", "cpu");
+    the torch backend runs anywhere and is the reference every other is tested against.
+    The planned GPU backends will register here, imported lazily (flashinfer is GPU-only)."""
+    from kernels import cpu_attention
+
+    if preferred not in (None, "torch", "cpu"):
+        raise ValueError(f"attention backend {preferred!r} is not available (have: torch, cpu)")
+    if preferred == "torch":
+        return TorchPagedAttention()
+    if device.type == "cpu":
+        why = cpu_attention.available()
+        if why is None:
+            return cpu_attention.CpuPagedAttention()
+        if preferred == "cpu":
+            raise ValueError(f"attention backend 'cpu' did not build: {why}")
+    elif preferred == "cpu":
+        raise ValueError(f"attention backend 'cpu' runs on a CPU device, not {device.type}")
     return TorchPagedAttention()

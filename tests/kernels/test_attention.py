@@ -1,6 +1,7 @@
-"""The paged torch backend against plain SDPA over each sequence's own K/V. One helper,
-run on CPU always and on CUDA where there is one, so the GPU check can never drift from
-the layout the runner allocates (`backend.kv_cache_shape`)."""
+"""Every attention backend against plain SDPA over each sequence's own K/V. One helper,
+run on CPU always (the torch reference and the C++ CPU kernel) and on CUDA where there is
+one, so the GPU check can never drift from the layout the runner allocates
+(`backend.kv_cache_shape`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import AttentionBatch, TorchPagedAttention, _buckets
+from kernels import cpu_attention
+from kernels.attention import AttentionBatch, TorchPagedAttention, _buckets, select_backend
 
 HEADS, KV_HEADS, DIM, BLOCK, NUM_BLOCKS = 4, 2, 8, 4, 128
 # Per sequence: (tokens cached by step 1, new tokens in step 2). Step 1 prefills the
@@ -29,8 +31,18 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     return out.transpose(0, 1)
 
 
+def cpu_backend():
+    why = cpu_attention.available()
+    if why is not None:
+        pytest.skip(f"the C++ CPU kernel did not build here: {why}")
+    return cpu_attention.CpuPagedAttention()
+
+
+BACKENDS = {"torch": TorchPagedAttention, "cpu": cpu_backend}
+
+
 def run_step(
-    backend: TorchPagedAttention, cache: torch.Tensor, tables: list[list[int]],
+    backend, cache: torch.Tensor, tables: list[list[int]],
     spans: list[tuple[int, int]], qkv: list[tuple[torch.Tensor, ...]], block: int = BLOCK,
 ) -> None:  # fmt: skip
     """One step: sequence i computes positions spans[i] = (start, end) over its full q, k,
@@ -45,39 +57,68 @@ def run_step(
         block_tables=[tables[i] for i, _, _ in rows], block_size=block,
     )  # fmt: skip
     meta = backend.build_metadata(batch, slot_mapping, cache.device)
-    out = backend.forward(q, k, v, cache, meta, scale=DIM**-0.5)
+    dim = q.shape[-1]
+    out = backend.forward(q, k, v, cache, meta, scale=dim**-0.5)
     start = 0
     for i, s, e in rows:
         sq, sk, sv = qkv[i]
-        expected = reference(sq[s:e], sk[:e], sv[:e], DIM**-0.5)
+        expected = reference(sq[s:e], sk[:e], sv[:e], dim**-0.5)
         torch.testing.assert_close(out[start : start + e - s], expected, rtol=1e-4, atol=1e-4)
         start += e - s
 
 
 def check_paged_attention(
-    device: torch.device, heads: int = HEADS, kv_heads: int = KV_HEADS, block: int = BLOCK
-) -> None:
+    device: torch.device, heads: int = HEADS, kv_heads: int = KV_HEADS, block: int = BLOCK,
+    backend=None, shapes=SHAPES, dim: int = DIM, seed: int = 0,
+) -> None:  # fmt: skip
     """Two steps on a paged cache with scattered blocks: step 1 writes the prefixes, step 2
     reads them back through the block tables."""
-    gen = torch.Generator().manual_seed(0)
-    backend = TorchPagedAttention()
-    shape = backend.kv_cache_shape(NUM_BLOCKS, block, kv_heads, DIM)
+    gen = torch.Generator().manual_seed(seed)
+    backend = backend or TorchPagedAttention()
+    num_blocks = max(NUM_BLOCKS, sum(-(-(c + n) // block) for c, n in shapes) + 8)
+    shape = backend.kv_cache_shape(num_blocks, block, kv_heads, dim)
     cache = torch.zeros(shape, device=device)
-    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()  # non-contiguous blocks
-    tables = [[free.pop() for _ in range(-(-(c + n) // block))] for c, n in SHAPES]
+    free = torch.randperm(num_blocks, generator=gen).tolist()  # non-contiguous blocks
+    tables = [[free.pop() for _ in range(-(-(c + n) // block))] for c, n in shapes]
     qkv = [
-        tuple(torch.randn(c + n, h, DIM, generator=gen).to(device)
+        tuple(torch.randn(c + n, h, dim, generator=gen).to(device)
               for h in (heads, kv_heads, kv_heads))
-        for c, n in SHAPES
+        for c, n in shapes
     ]  # fmt: skip
-    run_step(backend, cache, tables, [(0, c) for c, _ in SHAPES], qkv, block)
-    run_step(backend, cache, tables, [(c, c + n) for c, n in SHAPES], qkv, block)
+    run_step(backend, cache, tables, [(0, c) for c, _ in shapes], qkv, block)
+    run_step(backend, cache, tables, [(c, c + n) for c, n in shapes], qkv, block)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])  # GQA and MHA
-def test_block_sizes_gqa_and_mha_match_sdpa(heads, kv_heads, block):
-    check_paged_attention(torch.device("cpu"), heads, kv_heads, block)
+def test_block_sizes_gqa_and_mha_match_sdpa(heads, kv_heads, block, backend):
+    check_paged_attention(torch.device("cpu"), heads, kv_heads, block, BACKENDS[backend]())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("heads, kv_heads", [(12, 4), (8, 1), (6, 6)])
+def test_random_paged_layouts_match_sdpa(heads, kv_heads, block, seed, backend):
+    """Ragged random batches at the serving head size (64): many decodes over contexts of
+    1 to 700 tokens (block boundaries, single-token contexts), verifications of 2-16 rows,
+    a fresh prefill and a long chunk on a prefix, all in one step."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
+    shapes = [(draw(0, 700), 1) for _ in range(24)] + [(0, 1), (block - 1, 1), (block, 1)]
+    shapes += [(draw(1, 300), draw(2, 16)) for _ in range(4)] + [(0, 40), (draw(1, 90), 33)]
+    check_paged_attention(
+        torch.device("cpu"), heads, kv_heads, block, BACKENDS[backend](), shapes, 64, seed
+    )
+
+
+def test_cpu_kernel_is_the_cpu_default_and_torch_stays_selectable():
+    cpu_backend()
+    assert select_backend(torch.device("cpu")).name == "cpu"
+    assert select_backend(torch.device("cpu"), "torch").name == "torch"
+    with pytest.raises(ValueError, match="not available"):
+        select_backend(torch.device("cpu"), "flash")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,249 @@
+// Paged attention on the CPU, reading K/V straight from the block table (no gather).
+//
+// Registered as torch.ops.vlmserve.paged_attention; kernels/cpu_attention.py builds this
+// file with torch.utils.cpp_extension on first use.
+//
+// Layout (kernels/attention.py): a layer's cache is [2 (k, v), num_kv_heads, num_slots,
+// head_dim] with slot = block * block_size + offset, so one block of one head is
+// block_size * head_dim contiguous elements.
+//
+// One work item is (sequence, kv head): its query_len * group query rows (group = query
+// heads per kv head) walk the sequence's blocks once with an online softmax, so each K/V
+// block is read once for all the rows that share it. Query row i of a sequence sits at
+// position context_len - query_len + i and sees positions <= it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <immintrin.h>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Scores of `rows` query rows against one block's keys: p[r * block_size + j] for the first
+// `count` keys (p is [rows, block_size]; callers mask positions past `last`).
+inline void block_scores(const float* qs, const float* kb, float* p, int64_t rows, int64_t dim,
+                         int64_t count, int64_t block_size) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0 && dim <= 256) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = qs + r * dim;
+      for (int64_t j = 0; j < count; ++j) {
+        const float* kj = kb + j * dim;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kj));
+        for (int64_t d = 16; d < dim; d += 16)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kj + d), acc);
+        p[r * block_size + j] = _mm512_reduce_add_ps(acc);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < count; ++j) {
+      float sum = 0.f;
+      for (int64_t d = 0; d < dim; ++d) sum += qs[r * dim + d] * kb[j * dim + d];
+      p[r * block_size + j] = sum;
+    }
+}
+
+// acc[r] = acc[r] * correction[r] + sum_j p[r, j] v[j] over the block's first `count` rows.
+inline void block_values(const float* p, const float* vb, const float* correction, float* acc,
+                         int64_t rows, int64_t dim, int64_t count, int64_t block_size) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    for (int64_t d = 0; d < dim; d += 16)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* pr = p + r * block_size;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + d),
+                                 _mm512_set1_ps(correction[r]));
+        for (int64_t j = 0; j < count; ++j)
+          a = _mm512_fmadd_ps(_mm512_set1_ps(pr[j]), _mm512_loadu_ps(vb + j * dim + d), a);
+        _mm512_storeu_ps(acc + r * dim + d, a);
+      }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < dim; ++d) {
+      float a = acc[r * dim + d] * correction[r];
+      for (int64_t j = 0; j < count; ++j) a += p[r * block_size + j] * vb[j * dim + d];
+      acc[r * dim + d] = a;
+    }
+}
+
+// One (sequence, kv head): `rows` query rows (scaled, float) over `ctx` positions, with an
+// online softmax across blocks. K/V blocks are float32 (other dtypes are converted into
+// `kbuf`/`vbuf` first).
+template <typename scalar_t>
+void attend_one(const float* qs, float* acc, const int64_t* last, int64_t rows, int64_t dim,
+                int64_t ctx, int64_t block_size, const int32_t* table, const scalar_t* k_head,
+                const scalar_t* v_head, float* kbuf, float* vbuf, float* p, float* m, float* l,
+                float* correction) {
+  for (int64_t first = 0; first < ctx; first += block_size) {
+    const int64_t count = std::min(block_size, ctx - first);
+    const int64_t slot = static_cast<int64_t>(table[first / block_size]) * block_size;
+    const float* kb;
+    const float* vb;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      kb = k_head + slot * dim;
+      vb = v_head + slot * dim;
+    } else {
+      for (int64_t i = 0; i < count * dim; ++i) {
+        kbuf[i] = static_cast<float>(k_head[slot * dim + i]);
+        vbuf[i] = static_cast<float>(v_head[slot * dim + i]);
+      }
+      kb = kbuf;
+      vb = vbuf;
+    }
+    // Blocks sit at random pages, where the hardware prefetcher stops: fetch the next
+    // block's K and V while this one is computed.
+    if (first + block_size < ctx) {
+      const int64_t next = static_cast<int64_t>(table[first / block_size + 1]) * block_size;
+      const char* kn = reinterpret_cast<const char*>(k_head + next * dim);
+      const char* vn = reinterpret_cast<const char*>(v_head + next * dim);
+      const int64_t bytes = block_size * dim * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t off = 0; off < bytes; off += 64) {
+        _mm_prefetch(kn + off, _MM_HINT_T0);
+        _mm_prefetch(vn + off, _MM_HINT_T0);
+      }
+    }
+    block_scores(qs, kb, p, rows, dim, count, block_size);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* pr = p + r * block_size;
+      const int64_t visible = std::max<int64_t>(0, std::min(count, last[r] - first + 1));
+      float block_max = kNegInf;
+      for (int64_t j = 0; j < visible; ++j) block_max = std::max(block_max, pr[j]);
+      if (visible == 0) {  // all of this block lies past the row's position
+        correction[r] = 1.f;
+        for (int64_t j = 0; j < count; ++j) pr[j] = 0.f;
+        continue;
+      }
+      const float new_max = std::max(m[r], block_max);
+      correction[r] = std::exp(m[r] - new_max);  // m = -inf before the first block: 0
+      float total = 0.f;
+      for (int64_t j = 0; j < count; ++j) {
+        pr[j] = j < visible ? std::exp(pr[j] - new_max) : 0.f;
+        total += pr[j];
+      }
+      m[r] = new_max;
+      l[r] = l[r] * correction[r] + total;
+    }
+    block_values(p, vb, correction, acc, rows, dim, count, block_size);
+  }
+}
+
+template <typename scalar_t>
+void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+            const at::Tensor& block_tables, const at::Tensor& query_starts,
+            const at::Tensor& query_lens, const at::Tensor& context_lens, int64_t block_size,
+            double scale) {
+  const int64_t num_seqs = query_starts.size(0);
+  const int64_t num_heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = kv_cache.size(1), num_slots = kv_cache.size(2);
+  const int64_t group = num_heads / kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
+  const scalar_t* v_base = k_base + kv_heads * num_slots * dim;
+  scalar_t* o_ptr = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* starts = query_starts.data_ptr<int32_t>();
+  const int32_t* qlens = query_lens.data_ptr<int32_t>();
+  const int32_t* clens = context_lens.data_ptr<int32_t>();
+  const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
+  const int64_t num_items = num_seqs * kv_heads;
+
+  // Most work first, so the dynamic schedule ends balanced.
+  std::vector<int64_t> order(num_items);
+  for (int64_t i = 0; i < num_items; ++i) order[i] = i;
+  auto work = [&](int64_t item) {
+    const int64_t s = item / kv_heads;
+    return static_cast<int64_t>(clens[s]) * qlens[s];
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return work(a) > work(b); });
+  const float fscale = static_cast<float>(scale);
+
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> qs, acc, m, l, p, correction;
+    std::vector<float> kbuf(block_size * dim), vbuf(block_size * dim);
+    std::vector<int64_t> last;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < num_items; ++n) {
+      const int64_t seq = order[n] / kv_heads, h = order[n] % kv_heads;
+      const int64_t q_len = qlens[seq], ctx = clens[seq], start = starts[seq];
+      const int64_t rows = q_len * group;
+      qs.resize(rows * dim);
+      acc.assign(rows * dim, 0.f);
+      m.assign(rows, kNegInf);
+      l.assign(rows, 0.f);
+      p.resize(rows * block_size);
+      correction.resize(rows);
+      last.resize(rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r / group, head = h * group + r % group;
+        const scalar_t* src = q_ptr + (start + i) * q_stride + head * dim;
+        for (int64_t d = 0; d < dim; ++d) qs[r * dim + d] = static_cast<float>(src[d]) * fscale;
+        last[r] = ctx - q_len + i;
+      }
+      const int32_t* table = tables + seq * max_blocks;
+      const scalar_t* k_head = k_base + h * num_slots * dim;
+      const scalar_t* v_head = v_base + h * num_slots * dim;
+      attend_one<scalar_t>(qs.data(), acc.data(), last.data(), rows, dim, ctx, block_size,
+                           table, k_head, v_head, kbuf.data(), vbuf.data(), p.data(), m.data(),
+                           l.data(), correction.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r / group, head = h * group + r % group;
+        scalar_t* dst = o_ptr + (start + i) * o_stride + head * dim;
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * dim + d] * inv);
+      }
+    }
+  }
+}
+
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_starts,
+                     const at::Tensor& query_lens, const at::Tensor& context_lens,
+                     int64_t block_size, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out: [num_tokens, heads, dim]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows must be dense");
+  TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be dense");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache: contiguous [2, kv_heads, slots, dim]");
+  TORCH_CHECK(kv_cache.size(3) == q.size(2) && q.size(1) % kv_cache.size(1) == 0,
+              "head dims or head counts do not match");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, kv_cache and out must share a dtype");
+  for (const auto* t : {&block_tables, &query_starts, &query_lens, &context_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "int32 metadata expected");
+  }
+  TORCH_CHECK(block_tables.size(0) == query_starts.size(0), "one block-table row per sequence");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
+                                  [&] {
+                                    attend<scalar_t>(out, q, kv_cache, block_tables,
+                                                     query_starts, query_lens, context_lens,
+                                                     block_size, scale);
+                                  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vlmserve, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
+      "Tensor query_starts, Tensor query_lens, Tensor context_lens, int block_size, "
+      "float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(vlmserve, CPU, m) { m.impl("paged_attention", &paged_attention); }
