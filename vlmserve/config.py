@@ -28,6 +28,8 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     max_images_per_request: int = 16
     attention_backend: str | None = None
+    # CPU float32: the decoder's linear layers in oneDNN's prepacked layout (PackedLinear).
+    pack_weights: bool = True
 
     def __post_init__(self) -> None:
         if not Path(self.path).is_dir():

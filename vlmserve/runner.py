@@ -17,6 +17,7 @@ from scheduler.config import kv_pool_num_blocks
 from scheduler.planner import StepPlan
 from scheduler.sequence import ImagePlaceholder, Sequence
 from vlmserve.config import EngineConfig
+from vlmserve.models.decoder import pack_linears
 from vlmserve.models.loader import LoadedModel, load_model
 
 
@@ -28,6 +29,8 @@ class ModelRunner:
         self.model: LoadedModel = load_model(
             config.model.path, self.dtype, self.device, self.backend
         )
+        if config.model.pack_weights and self.device.type == "cpu":
+            pack_linears(self.model.decoder)
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit(config)
         cfg = self.model.decoder.cfg
