@@ -153,6 +153,24 @@ def test_lumpy_trace_has_its_burst_and_never_fits():
     assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
 
 
+def test_lumpy_trace_bursts_recur_with_new_images_and_one_burst_is_unchanged():
+    one = lumpy_trace(5.0, 20.0, 5.0, 6, 1.0, seed=0, num_never_fits=2)
+    assert lumpy_trace(5.0, 20.0, 5.0, 6, 1.0, seed=0, num_never_fits=2, num_bursts=1) == one
+    three = lumpy_trace(5.0, 30.0, 2.0, 6, 1.0, seed=0, num_bursts=3, burst_period_s=10.0)
+    burst = [r for r in three if r.request_class == "4x13-tile"]
+    assert len(burst) == 18
+    for k, start in enumerate((2.0, 12.0, 22.0)):
+        assert sum(start <= r.arrival_s <= start + 1.0 for r in burst) == 6, k
+    hashes = [im.content_hash for r in burst for im in r.images]
+    assert len(set(hashes)) == len(hashes) == 72
+    assert len({r.request_id for r in three}) == len(three)
+    text = [r for r in three if r.request_class == "text"]
+    single = lumpy_trace(5.0, 30.0, 2.0, 6, 1.0, seed=0)
+    assert text == [r for r in single if r.request_class == "text"]  # the same chat
+    with pytest.raises(ValueError, match="num_bursts"):
+        lumpy_trace(5.0, 30.0, 2.0, 6, 1.0, num_bursts=0)
+
+
 def test_jsonl_round_trip_and_errors(tmp_path):
     trace = make_mix("vlm", 30, 2.0, seed=2)
     path = tmp_path / "trace.jsonl"
