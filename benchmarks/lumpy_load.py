@@ -12,13 +12,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks.reliability.common import ServerProcess, data_url, png_bytes, user_message
+from benchmarks.reliability.common import (
+    ServerProcess,
+    children_of,
+    data_url,
+    png_bytes,
+    user_message,
+)
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,10 +33,12 @@ WORDS = "where is the red star and how many blue circles are on the left of a gr
 # The lumpy_admission mix scaled down (there: 10 text req/s with 20-400 prompt and 32-256
 # output tokens; 40 requests of 4 x 13-tile images, 3.2x the pool). The embedded model's
 # context is 512 tokens: 3 images of 117 tokens is the most a request can carry.
+# Two bursts (as lumpy_admission's burst-every-60s workload, and so the burst class's p50
+# is over 24 requests rather than 12).
 TEXT_RATE = 4.0
 DURATION_S = 45.0
-BURST_AT_S = 15.0
-NUM_BURST = 12
+BURSTS_AT = (12.0, 30.0)
+NUM_BURST = 12  # per burst
 BURST_WINDOW_S = 1.0
 IMAGES_PER_BURST_REQUEST = 3
 IMAGE_SIZE = (192, 144)  # InternVL grid 4x3 + the thumbnail: 13 tiles of 48 px
@@ -88,11 +97,11 @@ def image_tiles(width: int, height: int) -> int:
 
 
 def plan_load(
-    seed: int, duration_s: float = DURATION_S, bursts_at: tuple[float, ...] = (BURST_AT_S,)
+    seed: int, duration_s: float = DURATION_S, bursts_at: tuple[float, ...] = BURSTS_AT
 ) -> list[Planned]:
-    """Poisson text chat (8-60 words, 8-32 output tokens) for `duration_s` plus a burst of
-    3-image requests at each of `bursts_at`; every image new (no encoder or prefix cache
-    hits between them)."""
+    """Poisson text chat (8-60 words, 8-32 output tokens) for `duration_s` plus NUM_BURST
+    3-image requests within BURST_WINDOW_S of each of `bursts_at`; every image new (no
+    encoder or prefix cache hits between them)."""
     rng = random.Random(seed)
     out, t = [], rng.expovariate(TEXT_RATE)
     while t < duration_s:
@@ -188,3 +197,47 @@ def probe_idle(server: ServerProcess, seed: int, num_text: int = 16, num_image: 
         "process_s": mean_between(before, after, histogram, '{stage="process"}'),
     }
     return measured, means
+
+
+# --- the machine's other work -----------------------------------------------------------
+
+
+def _busy_jiffies() -> int:
+    """CPU time the whole machine spent busy (or stolen by the hypervisor), all cores."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return user + nice + system + irq + softirq + steal
+
+
+def _tree_jiffies(pid: int) -> int:
+    """CPU time of `pid` and its descendants alive now (utime + stime)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(stat[11]) + int(stat[12])
+        todo += children_of(p)
+    return total
+
+
+class OtherWork:
+    """Share of the machine's CPU that processes other than this one and its descendants
+    (the server, its preprocessing workers) used during a `with` block: the load this
+    benchmark does not model. `share` is 0..1 of all cores over the block's wall time."""
+
+    def __enter__(self) -> OtherWork:
+        self._t0, self._busy0 = time.perf_counter(), _busy_jiffies()
+        self._ours0 = _tree_jiffies(os.getpid())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self._t0
+        # A descendant that exited meanwhile drops out of the sum: none does in a run.
+        ours = _tree_jiffies(os.getpid()) - self._ours0
+        other = max(0, _busy_jiffies() - self._busy0 - ours)
+        hz, cores = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+        self.cpu_s = other / hz
+        self.share = self.cpu_s / (wall * cores)
