@@ -24,6 +24,13 @@ preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
 - prefill cap: at most `lump_prefill_tokens` prefill tokens a step go to non-quick
   sequences, so a step that carries a lump stays short and a text request arriving
   during it waits little (the planner applies it).
+- yield: a step that carries a quick request's first-token work (it starts one, or
+  continues one's prefill) gives non-quick sequences no prefill rows, no tower work and no
+  start (`yields_to_quick`; the planner applies it), so the text request's first token does
+  not wait on a lump's chunk or a 13-tile tower pass in its own step. Never two steps
+  running, so lumps keep at least every other step. In that step an aged lump counts as
+  not fitting: quick requests pass it only inside the headroom, which leaves its condition
+  as it was, so it starts at most one step later than it would have.
 - victim: the running sequence whose preemption throws away the least computed KV not
   kept by the prefix cache (`recompute_cost`), newest first among equals (§19).
 """
@@ -51,6 +58,8 @@ class AdmissionPolicy(Protocol):
     watermark_blocks: int  # kept free of reservations (running sequences grow into it)
     # Prefill tokens a step may give non-quick sequences; None: no cap.
     lump_prefill_tokens: int | None
+    # Whether non-quick sequences sit out a step that carries a quick first token.
+    yields_to_quick: bool
 
     def order(self, candidates: list[Candidate]) -> list[Candidate]:
         """Candidates (waiting-queue order) in the order they should be tried."""
@@ -112,6 +121,7 @@ class FcfsAdmission:
     large image prompt is never starved by a stream of small ones)."""
 
     lump_prefill_tokens: int | None = None
+    yields_to_quick: bool = False
 
     def __init__(self, num_blocks: int, watermark: float) -> None:
         self.watermark_blocks = watermark_blocks(num_blocks, watermark)
@@ -144,8 +154,8 @@ class FcfsAdmission:
 
 class LumpyAdmission(FcfsAdmission):
     """Lump reservation with hysteresis, quick-first order with an aging bound, a headroom
-    only quick requests take, a per-step prefill cap on lumps, and the cheapest-recompute
-    victim (see the module docstring)."""
+    only quick requests take, a per-step prefill cap on lumps, lumps yielding a quick
+    request's first step, and the cheapest-recompute victim (see the module docstring)."""
 
     def __init__(
         self,
@@ -155,8 +165,10 @@ class LumpyAdmission(FcfsAdmission):
         decode_reserve_tokens: int,
         headroom: float = 0.0,
         lump_prefill_tokens: int | None = None,
+        yields_to_quick: bool = False,
     ) -> None:
         super().__init__(num_blocks, watermark)
+        self.yields_to_quick = yields_to_quick
         self.decode_reserve_tokens = decode_reserve_tokens
         self.usable_blocks = num_blocks - self.watermark_blocks
         self.max_reservable_tokens = self.usable_blocks * block_size

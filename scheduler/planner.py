@@ -12,8 +12,11 @@ queue and is recomputed later (article §19); a step that preempts admits no one
 
 Prefill chunks stop before an image that would take the step's vision-tower work past
 `encoder_tiles_per_step` (`scheduler.encoder_budget`). Under lumpy admission, sequences not
-admitted as quick share `lump_prefill_tokens_per_step` prefill tokens a step, and quick
-ones may use the KV headroom lumps must leave (`scheduler.admission`).
+admitted as quick share `lump_prefill_tokens_per_step` prefill tokens a step, quick
+ones may use the KV headroom lumps must leave, and a step that carries a quick request's
+first token leaves the lumps out (`scheduler.admission`): it plans the running
+non-lumps, then starts quick requests, and only when none needs its first token does it
+go on to the lumps and the other admissions.
 
 With speculation on, a decode may also carry n-gram drafts (article §15): its query rows
 are its last token plus the drafts, they count against the budget, and blocks are grown
@@ -47,6 +50,16 @@ class ScheduledSeq:
     draft_token_ids: tuple[int, ...] = ()
 
 
+@dataclass
+class _Room:
+    """What is left of the step being planned: dense tokens, tower tiles spent, and the
+    prefill tokens sequences not admitted as quick may still take (None: no cap)."""
+
+    tokens: int
+    tiles_used: int
+    lump_tokens: int | None
+
+
 @dataclass(frozen=True)
 class StepPlan:
     scheduled: list[ScheduledSeq]
@@ -68,7 +81,7 @@ def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int)
     lump_prefill = config.lump_prefill_tokens_per_step if config.enable_chunked_prefill else None
     return LumpyAdmission(
         num_blocks, cache.block_size, cache.watermark, config.decode_reserve_tokens,
-        config.lump_headroom, lump_prefill,
+        config.lump_headroom, lump_prefill, config.lump_yields_to_quick,
     )  # fmt: skip
 
 
@@ -107,6 +120,7 @@ class Scheduler:
         # Running sequences admitted as quick: they may use the lump headroom and their
         # prefill is not capped.
         self._quick_ids: set[str] = set()
+        self._yielded = False  # the previous step held lumps back for a quick request
 
     @property
     def block_size(self) -> int:
@@ -200,44 +214,85 @@ class Scheduler:
         )  # fmt: skip
 
     def schedule(self) -> StepPlan:
-        budget, tiles_used = self.config.max_num_batched_tokens, 0
+        room = _Room(self.config.max_num_batched_tokens, 0, self.admission.lump_prefill_tokens)
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         queue = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
-        step_gamma = self._step_gamma(queue, budget)
-        lump_left = self.admission.lump_prefill_tokens
-        while queue and budget > 0:
+        step_gamma = self._step_gamma(queue, room.tokens)
+        # Lumps may sit this step out for a quick request's first token, never two running.
+        may_yield = self.admission.yields_to_quick and not self._yielded
+        lumps = [s for s in queue if may_yield and self._is_lump(s)]
+        queue = [s for s in queue if s not in lumps] if lumps else queue
+        self._run(queue, lumps, room, step_gamma, scheduled, preempted)
+        yielded = False
+        if may_yield:
+            if not preempted:
+                scheduled += self._admit(room, quick_only=True)
+            first_tokens = any(
+                item.seq.request_id in self._quick_ids and item.seq.num_output_tokens == 0
+                for item in scheduled
+            )
+            yielded = first_tokens and (
+                bool(lumps) or any(not c.quick for c, _ in self._candidates())
+            )
+            if not yielded:
+                self._run(lumps, [], room, step_gamma, scheduled, preempted)
+        self._yielded = yielded
+        if not preempted and not yielded:
+            scheduled += self._admit(room)
+        for seq in self.waiting:
+            if seq.ready:
+                seq.num_waiting_steps += 1
+        return StepPlan(scheduled, preempted)
+
+    def _is_lump(self, seq: Sequence) -> bool:
+        """A running prefill not admitted as quick (its chunks share the lump cap)."""
+        return seq.num_uncomputed_tokens > 1 and seq.request_id not in self._quick_ids
+
+    def _run(
+        self,
+        queue: list[Sequence],
+        spare: list[Sequence],
+        room: _Room,
+        step_gamma: int,
+        scheduled: list[ScheduledSeq],
+        preempted: list[Sequence],
+    ) -> None:
+        """Schedule the running sequences of `queue` in order. A sequence that cannot grow
+        preempts a victim among those not visited yet, in `queue` or `spare` (running
+        sequences this pass leaves for later), or itself."""
+        while queue and room.tokens > 0:
             seq = queue.pop(0)
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            lump = seq.num_uncomputed_tokens > 1 and seq.request_id not in self._quick_ids
-            if lump and lump_left is not None:
-                if lump_left == 0:
+            num_new = min(seq.num_uncomputed_tokens, room.tokens)
+            lump = self._is_lump(seq)
+            if lump and room.lump_tokens is not None:
+                if room.lump_tokens == 0:
                     continue
-                num_new = min(num_new, lump_left)
+                num_new = min(num_new, room.lump_tokens)
             if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
                 continue
             if seq.images:
                 start = seq.num_computed_tokens
-                end, tiles = self._cut_for_tiles(seq, start, start + num_new, tiles_used)
+                end, tiles = self._cut_for_tiles(seq, start, start + num_new, room.tiles_used)
                 if end < start + num_new and not self.config.enable_chunked_prefill:
                     continue
                 if end == start:
                     continue  # its next image waits for a step with tower room
-                num_new, tiles_used = end - start, tiles_used + tiles
+                num_new, room.tiles_used = end - start, room.tiles_used + tiles
             total = seq.num_computed_tokens + num_new
             sample = total == seq.num_tokens
             drafts: tuple[int, ...] = ()
             if step_gamma and seq.num_uncomputed_tokens == 1:
-                drafts = self._drafts(seq, min(step_gamma, budget - 1))
+                drafts = self._drafts(seq, min(step_gamma, room.tokens - 1))
                 # Speculation never preempts anyone: no room, no drafts.
                 if drafts and self.block_manager.can_grow(seq, total + len(drafts)):
                     num_new, total = num_new + len(drafts), total + len(drafts)
                 else:
                     drafts = ()
             while not self.block_manager.can_grow(seq, total):
-                victim = self.admission.victim(queue, seq, self.recompute_cost)
+                victim = self.admission.victim([*queue, *spare], seq, self.recompute_cost)
                 if victim is not seq:
-                    queue.remove(victim)
+                    (queue if victim in queue else spare).remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -246,15 +301,9 @@ class Scheduler:
                 continue
             self.block_manager.grow(seq, total)
             scheduled.append(ScheduledSeq(seq, num_new, sample, drafts))
-            budget -= num_new
-            if lump and lump_left is not None:
-                lump_left -= num_new
-        if not preempted:
-            scheduled += self._admit(budget, tiles_used, lump_left)
-        for seq in self.waiting:
-            if seq.ready:
-                seq.num_waiting_steps += 1
-        return StepPlan(scheduled, preempted)
+            room.tokens -= num_new
+            if lump and room.lump_tokens is not None:
+                room.lump_tokens -= num_new
 
     def _candidates(self) -> list[tuple[Candidate, list[int]]]:
         """Ready waiting sequences, each with its prefix-cache match (blocks)."""
@@ -275,7 +324,10 @@ class Scheduler:
             out.append((Candidate(seq, quick, aged), matched))
         return out
 
-    def _admit(self, budget: int, tiles_used: int, lump_left: int | None) -> list[ScheduledSeq]:
+    def _admit(self, room: _Room, quick_only: bool = False) -> list[ScheduledSeq]:
+        """Start waiting sequences in the policy's order while `room` and the pool allow;
+        `quick_only`: quick ones alone; the others count as not fitting, so quick ones pass
+        an aged lump only where the policy lets them pass one that does not fit."""
         bm, policy, scheduled = self.block_manager, self.admission, []
         # Blocks that admitted sequences have yet to take are spoken for: the rest of
         # their prompt and (lumpy) their expected growth.
@@ -294,16 +346,20 @@ class Scheduler:
         blocked: tuple[Candidate, int] | None = None  # an aged candidate that did not fit
         for cand in policy.order([c for c, _ in found]):
             seq = cand.seq
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if room.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             matched = matches[id(seq)]
             cost = bm.cost_of(matched, self._reserve(seq))
             if blocked is not None and not policy.may_pass(*blocked, cand, cost, quick_blocks):
                 continue
             num_cached = len(matched) * self.block_size
-            step_room = budget if cand.quick or lump_left is None else min(budget, lump_left)
-            chunk = self._first_chunk(seq, num_cached, step_room, tiles_used)
-            if chunk is None or not policy.can_admit(cand, cost, available, quick_blocks):
+            lump_tokens = room.lump_tokens
+            step_room = (
+                room.tokens if cand.quick or lump_tokens is None else min(room.tokens, lump_tokens)
+            )
+            chunk = self._first_chunk(seq, num_cached, step_room, room.tiles_used)
+            fits = chunk is not None and policy.can_admit(cand, cost, available, quick_blocks)
+            if not fits or (quick_only and not cand.quick):
                 if policy.may_overtake(cand):
                     continue
                 if blocked is not None:
@@ -311,15 +367,15 @@ class Scheduler:
                 blocked = (cand, cost)  # later ones start only if the policy lets them pass
                 continue
             num_new, tiles = chunk
-            tiles_used += tiles
+            room.tiles_used += tiles
             self._start(seq, matched, num_cached, num_new, cand.quick)
             scheduled.append(ScheduledSeq(seq, num_new, num_cached + num_new == seq.num_tokens))
-            budget -= num_new
+            room.tokens -= num_new
             available -= cost
             if cand.quick:
                 quick_blocks += cost
-            elif lump_left is not None:
-                lump_left -= num_new
+            elif room.lump_tokens is not None:
+                room.lump_tokens -= num_new
         return scheduled
 
     def _first_chunk(

@@ -8,9 +8,13 @@ decode rows, KV read) and the clock advances by that much. Out come per-request 
 TPOT / end-to-end times, preemptions, recomputed tokens and KV occupancy over time.
 
 What is modelled: chunked prefill, prefix caching (image positions hash by content),
-preemption by recomputation, an encoder-output LRU, CPU preprocessing as a queue.
+preemption by recomputation, an encoder-output LRU, CPU preprocessing as a queue, and a
+server's fixed per-request latency on each side of the engine (`ingress_s`: HTTP parse,
+chat template, tokenisation, the hand-off to the engine thread; `egress_s`: from the
+sampled token to the client), 0 unless measured.
 What is not: sampling (every output runs to `max_tokens`), speculation, host overheads
-beyond `step_overhead_s`, tensor parallelism, network and detokenisation time.
+beyond `step_overhead_s` (or what a `MeasuredStepCost` fitted to the real engine holds),
+tensor parallelism, network and detokenisation time.
 """
 
 from __future__ import annotations
@@ -57,8 +61,20 @@ class SimConfig:
     encoder_cache_bytes: float = 4e9
     max_sim_s: float = 3600.0  # a run still busy at this simulated time counts as a hang
     kv_timeline_points: int = 2000
+    # KV pool in blocks; None: what fits beside the weights on the hardware (kv_pool_blocks).
+    num_blocks: int | None = None
+    # Seconds from a request's arrival until the scheduler holds it (its preprocessing
+    # starts then too), and from a sampled token until the client has it.
+    ingress_s: float = 0.0
+    egress_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.ingress_s < 0 or self.egress_s < 0:
+            raise ValueError(
+                f"ingress_s={self.ingress_s} and egress_s={self.egress_s} must be >= 0"
+            )
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks={self.num_blocks} must be >= 1 (or None)")
         if self.preprocess_workers < 1 or self.pooling_ratio < 1:
             raise ValueError("preprocess_workers and pooling_ratio must be >= 1")
         if self.max_sim_s <= 0:
@@ -206,7 +222,7 @@ class _Sim:
     def __init__(self, trace: list[TraceRequest], hw: StepHardware, config: SimConfig) -> None:
         self.hw, self.config = hw, config
         self.trace = sorted(trace, key=lambda r: r.arrival_s)
-        self.num_blocks = kv_pool_blocks(hw, config.block_size)
+        self.num_blocks = config.num_blocks or kv_pool_blocks(hw, config.block_size)
         self.encoder_cache = EncoderCacheModel(config.encoder_cache_bytes)
         self.scheduler = build_scheduler(config, self.num_blocks, self.encoder_cache)
         self.honours_ready = "ready" in _SEQ_FIELDS
@@ -234,13 +250,13 @@ class _Sim:
         if rec.refused is not None:
             return
         # CPU preprocessing (decode, resize, crop) of each image not already encoded.
-        ready_at = req.arrival_s
+        ready_at = held_at = req.arrival_s + self.config.ingress_s
         per_tile = self.hw.assumptions.preprocess_s_per_tile
         for im, img in zip(req.images, seq.images, strict=True):
             if self.encoder_cache.contains(img.content_hash):
                 continue
             w = min(range(len(self.workers)), key=self.workers.__getitem__)
-            self.workers[w] = max(self.workers[w], req.arrival_s) + im.num_tiles * per_tile
+            self.workers[w] = max(self.workers[w], held_at) + im.num_tiles * per_tile
             ready_at = max(ready_at, self.workers[w])
         self.max_tokens[seq.request_id] = req.max_tokens
         self.encoded[seq.request_id] = set()
@@ -250,9 +266,13 @@ class _Sim:
         if not seq.ready:
             heapq.heappush(self.preparing, (ready_at, len(self.records), seq))
 
+    def held_at(self, req: TraceRequest) -> float:
+        """When the scheduler gets `req`: its arrival plus the server's ingress latency."""
+        return req.arrival_s + self.config.ingress_s
+
     def release(self) -> None:
         """Arrivals and finished preprocessing up to `now`."""
-        while self.pending and self.pending[-1].arrival_s <= self.now:
+        while self.pending and self.held_at(self.pending[-1]) <= self.now:
             self.arrive(self.pending.pop())
         while self.preparing and self.preparing[0][0] <= self.now:
             _, _, seq = heapq.heappop(self.preparing)
@@ -261,7 +281,7 @@ class _Sim:
                 self.scheduler.add(seq, seq.num_prompt_tokens + self.max_tokens[seq.request_id])
 
     def next_event(self) -> float | None:
-        times = [self.pending[-1].arrival_s] if self.pending else []
+        times = [self.held_at(self.pending[-1])] if self.pending else []
         if self.preparing:
             times.append(self.preparing[0][0])
         return min(times) if times else None
@@ -287,7 +307,7 @@ class _Sim:
                     tiles += getattr(img, "num_tiles", 0) or self._tiles_of(img)
                 self.encoder_cache.insert(img.content_hash, self.image_bytes(img))
                 done.add(img.content_hash)
-        return StepWork(prefill, decode, pairs, kv, tiles)
+        return StepWork(prefill, decode, pairs, kv, tiles, len(plan.scheduled))
 
     def _tiles_of(self, img: ImagePlaceholder) -> int:
         # Before ImagePlaceholder.num_tiles exists: invert visual_tokens (exact for presets).
@@ -309,10 +329,11 @@ class _Sim:
             seq = item.seq
             rec = self.records[seq.request_id]
             if rec.first_token_s is None:
-                rec.first_token_s = self.now
+                rec.first_token_s = self.now + self.config.egress_s
             rec.num_output_tokens = seq.num_output_tokens
             if seq.num_output_tokens >= self.max_tokens[seq.request_id]:
-                rec.finish_s, rec.num_preemptions = self.now, seq.num_preemptions
+                rec.finish_s = self.now + self.config.egress_s
+                rec.num_preemptions = seq.num_preemptions
                 self.scheduler.finish(seq)
                 del self.encoded[seq.request_id]
 

@@ -133,16 +133,26 @@ def lumpy_trace(
     seed: int = 0,
     num_never_fits: int = 0,
     never_fits_max_tokens: int = 1 << 20,
+    num_bursts: int = 1,
+    burst_period_s: float = 60.0,
 ) -> list[TraceRequest]:
     """Steady Poisson text chat for `duration_s`, plus `num_burst` requests of four
-    13-tile images arriving within `burst_window_s` of `burst_at_s`, plus
-    `num_never_fits` burst requests whose output cap no KV pool can hold."""
+    13-tile images arriving within `burst_window_s` of `burst_at_s` (and again every
+    `burst_period_s`, `num_bursts` times in all, with new images each time), plus
+    `num_never_fits` first-burst requests whose output cap no KV pool can hold. With one
+    burst the trace is the same as before bursts could recur."""
+    if num_bursts < 1 or burst_period_s <= 0:
+        raise ValueError(f"need num_bursts >= 1 and burst_period_s > 0, got {num_bursts}, "
+                         f"{burst_period_s}")  # fmt: skip
     rng = random.Random(seed)
     text_times = poisson_arrivals(text_rate, max(1, int(text_rate * duration_s * 2)), rng)
     out = [_text(f"t{i}", t, rng) for i, t in enumerate(x for x in text_times if x < duration_s)]
-    for i, t in enumerate(burst_arrivals(burst_at_s, num_burst, burst_window_s, rng)):
-        images = tuple(TraceImage(f"b{i}-{k}", 13) for k in range(4))
-        out.append(_image_request(f"b{i}", t, rng, images, "4x13-tile"))
+    for burst in range(num_bursts):
+        start = burst_at_s + burst * burst_period_s
+        prefix = "b" if burst == 0 else f"b{burst}."  # b3, then b1.3, b2.3, ...
+        for i, t in enumerate(burst_arrivals(start, num_burst, burst_window_s, rng)):
+            images = tuple(TraceImage(f"{prefix}{i}-{k}", 13) for k in range(4))
+            out.append(_image_request(f"{prefix}{i}", t, rng, images, "4x13-tile"))
     for i, t in enumerate(burst_arrivals(burst_at_s, num_never_fits, burst_window_s, rng)):
         images = (TraceImage(f"n{i}", 13),)
         out.append(

@@ -142,6 +142,20 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
         help=f"share of the KV pool that requests with tower work or long prefills leave to "
         f"quick ones (default: {sched.lump_headroom})",
     )
+    group.add_argument(
+        "--lump-prefill-tokens",
+        type=_int_at_least(0),
+        default=sched.lump_prefill_tokens_per_step,
+        metavar="N",
+        help=f"prefill tokens a step gives requests with tower work or long prefills, 0 = "
+        f"no cap (default: {sched.lump_prefill_tokens_per_step})",
+    )
+    group.add_argument(
+        "--no-lump-yield",
+        action="store_true",
+        help="let those requests run in a step that starts a quick request (by default "
+        "they sit it out, at most every other step, so its first token comes sooner)",
+    )
 
 
 def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
@@ -260,6 +274,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         encoder_tiles_per_step=args.encoder_tiles_per_step or None,
         decode_reserve_tokens=args.decode_reserve_tokens,
         lump_headroom=args.lump_headroom,
+        lump_prefill_tokens_per_step=args.lump_prefill_tokens or None,
+        lump_yields_to_quick=not args.no_lump_yield,
     )
     cache = _with_flags(
         "--block-size / --num-kv-blocks",

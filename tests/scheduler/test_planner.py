@@ -6,6 +6,7 @@ from __future__ import annotations
 from sched_testing import make_request, make_scheduler, run_step, tiles_encoded
 
 from scheduler.encoder_budget import cut_chunk
+from scheduler.planner import StepPlan
 
 
 def test_not_ready_sequence_is_never_scheduled():
@@ -161,8 +162,9 @@ def lumps_and_text(scheduler, texts: dict[str, int]) -> dict[str, int]:
 def test_lumps_leave_the_headroom_free_for_quick_requests():
     """20 blocks, headroom 5. t (2 blocks, quick) goes first; l1 and l2 leave 12 then 6
     free, above the 3 of the headroom t does not already use; l3 would leave 0 and
-    waits. Without the headroom all four start."""
-    options = {"admission": "lumpy", "decode_reserve_tokens": 0}
+    waits. Without the headroom all four start. (Lumps yielding t's first step is off
+    here: it is tested below.)"""
+    options = {"admission": "lumpy", "decode_reserve_tokens": 0, "lump_yields_to_quick": False}
     scheduler = make_scheduler(num_blocks=20, lump_headroom=0.25, **options)
     lumps_and_text(scheduler, {"t": 8})
     plan = scheduler.schedule()
@@ -179,10 +181,11 @@ def test_quick_requests_pass_an_aged_lump_only_inside_the_headroom():
     """Everyone is aged at once (max_wait_steps 0), so the order is arrival: l1, l2 start
     (8 blocks left), l3 needs 6 and leaving the 5-block headroom it cannot: it blocks.
     t1 (2 blocks) passes inside the headroom; t2 (4 more: 6 > 5) does not, though the
-    pool has room for it, so l3's wait is not stretched by quick arrivals."""
+    pool has room for it, so l3's wait is not stretched by quick arrivals. (Without the
+    yield, tested below: with it, t1's step would hold l1 and l2 back one step.)"""
     scheduler = make_scheduler(
         num_blocks=20, admission="lumpy", decode_reserve_tokens=0, lump_headroom=0.25,
-        max_wait_steps=0,
+        max_wait_steps=0, lump_yields_to_quick=False,
     )  # fmt: skip
     lumps_and_text(scheduler, {"t1": 8, "t2": 16})
     plan = scheduler.schedule()
@@ -193,7 +196,7 @@ def test_quick_requests_pass_an_aged_lump_only_inside_the_headroom():
 def test_lump_prefill_is_capped_per_step_and_quick_prefill_is_not():
     scheduler = make_scheduler(
         num_blocks=64, admission="lumpy", lump_prefill_tokens_per_step=8,
-        max_num_batched_tokens=64,
+        max_num_batched_tokens=64, lump_yields_to_quick=False,
     )  # fmt: skip
     scheduler.add(make_request("lump", 30, images=[(2, 8, 1)]), 32)
     scheduler.add(make_request("text", 20), 22)
@@ -205,3 +208,70 @@ def test_lump_prefill_is_capped_per_step_and_quick_prefill_is_not():
     assert steps[0] == {"text": 20, "lump": 8}
     assert [step["lump"] for step in steps[:4]] == [8, 8, 8, 6]  # then it decodes
     assert all(step.get("lump", 1) == 1 for step in steps[4:])
+
+
+def lump_with_texts(text_at: set[int], **options) -> list[dict[str, tuple[int, int]]]:
+    """A 30-token request with a 1-tile image at positions 10-17 (cap 8 prefill tokens a
+    step) and 6-token text requests added before the steps in `text_at`; per step,
+    request id -> (tokens, tiles encoded)."""
+    scheduler = make_scheduler(
+        num_blocks=64, admission="lumpy", lump_prefill_tokens_per_step=8, **options
+    )
+    scheduler.add(make_request("lump", 30, images=[(10, 8, 1)]), 32)
+    limits, steps = {"lump": 32}, []
+    for step in range(40):
+        if step in text_at:
+            scheduler.add(make_request(f"t{step}", 6), 8)
+            limits[f"t{step}"] = 8
+        plan = scheduler.schedule()
+        tiles = {
+            item.seq.request_id: tiles_encoded(scheduler, StepPlan([item], []))
+            for item in plan.scheduled
+        }
+        steps.append({item.seq.request_id: (item.num_new_tokens, tiles[item.seq.request_id])
+                      for item in plan.scheduled})  # fmt: skip
+        scheduler.update(plan, [[7] if item.sample else [] for item in plan.scheduled])
+        for item in plan.scheduled:
+            if item.seq.num_tokens >= limits[item.seq.request_id]:
+                scheduler.finish(item.seq)
+        scheduler.block_manager.check_integrity()
+        if not scheduler.has_unfinished():
+            break
+    return steps
+
+
+def test_a_step_with_a_quick_first_token_leaves_the_lumps_out():
+    """Text requests arrive before steps 0, 1 and 3. Step 0 starts t0 and the lump waits;
+    step 1 starts t1 but may not hold the lump back again: the lump runs its chunk (8
+    tokens, up to its image); step 2 runs the lump's image chunk with its tower tile; step
+    3 starts t3 and the lump sits out again. Off, every step carries the lump."""
+    steps = lump_with_texts({0, 1, 3})
+    assert steps[0] == {"t0": (6, 0)}
+    assert steps[1] == {"t0": (1, 0), "lump": (8, 0), "t1": (6, 0)}
+    assert steps[2]["lump"] == (8, 1)
+    assert "lump" not in steps[3] and steps[3]["t3"] == (6, 0)
+    assert steps[4]["lump"] == (8, 0)
+    off = lump_with_texts({0, 1, 3}, lump_yields_to_quick=False)
+    assert [step["lump"] for step in off[:4]] == [(8, 0), (8, 1), (8, 0), (6, 0)]
+    assert off[0]["t0"] == (6, 0) and off[3]["t3"] == (6, 0)
+
+
+def test_lumps_yield_at_most_every_other_step_to_an_endless_stream():
+    """A text request before every step: the lump still prefills (30 tokens, 8 a step)
+    in every other step, so its first token comes by step 7 instead of step 3."""
+    steps = lump_with_texts(set(range(40)))
+    prefill = [i for i, step in enumerate(steps) if step.get("lump", (1, 0))[0] > 1]
+    assert prefill == [1, 3, 5, 7]
+    assert all(f"t{i}" in steps[i] for i in range(12))  # every text starts on arrival
+
+
+def test_an_aged_lump_yields_only_to_a_quick_request_inside_the_headroom():
+    """With max_wait_steps=0 everyone is aged: the lump (8 blocks) goes first. t0 (2
+    blocks) may pass it inside the 19-block headroom, so its step holds the lump back,
+    which starts the next step. With no headroom t0 may not pass: nothing yields and both
+    start at once, the lump first."""
+    steps = lump_with_texts({0}, max_wait_steps=0)
+    assert steps[0] == {"t0": (6, 0)}
+    assert steps[1] == {"t0": (1, 0), "lump": (8, 0)}
+    steps = lump_with_texts({0}, max_wait_steps=0, lump_headroom=0.0)
+    assert list(steps[0].items()) == [("lump", (8, 0)), ("t0", (6, 0))]

@@ -9,7 +9,13 @@ from scheduler.config import SchedulerConfig
 from search.capacity import Slo, find_max_rate, percentile, summarize
 from search.image_budget import ImageAssumptions
 from search.presets import ACCELERATORS, ENCODERS, MODELS
-from search.step_time import StepHardware, StepWork, chunk_attention_pairs, step_time
+from search.step_time import (
+    MeasuredStepCost,
+    StepHardware,
+    StepWork,
+    chunk_attention_pairs,
+    step_time,
+)
 from search.trace_sim import EncoderCacheModel, SimConfig, _Sim, simulate
 from search.traces import (
     TraceImage,
@@ -52,6 +58,38 @@ def test_one_text_request_times_match_the_step_model():
     assert rec.ttft_s == pytest.approx(prefill)
     assert rec.e2e_s == pytest.approx(prefill + sum(decodes))
     assert rec.num_output_tokens == 4 and rec.tpot_s == pytest.approx(sum(decodes) / 3)
+
+
+def test_measured_step_cost_and_a_given_pool_size():
+    cost = MeasuredStepCost(2e-3, 3e-4, 2e-5, 1e-8, 1.5e-3)
+    hw = dataclasses.replace(H100, measured=cost)
+    result = simulate([make_request(text=100, out=3)], hw, SimConfig(num_blocks=40))
+    assert result.num_blocks == 40
+    rec = by_id(result)["r0"]
+    assert rec.ttft_s == pytest.approx(2e-3 + 3e-4 + 100 * 2e-5 + 100 * 100 * 1e-8)
+    decode = [2e-3 + 3e-4 + 2e-5 + c * 1e-8 for c in (101, 102)]
+    assert rec.e2e_s == pytest.approx(rec.ttft_s + sum(decode))
+    with pytest.raises(ValueError, match="num_blocks"):
+        SimConfig(num_blocks=0)
+
+
+def test_server_latency_on_each_side_of_the_engine():
+    """Ingress delays when the scheduler (and the preprocessing pool) get a request; egress
+    delays when the client gets each token. TPOT is unchanged."""
+    hw = dataclasses.replace(H100, measured=MeasuredStepCost(2e-3, 0, 0, 0, 1e-3))
+    reqs = [make_request("text", text=100, out=3),
+            make_request("img", 1.0, text=10, out=2, images=[TraceImage("x", 2)])]  # fmt: skip
+    plain = by_id(simulate(reqs, hw))
+    late = by_id(simulate(reqs, hw, SimConfig(ingress_s=0.010, egress_s=0.004)))
+    for rid in ("text", "img"):
+        assert late[rid].ttft_s == pytest.approx(plain[rid].ttft_s + 0.014)
+        assert late[rid].e2e_s == pytest.approx(plain[rid].e2e_s + 0.014)
+        assert late[rid].tpot_s == pytest.approx(plain[rid].tpot_s)
+    # The image's 2 tiles of preprocessing (1.2 ms each) start after the ingress.
+    per_tile = hw.assumptions.preprocess_s_per_tile
+    assert plain["img"].ttft_s == pytest.approx(2 * per_tile + 2e-3 + 2 * 1e-3)
+    with pytest.raises(ValueError, match="ingress_s"):
+        SimConfig(ingress_s=-1.0)
 
 
 def test_one_image_ttft_is_s17s_118_ms():
@@ -151,6 +189,24 @@ def test_lumpy_trace_has_its_burst_and_never_fits():
     assert all(len(r.images) == 4 and r.images[0].num_tiles == 13 for r in burst)
     assert sum(r.request_class == "never-fits" for r in trace) == 2
     assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
+
+
+def test_lumpy_trace_bursts_recur_with_new_images_and_one_burst_is_unchanged():
+    one = lumpy_trace(5.0, 20.0, 5.0, 6, 1.0, seed=0, num_never_fits=2)
+    assert lumpy_trace(5.0, 20.0, 5.0, 6, 1.0, seed=0, num_never_fits=2, num_bursts=1) == one
+    three = lumpy_trace(5.0, 30.0, 2.0, 6, 1.0, seed=0, num_bursts=3, burst_period_s=10.0)
+    burst = [r for r in three if r.request_class == "4x13-tile"]
+    assert len(burst) == 18
+    for k, start in enumerate((2.0, 12.0, 22.0)):
+        assert sum(start <= r.arrival_s <= start + 1.0 for r in burst) == 6, k
+    hashes = [im.content_hash for r in burst for im in r.images]
+    assert len(set(hashes)) == len(hashes) == 72
+    assert len({r.request_id for r in three}) == len(three)
+    text = [r for r in three if r.request_class == "text"]
+    single = lumpy_trace(5.0, 30.0, 2.0, 6, 1.0, seed=0)
+    assert text == [r for r in single if r.request_class == "text"]  # the same chat
+    with pytest.raises(ValueError, match="num_bursts"):
+        lumpy_trace(5.0, 30.0, 2.0, 6, 1.0, num_bursts=0)
 
 
 def test_jsonl_round_trip_and_errors(tmp_path):
