@@ -31,8 +31,11 @@ from typing import Literal, NamedTuple
 
 from benchmarks import vllm_cpu
 from benchmarks.common import table, write_result
+from benchmarks.vs_vllm_serve import run_serving
 
 System = Literal["vllm", "vlmserve"]
+SERVE_RATES_TEXT = [0.25, 0.5, 1.0, 2.0, 4.0]  # requests/s
+SERVE_RATES_IMAGE = [0.02, 0.05, 0.1, 0.2, 0.4]
 REPO = Path(__file__).resolve().parent.parent
 VLLM_WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 # What vLLM said about the checkpoint layouts it refused (the workloads write what it takes).
@@ -306,6 +309,28 @@ def report(name: str, result: dict) -> None:
         print(f"{tag} failed: {error}")
 
 
+def _first(spec: dict, n: int | None) -> dict:
+    return spec if n is None else {**spec, "requests": spec["requests"][:n]}
+
+
+def report_serving(name: str, result: dict) -> None:
+    print(f"\n{name} serving (block size {result['block_size']}, KV {result['kv_cache_gib']} GiB)")
+    rows = []
+    for system in ("vllm", "vlmserve"):
+        sweep = result[system]
+        for p in sweep["points"]:
+            rows.append({"system": system, "rate": p["rate"], "req_per_s": p["completed_per_s"],
+                         "ttft_p99_s": p["ttft_s"]["p99"], "tpot_p50_s": p["tpot_s"]["p50"],
+                         "saturated": p["saturated"]})  # fmt: skip
+        if "error" in sweep:
+            print(f"{system}: {sweep['error']}")
+        else:
+            print(f"{system}: max sustained rate {sweep['max_sustained_rate']}, "
+                  f"saturates at {sweep['saturation_rate']}")  # fmt: skip
+    if rows:
+        print(table(rows, ["system", "rate", "req_per_s", "ttft_p99_s", "tpot_p50_s", "saturated"]))
+
+
 # -- entry ------------------------------------------------------------------------------
 
 
@@ -335,15 +360,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--python311", default=os.environ.get("VLMSERVE_VLLM_PYTHON", vllm_cpu.DEFAULT_PYTHON)
     )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="the serving part instead: vllm serve vs vlmserve serve, Poisson load",
+    )
+    p.add_argument(
+        "--serve-rates-text", type=_rates, default=None, help="0.25,0.5,1,2,4 (--quick: 1)"
+    )
+    p.add_argument(
+        "--serve-rates-image",
+        type=_rates,
+        default=None,
+        help="0.02,0.05,0.1,0.2,0.4 (--quick: 0.05)",
+    )
+    p.add_argument("--serve-requests", type=int, default=None, help="per rate (default: all)")
     p.add_argument("--name", default=None, help="result file name (vs_vllm / vs_vllm_quick)")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.image_requests, args.image_output = 1, 4, 16
+        args.serve_requests = args.serve_requests or 4
+    text_rates, image_rates = (
+        ([1.0], [0.05]) if args.quick else (SERVE_RATES_TEXT, SERVE_RATES_IMAGE)
+    )
+    args.serve_rates_text = args.serve_rates_text or text_rates
+    args.serve_rates_image = args.serve_rates_image or image_rates
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds} must be >= 1")
-    args.name = args.name or ("vs_vllm_quick" if args.quick else "vs_vllm")
+    base = "vs_vllm_serve" if args.serve else "vs_vllm"
+    args.name = args.name or (base + "_quick" if args.quick else base)
     return args
+
+
+def _rates(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -357,7 +408,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     loadavg_start = os.getloadavg()
     print(f"[vs_vllm] load average at the start: {' '.join(f'{x:.2f}' for x in loadavg_start)}")
     names = ("text", "image") if args.workload == "all" else (args.workload,)
-    text_args = workloads.text_args(args.quick)
+    text_args = args.text_args = workloads.text_args(args.quick)
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as tmp:
         root = args.workdir or Path(tmp)
         results, specs = {}, {}
@@ -373,7 +424,11 @@ def main(argv: list[str] | None = None) -> dict | None:
                     args.vision_layers,
                 )
         for name in names:
-            results[name] = run_workload(name, specs[name], args)
+            if args.serve:
+                results[name] = run_serving(_first(specs[name], args.serve_requests), args,
+                                            getattr(args, f"serve_rates_{name}"))  # fmt: skip
+            else:
+                results[name] = run_workload(name, specs[name], args)
     result = {
         "rounds": args.rounds,
         "quick": args.quick,
@@ -385,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "workloads": results,
     }
     for name in names:
-        report(name, results[name])
+        (report_serving if args.serve else report)(name, results[name])
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"wrote {write_result(args.name, result)}")
     return result

@@ -30,6 +30,8 @@ IMAGE_SIZE = (1024, 768)  # (width, height)
 TILE, PATCH, MAX_GRID, ASPECT_RATIO = 384, 14, 6, "anyres_max_9"
 BLOCK_SIZE = 16  # vlmserve's KV block (offline_throughput.make_engine)
 PROMPT = "<|im_start|> user <image> {question} <|im_end|> <|im_start|> assistant"
+# The serving part sends chat messages: the text checkpoint's template passes them through.
+TEXT_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 def text_args(quick: bool) -> argparse.Namespace:
@@ -53,7 +55,16 @@ def kv_cache_gib(prompt_lens: list[int], output_lens: list[int], args) -> int:
 def write_text_workload(root: Path, args: argparse.Namespace) -> dict:
     model = root / "model"
     params = {
-        "text": [args.hidden, args.layers, args.heads, args.kv_heads, args.vocab, args.intermediate]
+        "text": [
+            args.hidden,
+            args.layers,
+            args.heads,
+            args.kv_heads,
+            args.vocab,
+            args.intermediate,
+        ],
+        "chat_template": TEXT_CHAT_TEMPLATE,
+        "covered_vocab": True,
     }
     if _stale(root, params):
         make_text_checkpoint(
@@ -66,6 +77,8 @@ def write_text_workload(root: Path, args: argparse.Namespace) -> dict:
             vocab=args.vocab,
             intermediate_size=args.intermediate,
         )
+        add_chat_template(model, TEXT_CHAT_TEMPLATE)
+        cover_vocab(model, args.vocab)
         _mark(root, params)
     requests = offline_workload(args)
     warm_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 1, "num_requests": 2})
@@ -86,7 +99,10 @@ def write_image_workload(
 ) -> dict:
     model = root / "model"
     sizes = [args.hidden, args.layers, args.heads, args.kv_heads, args.vocab, args.intermediate]
-    params = {"image": [*sizes, vision_layers, TILE, PATCH, MAX_GRID, ASPECT_RATIO]}
+    params = {
+        "image": [*sizes, vision_layers, TILE, PATCH, MAX_GRID, ASPECT_RATIO],
+        "covered_vocab": True,
+    }
     if _stale(root, params):
         make_vlm_checkpoint(
             model,
@@ -108,6 +124,7 @@ def write_image_workload(
             aspect_ratio=ASPECT_RATIO,
         )
         nest_vision_tower(model / "model.safetensors")
+        cover_vocab(model, args.vocab)
         _mark(root, params)
     rng = random.Random(args.seed)
     requests, warmup = [], []
@@ -119,6 +136,7 @@ def write_image_workload(
         question = " ".join(rng.choices(WORDS[:40], k=rng.randint(5, 9)))
         request = {
             "prompt": PROMPT.format(question=question),
+            "question": question,
             "image": str(path),
             "max_tokens": max_tokens,
         }
@@ -134,6 +152,31 @@ def write_image_workload(
         "engine": _engine(args, 8192, prompt_lens, [max_tokens] * num_requests),
     }
     return _save(root, spec)
+
+
+def cover_vocab(model: Path, vocab_size: int) -> None:
+    """Give every id of the model a word of its own (w<i> fillers after the tokenizer's
+    words; existing ids unchanged). Random weights emit any id, and ids past the tokenizer
+    decode to nothing: a stream of them has no text, so no first token to time."""
+    from tokenizers import Tokenizer, models
+
+    path = model / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    i = 0
+    while len(vocab) < vocab_size:
+        vocab.setdefault(f"w{i}", len(vocab))
+        i += 1
+    tokenizer.model = models.WordLevel(vocab, unk_token="<unk>")
+    tokenizer.save(str(path))
+
+
+def add_chat_template(model: Path, template: str) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(model)
 
 
 def nest_vision_tower(path: Path) -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks.vllm_cpu import core_list
 from benchmarks.vs_vllm import agreement, last_error, matched_prefix, round_order, summarize
+from benchmarks.vs_vllm_serve import chat_payloads, is_saturated
 
 
 def test_matched_prefix_stops_at_first_difference():
@@ -67,3 +68,27 @@ def test_core_list_compacts_ranges():
     assert core_list({0, 1}) == "0-1"
     assert core_list({0, 1, 2, 3, 6, 8, 9}) == "0-3,6,8-9"
     assert core_list({5}) == "5"
+
+
+def _point(rate: float, completed: float, failed: int = 0) -> dict:
+    return {"rate": rate, "completed_per_s": completed, "failed": failed}
+
+
+def test_saturation_is_the_knee_of_completed_against_offered_rate():
+    assert not is_saturated(None, _point(0.5, 0.4))  # one point cannot tell
+    assert not is_saturated(_point(0.5, 0.45), _point(1.0, 0.9))  # served the added load
+    assert is_saturated(_point(1.0, 0.9), _point(2.0, 1.2))  # 0.3 of 1.0 more served
+    assert is_saturated(None, _point(0.5, 0.4, failed=1))
+
+
+def test_chat_payloads_keep_text_lengths_and_carry_the_image(tmp_path):
+    image = tmp_path / "a.jpg"
+    image.write_bytes(b"\xff\xd8jpeg")
+    spec = {"requests": [{"prompt_token_ids": [5] * 7, "max_tokens": 3},
+                         {"prompt": "p", "question": "what colour", "image": str(image),
+                          "max_tokens": 4}]}  # fmt: skip
+    (text, n_text), (chat, n_image) = chat_payloads(spec)
+    assert len(text[0]["content"].split()) == 7 and n_text == 3
+    image_part, question = chat[0]["content"]
+    assert image_part["image_url"]["url"] == "data:image/jpeg;base64,/9hqcGVn"
+    assert question == {"type": "text", "text": "what colour"} and n_image == 4
