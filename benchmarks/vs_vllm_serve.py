@@ -29,7 +29,7 @@ import httpx
 
 from benchmarks import vllm_cpu
 from benchmarks.serve_load import one_request, percentiles
-from benchmarks.vs_vllm_workloads import kv_bytes_per_token
+from benchmarks.vs_vllm_workloads import kv_bytes_per_token, synthetic_jpeg
 from vlmserve.models.random_checkpoint import WORDS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,17 +41,24 @@ SERVED_SHARE = 0.5
 STARTUP_TIMEOUT_S = 1200.0
 
 
-def chat_payloads(spec: dict, seed: int = 0) -> list[tuple[list[dict], int]]:
+def chat_payloads(requests: list[dict], variant: int = 0) -> list[tuple[list[dict], int]]:
     """(messages, max_tokens) per request: the text workload's prompt lengths as words (one
-    token each with the word-level tokenizer), or the image workload's JPEG and question."""
-    rng = random.Random(seed)
+    token each with the word-level tokenizer), or the image workload's JPEG and question.
+    Each `variant` has other words and other pictures (written beside the originals), so
+    no rate of a sweep hits the prefix or encoder cache that an earlier one filled."""
+    rng = random.Random(variant)
     payloads = []
-    for r in spec["requests"]:
+    for i, r in enumerate(requests):
         if "prompt_token_ids" in r:
             text = " ".join(rng.choices(WORDS[:40], k=len(r["prompt_token_ids"])))
             messages = [{"role": "user", "content": text}]
         else:
-            data = base64.b64encode(Path(r["image"]).read_bytes()).decode()
+            path = Path(r["image"])
+            if variant:
+                path = path.with_name(f"{path.stem}_v{variant}.jpg")
+                if not path.is_file():
+                    synthetic_jpeg(path, seed=1_000_000 * variant + i)
+            data = base64.b64encode(path.read_bytes()).decode()
             url = {"url": f"data:image/jpeg;base64,{data}"}
             content = [
                 {"type": "image_url", "image_url": url},
@@ -165,13 +172,12 @@ def measure_rate(url: str, payloads: list, rate: float) -> dict:
 def sweep(system: str, spec: dict, args: argparse.Namespace, rates: list[float]) -> dict:
     """Rising rates on one server until it saturates."""
     log = Path(spec["path"]).parent / f"serve_{system}.log"
-    payloads = chat_payloads(spec)
     points: list[dict] = []
     try:
         with running_server(system, spec, args, log) as url:
-            asyncio.run(_load(url, payloads[:1], 1.0, seed=1))  # warm-up: one request
-            for rate in rates:
-                point = measure_rate(url, payloads, rate)
+            asyncio.run(_load(url, chat_payloads(spec["warmup"], 0), 1.0, seed=1))
+            for k, rate in enumerate(rates):
+                point = measure_rate(url, chat_payloads(spec["requests"], k + 1), rate)
                 point["saturated"] = is_saturated(points[-1] if points else None, point)
                 ttft, tpot = point["ttft_s"]["p99"], point["tpot_s"]["p50"]
                 print(f"  serve {system} rate {rate:g}/s: {point['completed_per_s']:.3f} req/s, "

@@ -84,11 +84,27 @@ def test_saturation_is_the_knee_of_completed_against_offered_rate():
 def test_chat_payloads_keep_text_lengths_and_carry_the_image(tmp_path):
     image = tmp_path / "a.jpg"
     image.write_bytes(b"\xff\xd8jpeg")
-    spec = {"requests": [{"prompt_token_ids": [5] * 7, "max_tokens": 3},
-                         {"prompt": "p", "question": "what colour", "image": str(image),
-                          "max_tokens": 4}]}  # fmt: skip
-    (text, n_text), (chat, n_image) = chat_payloads(spec)
+    requests = [
+        {"prompt_token_ids": [5] * 7, "max_tokens": 3},
+        {"prompt": "p", "question": "what colour", "image": str(image), "max_tokens": 4},
+    ]
+    (text, n_text), (chat, n_image) = chat_payloads(requests)
     assert len(text[0]["content"].split()) == 7 and n_text == 3
     image_part, question = chat[0]["content"]
     assert image_part["image_url"]["url"] == "data:image/jpeg;base64,/9hqcGVn"
     assert question == {"type": "text", "text": "what colour"} and n_image == 4
+
+
+def test_chat_payload_variants_share_lengths_not_content(tmp_path):
+    image = tmp_path / "a.jpg"
+    image.write_bytes(b"\xff\xd8jpeg")
+    requests = [
+        {"prompt_token_ids": [5] * 40, "max_tokens": 3},
+        {"prompt": "p", "question": "q", "image": str(image), "max_tokens": 4},
+    ]
+    (text0, _), (chat0, _) = chat_payloads(requests, 0)
+    (text1, _), (chat1, _) = chat_payloads(requests, 1)
+    assert text0[0]["content"] != text1[0]["content"]
+    assert len(text1[0]["content"].split()) == 40
+    assert (tmp_path / "a_v1.jpg").is_file()  # a new picture for the variant
+    assert chat0[0]["content"][0] != chat1[0]["content"][0]
