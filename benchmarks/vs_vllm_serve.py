@@ -1,0 +1,211 @@
+"""The serving part of `benchmarks/vs_vllm.py` (--serve): `vllm serve` and `vlmserve serve`
+on the same checkpoint, one at a time, under the same Poisson load from one streaming
+client (`benchmarks/serve_load.py`'s request loop), with the same KV block size and cache
+budget. Offered rates rise until vLLM saturates; vlmserve gets the same rates (until
+it saturates too). Reported per rate: TTFT p99, TPOT p50, completed requests/s.
+
+Saturated at a rate: raising the offered rate to it from the previous one raised the
+completed requests per second by less than half the increase (the rest only queued), or
+a request failed. A single run cannot say (its completions include the queue's drain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from benchmarks import vllm_cpu
+from benchmarks.serve_load import one_request, percentiles
+from benchmarks.vs_vllm_workloads import kv_bytes_per_token, synthetic_jpeg
+from vlmserve.models.random_checkpoint import WORDS
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_SERVE = Path(__file__).resolve().parent / "vllm_serve.py"
+# vLLM's CPU attention takes multiples of 32 only ("ValueError: No common block size for
+# 16 (CPU_ATTN: [MultipleOf(32)])"; its default is 128): both serve with 32.
+BLOCK_SIZE = 32
+SERVED_SHARE = 0.5
+STARTUP_TIMEOUT_S = 1200.0
+
+
+def chat_payloads(requests: list[dict], variant: int = 0) -> list[tuple[list[dict], int]]:
+    """(messages, max_tokens) per request: the text workload's prompt lengths as words (one
+    token each with the word-level tokenizer), or the image workload's JPEG and question.
+    Each `variant` has other words and other pictures (written beside the originals), so
+    no rate of a sweep hits the prefix or encoder cache that an earlier one filled."""
+    rng = random.Random(variant)
+    payloads = []
+    for i, r in enumerate(requests):
+        if "prompt_token_ids" in r:
+            text = " ".join(rng.choices(WORDS[:40], k=len(r["prompt_token_ids"])))
+            messages = [{"role": "user", "content": text}]
+        else:
+            path = Path(r["image"])
+            if variant:
+                path = path.with_name(f"{path.stem}_v{variant}.jpg")
+                if not path.is_file():
+                    synthetic_jpeg(path, seed=1_000_000 * variant + i)
+            data = base64.b64encode(path.read_bytes()).decode()
+            url = {"url": f"data:image/jpeg;base64,{data}"}
+            content = [
+                {"type": "image_url", "image_url": url},
+                {"type": "text", "text": r["question"]},
+            ]
+            messages = [{"role": "user", "content": content}]
+        payloads.append((messages, r["max_tokens"]))
+    return payloads
+
+
+def is_saturated(previous: dict | None, point: dict) -> bool:
+    """Whether `point` (rate, completed_per_s, failed) is past the knee (see module doc)."""
+    if point["failed"]:
+        return True
+    if previous is None:
+        return False
+    added = point["rate"] - previous["rate"]
+    return point["completed_per_s"] - previous["completed_per_s"] < SERVED_SHARE * added
+
+
+def server_command(system: str, spec: dict, args: argparse.Namespace, port: int) -> list[str]:
+    engine = spec["engine"]
+    common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+              "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(engine["max_num_seqs"]),
+              "--max-num-batched-tokens", str(engine["max_num_batched_tokens"]),
+              "--max-model-len", str(engine["max_model_len"])]  # fmt: skip
+    if system == "vllm":
+        cmd = [str(args.vllm_python), str(VLLM_SERVE), "serve", spec["model"], *common,
+               "--seed", "0", "--served-model-name", "bench"]  # fmt: skip
+        if spec["workload"] == "image":
+            cmd += ["--limit-mm-per-prompt", '{"image": 1, "video": 0}',
+                    "--mm-processor-kwargs", '{"use_fast": false}']  # fmt: skip
+        return cmd
+    # The same KV bytes as vLLM's VLLM_CPU_KVCACHE_SPACE, in vlmserve's blocks.
+    num_blocks = engine["kv_cache_gib"] * 2**30 // (BLOCK_SIZE * spec["kv_bytes_per_token"])
+    return [sys.executable, "-m", "vlmserve.cli", "serve", "--model", spec["model"], *common,
+            "--num-kv-blocks", str(num_blocks), "--served-model-name", "bench"]  # fmt: skip
+
+
+@contextlib.contextmanager
+def running_server(system: str, spec: dict, args: argparse.Namespace, log: Path) -> Iterator[str]:
+    """A server on a free loopback port, ready (GET /health is 200); stopped on exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    if system == "vllm":
+        env.update(vllm_cpu.tuned_env(args.vllm_venv, spec["engine"]["kv_cache_gib"]))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            server_command(system, spec, args, port),
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{system} server did not start; log: {log}")
+            time.sleep(2)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)  # its own session: the engine children too
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def _load(url: str, payloads: list, rate: float, seed: int) -> tuple[list, float]:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=len(payloads))
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        tasks, start = [], time.perf_counter()
+        for messages, max_tokens in payloads:
+            tasks.append(asyncio.create_task(one_request(client, "chat", messages, max_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
+
+
+def measure_rate(url: str, payloads: list, rate: float) -> dict:
+    results, wall_s = asyncio.run(_load(url, payloads, rate, seed=0))
+    ok = [r for r in results if r.ok]
+    completed_per_s = len(ok) / wall_s
+    return {
+        "rate": rate,
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "completed_per_s": completed_per_s,
+        "output_tok_per_s": sum(r.num_output_tokens for r in ok) / wall_s,
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_s": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
+    }
+
+
+def sweep(system: str, spec: dict, args: argparse.Namespace, rates: list[float]) -> dict:
+    """Rising rates on one server until it saturates."""
+    log = Path(spec["path"]).parent / f"serve_{system}.log"
+    points: list[dict] = []
+    try:
+        with running_server(system, spec, args, log) as url:
+            asyncio.run(_load(url, chat_payloads(spec["warmup"], 0), 1.0, seed=1))
+            for k, rate in enumerate(rates):
+                point = measure_rate(url, chat_payloads(spec["requests"], k + 1), rate)
+                point["saturated"] = is_saturated(points[-1] if points else None, point)
+                ttft, tpot = point["ttft_s"]["p99"], point["tpot_s"]["p50"]
+                print(f"  serve {system} rate {rate:g}/s: {point['completed_per_s']:.3f} req/s, "
+                      f"TTFT p99 {ttft}, TPOT p50 {tpot}"
+                      f"{' (saturated)' if point['saturated'] else ''}", flush=True)  # fmt: skip
+                points.append(point)
+                if point["saturated"]:
+                    break
+    except RuntimeError as e:
+        return {"error": str(e), "points": points}
+    sustained = [p["rate"] for p in points if not p["saturated"]]
+    saturated = [p["rate"] for p in points if p["saturated"]]
+    return {
+        "points": points,
+        "max_sustained_rate": max(sustained) if sustained else None,
+        "saturation_rate": min(saturated) if saturated else None,
+    }
+
+
+def run_serving(spec: dict, args: argparse.Namespace, rates: list[float]) -> dict:
+    spec = {**spec, "kv_bytes_per_token": kv_bytes_per_token(args.text_args)}
+    print(f"[vs_vllm] serve {spec['workload']}: rates {rates}", flush=True)
+    vllm = sweep("vllm", spec, args, rates)
+    offered = [p["rate"] for p in vllm["points"]] or rates
+    return {
+        "rates": offered,
+        "block_size": BLOCK_SIZE,
+        "kv_cache_gib": spec["engine"]["kv_cache_gib"],
+        "vllm": vllm,
+        "vlmserve": sweep("vlmserve", spec, args, offered),
+    }

@@ -1,0 +1,110 @@
+"""The pure parts of benchmarks/vs_vllm.py (no vLLM here: CI never runs it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.vllm_cpu import core_list
+from benchmarks.vs_vllm import agreement, last_error, matched_prefix, round_order, summarize
+from benchmarks.vs_vllm_serve import chat_payloads, is_saturated
+
+
+def test_matched_prefix_stops_at_first_difference():
+    assert matched_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert matched_prefix([1, 2], [1, 2, 3]) == 2
+    assert matched_prefix([], [1]) == 0
+
+
+def test_agreement_counts_identical_outputs_and_mean_prefix():
+    vllm = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    ours = [[1, 2, 3], [4, 0, 6], [0, 8]]
+    got = agreement(vllm, ours)
+    assert got.num_requests == 3
+    assert got.num_identical == 1
+    assert got.mean_matched_prefix == pytest.approx((3 + 1 + 0) / 3)
+    assert got.mean_output_len == pytest.approx(8 / 3)
+
+
+def test_agreement_refuses_unequal_request_counts():
+    with pytest.raises(AssertionError):
+        agreement([[1]], [[1], [2]])
+
+
+def test_rounds_interleave_vllm_first():
+    assert round_order(2) == [(0, "vllm"), (0, "vlmserve"), (1, "vllm"), (1, "vlmserve")]
+
+
+def _run(system: str, seconds: float, **extra) -> dict:
+    return {"system": system, "seconds": seconds, "load_s": 1.0, "warmup_s": 0.5, **extra}
+
+
+def test_summarize_takes_medians_and_skips_failed_rounds():
+    runs = [
+        _run("vllm", 10.0), _run("vlmserve", 20.0),
+        _run("vllm", 12.0), _run("vlmserve", 40.0),
+        _run("vllm", 11.0), {"system": "vlmserve", "error": "boom"},
+    ]  # fmt: skip
+    got = summarize(runs, num_output_tokens=1100)
+    assert got["vllm"]["median_seconds"] == 11.0
+    assert got["vllm"]["median_output_tok_per_s"] == pytest.approx(100.0)
+    assert got["vlmserve"]["rounds"] == 2
+    assert got["vlmserve"]["median_seconds"] == 30.0
+    assert got["ratio_vlmserve_over_vllm"] == pytest.approx(11.0 / 30.0)
+
+
+def test_summarize_without_a_successful_vllm_round_has_no_ratio():
+    got = summarize([{"system": "vllm", "error": "refused"}, _run("vlmserve", 2.0)], 10)
+    assert got["vllm"] is None
+    assert got["ratio_vlmserve_over_vllm"] is None
+
+
+def test_last_error_is_the_last_exception_line():
+    log = "INFO start\nValueError: first\nTraceback\nRuntimeError: Engine core failed\nINFO bye\n"
+    assert last_error(log) == "RuntimeError: Engine core failed"
+    assert last_error("just noise\n") == "just noise"
+
+
+def test_core_list_compacts_ranges():
+    assert core_list({0, 1}) == "0-1"
+    assert core_list({0, 1, 2, 3, 6, 8, 9}) == "0-3,6,8-9"
+    assert core_list({5}) == "5"
+
+
+def _point(rate: float, completed: float, failed: int = 0) -> dict:
+    return {"rate": rate, "completed_per_s": completed, "failed": failed}
+
+
+def test_saturation_is_the_knee_of_completed_against_offered_rate():
+    assert not is_saturated(None, _point(0.5, 0.4))  # one point cannot tell
+    assert not is_saturated(_point(0.5, 0.45), _point(1.0, 0.9))  # served the added load
+    assert is_saturated(_point(1.0, 0.9), _point(2.0, 1.2))  # 0.3 of 1.0 more served
+    assert is_saturated(None, _point(0.5, 0.4, failed=1))
+
+
+def test_chat_payloads_keep_text_lengths_and_carry_the_image(tmp_path):
+    image = tmp_path / "a.jpg"
+    image.write_bytes(b"\xff\xd8jpeg")
+    requests = [
+        {"prompt_token_ids": [5] * 7, "max_tokens": 3},
+        {"prompt": "p", "question": "what colour", "image": str(image), "max_tokens": 4},
+    ]
+    (text, n_text), (chat, n_image) = chat_payloads(requests)
+    assert len(text[0]["content"].split()) == 7 and n_text == 3
+    image_part, question = chat[0]["content"]
+    assert image_part["image_url"]["url"] == "data:image/jpeg;base64,/9hqcGVn"
+    assert question == {"type": "text", "text": "what colour"} and n_image == 4
+
+
+def test_chat_payload_variants_share_lengths_not_content(tmp_path):
+    image = tmp_path / "a.jpg"
+    image.write_bytes(b"\xff\xd8jpeg")
+    requests = [
+        {"prompt_token_ids": [5] * 40, "max_tokens": 3},
+        {"prompt": "p", "question": "q", "image": str(image), "max_tokens": 4},
+    ]
+    (text0, _), (chat0, _) = chat_payloads(requests, 0)
+    (text1, _), (chat1, _) = chat_payloads(requests, 1)
+    assert text0[0]["content"] != text1[0]["content"]
+    assert len(text1[0]["content"].split()) == 40
+    assert (tmp_path / "a_v1.jpg").is_file()  # a new picture for the variant
+    assert chat0[0]["content"][0] != chat1[0]["content"][0]
