@@ -8,48 +8,24 @@ instead, threads over those pairs, and writes its rows of the output in place. E
 else (the cache layout, the K/V write, fresh prefills by SDPA, long chunks on a prefix) is
 the torch backend's, unchanged.
 
-The kernel is compiled with torch.utils.cpp_extension the first time it is needed (about
-20 s; cached under ~/.cache/torch_extensions afterwards). Where no C++ compiler is found
-the build fails once, `available()` says why, and `select_backend` keeps the torch one.
+The kernel is compiled the first time it is needed (kernels/cpu_build.py). Where no C++
+compiler is found the build fails once, `available()` says why, and `select_backend` keeps
+the torch one.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from kernels import cpu_build
 from kernels.attention import AttentionBatch, TorchAttentionMetadata, TorchPagedAttention
-
-log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-
-
-@functools.cache
-def _build() -> str | None:
-    """Compile and load the kernel; None when it loaded, else why it did not."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(
-            name="vlmserve_paged_attention_cpu",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-        return None
-    except Exception as e:  # noqa: BLE001 - no compiler, no headers: fall back, say why
-        log.warning("CPU paged-attention kernel unavailable, using the torch backend: %s", e)
-        return f"{type(e).__name__}: {e}"
 
 
 def available() -> str | None:
     """None when the kernel is built and loaded; otherwise the reason it is not."""
-    return _build()
+    return cpu_build.load("paged_attention_cpu")
 
 
 @dataclass
@@ -96,6 +72,6 @@ class CpuPagedAttention(TorchPagedAttention):
         p = metadata.paged
         if p is not None:
             torch.ops.vlmserve.paged_attention(
-                out, q.contiguous(), kv_cache, p.block_tables, p.query_starts,
+                out, q, kv_cache, p.block_tables, p.query_starts,
                 p.query_lens, p.context_lens, p.block_size, scale,
             )  # fmt: skip

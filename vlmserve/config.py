@@ -30,6 +30,8 @@ class ModelConfig:
     attention_backend: str | None = None
     # CPU float32: the decoder's linear layers in oneDNN's prepacked layout (PackedLinear).
     pack_weights: bool = True
+    # CPU float32: fused C++ RMSNorm + residual, RoPE and SiLU-mul (kernels/fused_ops.py).
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         if not Path(self.path).is_dir():

@@ -78,6 +78,12 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         "--max-model-len", type=_int_at_least(2), default=None, help="default: the checkpoint's"
     )
     group.add_argument("--max-images-per-request", type=_int_at_least(0), default=16)
+    group.add_argument(
+        "--eager",
+        action="store_true",
+        help="CPU: run the decoder's plain torch ops (unpacked linear weights, unfused "
+        "RMSNorm / RoPE / SiLU-mul): the reference path, slower",
+    )
 
 
 def _add_cache_args(group: argparse._ArgumentGroup) -> None:
@@ -261,6 +267,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_images_per_request=args.max_images_per_request,
+        pack_weights=not args.eager,
+        fused_ops=not args.eager,
         **({"device": args.device} if args.device else {}),
     )
     scheduler = _with_flags(

@@ -31,6 +31,8 @@ class ModelRunner:
         )
         if config.model.pack_weights and self.device.type == "cpu":
             pack_linears(self.model.decoder)
+        # The decoder takes its eager path wherever the kernels do not apply or build.
+        self.model.decoder.fused = config.model.fused_ops
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit(config)
         cfg = self.model.decoder.cfg

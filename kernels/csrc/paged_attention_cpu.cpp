@@ -26,6 +26,7 @@
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kPrefetchAhead = 1;
 
 // Scores of `rows` query rows against one block's keys: p[r * block_size + j] for the first
 // `count` keys (p is [rows, block_size]; callers mask positions past `last`).
@@ -52,6 +53,65 @@ inline void block_scores(const float* qs, const float* kb, float* p, int64_t row
       for (int64_t d = 0; d < dim; ++d) sum += qs[r * dim + d] * kb[j * dim + d];
       p[r * block_size + j] = sum;
     }
+}
+
+#if defined(__AVX512F__)
+// e^x for 16 lanes, Cephes' single-precision expf (about 1 ulp): x = n ln2 + r, |r| <=
+// ln2 / 2, a degree-6 polynomial for e^r, scaled by 2^n. Inputs below -87.3 give ~0.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+#endif
+
+// One query row's scores over a block, p[0, count), of which the first `visible` may be
+// seen: p becomes exp(p - new max) (0 past `visible`), and the row's running max `m`, sum
+// `l` and the factor its accumulator must be rescaled by (`correction`) advance.
+inline void softmax_block_row(float* p, int64_t count, int64_t visible, float& m, float& l,
+                              float& correction) {
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  for (int64_t j = 0; j < visible; j += 16)
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, first_lanes(visible - j), p + j));
+  const float new_max = std::max(m, _mm512_reduce_max_ps(vmax));
+  const __m512 shift = _mm512_set1_ps(new_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; j += 16) {
+    const __mmask16 seen = first_lanes(std::max<int64_t>(0, visible - j));
+    const __m512 e = _mm512_maskz_mov_ps(
+        seen, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, p + j), shift)));
+    _mm512_mask_storeu_ps(p + j, first_lanes(count - j), e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const float total = _mm512_reduce_add_ps(sum);
+#else
+  float block_max = kNegInf;
+  for (int64_t j = 0; j < visible; ++j) block_max = std::max(block_max, p[j]);
+  const float new_max = std::max(m, block_max);
+  float total = 0.f;
+  for (int64_t j = 0; j < count; ++j) {
+    p[j] = j < visible ? std::exp(p[j] - new_max) : 0.f;
+    total += p[j];
+  }
+#endif
+  correction = std::exp(m - new_max);  // m = -inf before the first block: 0
+  m = new_max;
+  l = l * correction + total;
 }
 
 // acc[r] = acc[r] * correction[r] + sum_j p[r, j] v[j] over the block's first `count` rows.
@@ -103,13 +163,16 @@ void attend_one(const float* qs, float* acc, const int64_t* last, int64_t rows, 
       kb = kbuf;
       vb = vbuf;
     }
-    // Blocks sit at random pages, where the hardware prefetcher stops: fetch the next
-    // block's K and V while this one is computed.
-    if (first + block_size < ctx) {
-      const int64_t next = static_cast<int64_t>(table[first / block_size + 1]) * block_size;
+    // Blocks sit at random pages, where the hardware prefetcher stops: fetch the block
+    // kPrefetchAhead blocks on (the first ones too, on the first block) while this one is
+    // computed, so several blocks' loads are in flight at once.
+    const int64_t here = first / block_size, num_blocks = (ctx + block_size - 1) / block_size;
+    const int64_t bytes = block_size * dim * static_cast<int64_t>(sizeof(scalar_t));
+    for (int64_t b = here == 0 ? 1 : here + kPrefetchAhead;
+         b <= std::min(here + kPrefetchAhead, num_blocks - 1); ++b) {
+      const int64_t next = static_cast<int64_t>(table[b]) * block_size;
       const char* kn = reinterpret_cast<const char*>(k_head + next * dim);
       const char* vn = reinterpret_cast<const char*>(v_head + next * dim);
-      const int64_t bytes = block_size * dim * static_cast<int64_t>(sizeof(scalar_t));
       for (int64_t off = 0; off < bytes; off += 64) {
         _mm_prefetch(kn + off, _MM_HINT_T0);
         _mm_prefetch(vn + off, _MM_HINT_T0);
@@ -117,24 +180,13 @@ void attend_one(const float* qs, float* acc, const int64_t* last, int64_t rows, 
     }
     block_scores(qs, kb, p, rows, dim, count, block_size);
     for (int64_t r = 0; r < rows; ++r) {
-      float* pr = p + r * block_size;
       const int64_t visible = std::max<int64_t>(0, std::min(count, last[r] - first + 1));
-      float block_max = kNegInf;
-      for (int64_t j = 0; j < visible; ++j) block_max = std::max(block_max, pr[j]);
       if (visible == 0) {  // all of this block lies past the row's position
         correction[r] = 1.f;
-        for (int64_t j = 0; j < count; ++j) pr[j] = 0.f;
+        std::fill(p + r * block_size, p + r * block_size + count, 0.f);
         continue;
       }
-      const float new_max = std::max(m[r], block_max);
-      correction[r] = std::exp(m[r] - new_max);  // m = -inf before the first block: 0
-      float total = 0.f;
-      for (int64_t j = 0; j < count; ++j) {
-        pr[j] = j < visible ? std::exp(pr[j] - new_max) : 0.f;
-        total += pr[j];
-      }
-      m[r] = new_max;
-      l[r] = l[r] * correction[r] + total;
+      softmax_block_row(p + r * block_size, count, visible, m[r], l[r], correction[r]);
     }
     block_values(p, vb, correction, acc, rows, dim, count, block_size);
   }

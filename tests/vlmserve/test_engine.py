@@ -102,7 +102,8 @@ def test_greedy_matches_transformers(family, sizes, request, random_image):
                                        for p in range(len(ref_ids)))  # fmt: skip
 
 
-def test_text_only_llama_gqa_matches_transformers(llama_path):
+@pytest.mark.parametrize("eager", [False, True], ids=["fused-packed", "eager"])
+def test_text_only_llama_gqa_matches_transformers(llama_path, eager):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(llama_path).eval()
@@ -111,9 +112,9 @@ def test_text_only_llama_gqa_matches_transformers(llama_path):
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         ref = hf.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :].tolist()
-    [out] = run_checked(
-        make_engine(llama_path, budget=8), [Request(prompt=prompt, sampling=GREEDY_32)]
-    )
+    engine = make_engine(llama_path, budget=8, pack_weights=not eager, fused_ops=not eager)
+    assert engine.runner.model.decoder.fused is not eager
+    [out] = run_checked(engine, [Request(prompt=prompt, sampling=GREEDY_32)])
     assert out.token_ids == ref
 
 

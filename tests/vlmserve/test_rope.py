@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from vlmserve.models.rope import RopeConfig, RotaryEmbedding, apply_rope, rope_config_from_hf
+from kernels.fused_ops import rope_eager as apply_rope
+from vlmserve.models.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
 
 SCALINGS = [
     {"rope_type": "default"},

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoders.weights import CheckpointError, load_into, take
+from kernels import fused_ops
 from kernels.attention import AttentionBackend
-from vlmserve.models.rope import RopeConfig, RotaryEmbedding, apply_rope, rope_config_from_hf
+from vlmserve.models.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as the reference (normalise in float32, scale in the input dtype).
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        return fused_ops.rms_norm(x, self.weight, self.eps, fused)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): may overwrite x and residual."""
+        return fused_ops.add_rms_norm(x, residual, self.weight, self.eps, fused)
 
 
 @dataclass
@@ -85,6 +88,7 @@ class StepContext:
     sin: torch.Tensor
     attn_metadata: object
     kv_caches: list[torch.Tensor]  # per layer [2, num_kv_heads, num_slots, head_dim]
+    fused: bool  # the fused elementwise kernels (kernels/fused_ops.py) where they apply
 
 
 class Attention(nn.Module):
@@ -101,9 +105,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext, layer: int) -> torch.Tensor:
         n, c = x.shape[0], self.cfg
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, c.num_heads, c.head_dim), ctx.cos, ctx.sin)
-        k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), ctx.cos, ctx.sin)
-        v = v.reshape(n, c.num_kv_heads, c.head_dim)
+        q, k = fused_ops.rope(
+            q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim),
+            ctx.cos, ctx.sin, ctx.fused,
+        )  # fmt: skip
+        v = v.view(n, c.num_kv_heads, c.head_dim)
         out = self.backend.forward(q, k, v, ctx.kv_caches[layer], ctx.attn_metadata, self.scale)
         return self.o_proj(out.reshape(n, c.num_heads * c.head_dim))
 
@@ -115,9 +121,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x), fused))
 
 
 class DecoderLayer(nn.Module):
@@ -128,9 +133,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, layer: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream rides beside the layer output (vLLM's layout), so each add
+        fuses into the norm after it: returns (this layer's MLP output, the residual
+        before it); their sum is the layer's output. residual None: x is the first input."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x, ctx.fused)
+        else:
+            x, residual = self.input_layernorm.add_forward(x, residual, ctx.fused)
+        x = self.self_attn(x, ctx, layer)
+        x, residual = self.post_attention_layernorm.add_forward(x, residual, ctx.fused)
+        return self.mlp(x, ctx.fused), residual
 
 
 class Decoder(nn.Module):
@@ -144,6 +159,8 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope)
         self.lm_head = None
+        # The fused elementwise kernels; the runner turns them on (ModelConfig.fused_ops).
+        self.fused = False
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -159,11 +176,13 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         # inputs_embeds: [num_tokens, hidden]; positions: [num_tokens]
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
-        ctx = StepContext(cos, sin, attn_metadata, kv_caches)
-        x = inputs_embeds
+        ctx = StepContext(cos, sin, attn_metadata, kv_caches, self.fused)
+        x, residual = inputs_embeds, None
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, i)
-        return self.norm(x)
+            x, residual = layer(x, residual, ctx, i)
+        if residual is None:  # no layers
+            return self.norm(x, self.fused)
+        return self.norm.add_forward(x, residual, self.fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab], float32 for sampling

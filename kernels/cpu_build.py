@@ -1,0 +1,56 @@
+"""Building the C++ CPU kernels (kernels/csrc/*.cpp) with torch.utils.cpp_extension.
+
+Each source is compiled the first time a process needs it (about 20 s) into a build
+directory named for the source's content, the flags and the torch build, so checkouts
+of the same code share one build, a changed kernel never reuses a stale one, and two
+checkouts of different code never rebuild over each other in turn (torch's default keys
+the directory by the extension's name alone and rebuilds whenever the source path changes).
+Where no compiler is found the build fails once and the caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+CSRC = Path(__file__).parent / "csrc"
+# -ffp-contract=off: no fused multiply-adds the source does not write, so elementwise
+# kernels round as the eager ops they replace do.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
+
+def build_directory(name: str, source: Path) -> Path:
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update(" ".join([*CFLAGS, torch.__version__]).encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    path = Path(root) / "vlmserve" / f"{name}-{digest.hexdigest()[:12]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.cache
+def load(name: str) -> str | None:
+    """Compile and load kernels/csrc/`name`.cpp (it registers its torch.ops on load).
+    None when it loaded, else why it did not."""
+    source = CSRC / f"{name}.cpp"
+    try:
+        from torch.utils.cpp_extension import load as cpp_load
+
+        cpp_load(
+            name=f"vlmserve_{name}",
+            sources=[str(source)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_directory(name, source)),
+            is_python_module=False,
+        )
+        return None
+    except Exception as e:  # noqa: BLE001 - no compiler, no headers: fall back, say why
+        log.warning("C++ kernel %s unavailable, using the torch path: %s", name, e)
+        return f"{type(e).__name__}: {e}"

@@ -1,0 +1,73 @@
+"""The fused CPU elementwise kernels against their eager references (kernels/fused_ops.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import fused_ops
+
+pytestmark = pytest.mark.skipif(
+    fused_ops.available() is not None,
+    reason=f"fused kernels did not build: {fused_ops.available()}",
+)
+
+# Widths that are and are not multiples of the 16-lane vectors; a row count past a thread's
+# grain so both threads work.
+WIDTHS = [64, 100, 768, 2050]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_rms_norm_matches_eager(width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(37, width, generator=gen) * 3
+    weight = torch.randn(width, generator=gen)
+    fused = fused_ops.rms_norm(x, weight, 1e-6, fused=True)
+    torch.testing.assert_close(
+        fused, fused_ops.rms_norm_eager(x, weight, 1e-6), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_add_rms_norm_matches_eager(width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    x, residual = torch.randn(2, 37, width, generator=gen)
+    weight = torch.randn(width, generator=gen)
+    want_norm, want_sum = fused_ops.add_rms_norm(x, residual, weight, 1e-5, fused=False)
+    norm, total = fused_ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5, fused=True)
+    assert torch.equal(total, want_sum)  # one float add per element: bit-identical
+    torch.testing.assert_close(norm, want_norm, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 4, 64), (6, 6, 32), (8, 1, 128)])
+def test_rope_in_place_on_qkv_views_is_bit_identical(heads: int, kv_heads: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(dim)
+    n = 41
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen)
+    cos, sin = torch.randn(2, n, dim, generator=gen)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(n, heads, dim), k.view(n, kv_heads, dim)
+    want_q, want_k = fused_ops.rope_eager(q, cos, sin), fused_ops.rope_eager(k, cos, sin)
+    v_before = v.clone()
+    got_q, got_k = fused_ops.rope(q, k, cos, sin, fused=True)
+    assert got_q.data_ptr() == q.data_ptr()  # in place, in the qkv buffer
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(v, v_before)  # v, between k's heads and the row's end, untouched
+
+
+@pytest.mark.parametrize("width", [16, 100, 2048])
+def test_silu_and_mul_matches_eager(width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    gate_up = torch.randn(19, 2 * width, generator=gen) * 8  # well into both tails of silu
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    want = fused_ops.silu_and_mul_eager(gate_up)
+    torch.testing.assert_close(
+        fused_ops.silu_and_mul(gate_up, fused=True), want, rtol=2e-6, atol=1e-7
+    )
+
+
+def test_other_dtypes_take_the_eager_path() -> None:
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    out = fused_ops.rms_norm(x, weight, 1e-6, fused=True)
+    assert torch.equal(out, fused_ops.rms_norm_eager(x, weight, 1e-6))
