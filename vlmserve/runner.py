@@ -7,6 +7,11 @@ and each of its 1 + len(drafts) rows returns logits, for verification."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import logging
+
 import torch
 
 from encoders.cache import EncoderCache
@@ -21,9 +26,37 @@ from vlmserve.models.decoder import pack_linears
 from vlmserve.models.loader import LoadedModel, load_model
 
 
+log = logging.getLogger(__name__)
+
+# glibc mallopt parameters, and ours: a prefill step's activations (up to 32 MiB each at
+# 2,048 tokens) stay in the heap between steps, and up to 512 MiB of free heap is kept.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD, _TRIM_THRESHOLD = 64 << 20, 512 << 20
+
+
+@functools.cache
+def keep_activations_in_heap() -> bool:
+    """By default glibc serves each allocation over 32 MiB with fresh zeroed pages from the
+    kernel and returns them on free: at a 2,048-token prefill step that is ~120k page
+    faults (~470 MB of page zeroing) per step on this CPU, about 5% of the step. Raising
+    the mmap and trim thresholds lets freed activations be reused (the fault count drops
+    to ~0), as tcmalloc, which vLLM's CPU build preloads, does. Process-wide, once;
+    False where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
+        return ok and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    except (OSError, AttributeError, TypeError):
+        log.info("no glibc mallopt here (%s): CPU activations use the default allocator", name)
+        return False
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.device = torch.device(config.model.device)
+        if self.device.type == "cpu":
+            keep_activations_in_heap()
         self.dtype = config.model.torch_dtype
         self.backend = select_backend(self.device, config.model.attention_backend)
         self.model: LoadedModel = load_model(
