@@ -25,7 +25,6 @@ from vlmserve.config import EngineConfig
 from vlmserve.models.decoder import pack_linears
 from vlmserve.models.loader import LoadedModel, load_model
 
-
 log = logging.getLogger(__name__)
 
 # glibc mallopt parameters, and ours: a prefill step's activations (up to 32 MiB each at
