@@ -38,6 +38,31 @@ def random_image():
     return make
 
 
+@pytest.fixture(scope="session")
+def chi_square():
+    """chi_square(counts, probs): the p-value of integer token `counts` against `probs`
+    (goodness of fit; bins expecting under 5 pooled); 0 when a token of probability 0
+    occurred."""
+    import torch
+
+    def p_value(counts, probs) -> float:
+        counts, probs = counts.double(), probs.double()
+        if counts[probs == 0].sum() > 0:
+            return 0.0
+        expected = probs * counts.sum()
+        rare = expected < 5
+        counts = torch.cat([counts[~rare], counts[rare].sum(0, keepdim=True)])
+        expected = torch.cat([expected[~rare], expected[rare].sum(0, keepdim=True)])
+        keep = expected > 0
+        stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+        dof = int(keep.sum()) - 1
+        if dof <= 0:
+            return 1.0
+        return float(torch.special.gammaincc(torch.tensor(dof / 2.0).double(), stat / 2))
+
+    return p_value
+
+
 def pytest_collection_modifyitems(config, items):
     """`@pytest.mark.gpu` tests skip cleanly without an NVIDIA GPU."""
     import torch

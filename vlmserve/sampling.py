@@ -1,7 +1,9 @@
-"""Sampling parameters and the sampler.
+"""Sampling parameters, per-request sampler state, and the plain-torch reference filter.
 
-Each request samples with its own seeded generator, row by row, so a request's tokens
-do not depend on what else is in the batch (the batching tests rely on this).
+Each request draws its uniforms from its own seeded generator, so a request's tokens do
+not depend on what else is in the batch (the batching tests rely on this); the batched
+sampler that uses them lives in `batch_sampler.py`, `filtered_probs` here is its
+one-row reference.
 
 What must stay true: every accepted SamplingParams gives a valid distribution. A
 temperature under GREEDY_TEMPERATURE is greedy (dividing logits by 1e-40 overflows to
@@ -56,19 +58,28 @@ class SamplingParams:
 
 @dataclass
 class SamplerState:
-    """Per-request sampling state: the params and the request's own generator."""
+    """Per-request sampling state: the params and the request's own generator.
+
+    The generator lives on the host even when the logits are on a GPU: a step needs only
+    two uniforms per row from it (accept a draft, pick a token), and drawing them here
+    costs one cheap Python call per request instead of one device launch per request."""
 
     params: SamplingParams
-    generator: torch.Generator = field(init=False)
+    rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
-        self.generator = torch.Generator()
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
-        self.generator.manual_seed(seed)
+        self.rng = random.Random(seed)
+
+    def uniforms(self, n: int) -> list[float]:
+        """n draws from [0, 1) with 53 random bits each (float64: the inverse-CDF draw
+        resolves probabilities far below float32's)."""
+        return [self.rng.random() for _ in range(n)]
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p. logits: [vocab] float32.
+    """Probabilities after temperature, top-k and top-p. logits: [vocab] float32. The
+    plain-torch reference for `sampling_ops` (which filters every row at once).
     Never NaN for finite logits: the max logit becomes 0 before the division, so a tiny
     temperature sends the others to -inf, not the max to +inf."""
     logits = (logits - logits.max()) / params.temperature
@@ -85,16 +96,3 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum()
     return probs
-
-
-def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
-    """One token per row. logits: [num_rows, vocab] float32 (on any device)."""
-    logits = logits.float().cpu()
-    tokens = []
-    for row, state in zip(logits, states, strict=True):
-        if state.params.greedy:
-            tokens.append(int(row.argmax()))
-        else:
-            probs = filtered_probs(row, state.params)
-            tokens.append(int(torch.multinomial(probs, 1, generator=state.generator)))
-    return tokens

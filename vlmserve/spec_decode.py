@@ -9,8 +9,10 @@ target's distribution for the token after draft i-1 (row 0: after the last real 
   accept-with-min(1, p/q) becomes: accept d with probability p(d); on rejection sample
   from max(0, p - q) normalised, which is p with d removed and renormalised. Each token
   is then distributed exactly as plain sampling from p (Leviathan et al., Chen et al.).
-p is the request's filtered distribution (temperature, top-k, top-p) and the draws use
-its own seeded generator, so a request's tokens do not depend on the rest of the batch.
+p is the request's filtered distribution (temperature, top-k, top-p). Every row of the
+step is drawn at once (`batch_sampler`): each row gets its accept test and its draw from p
+without its draft, the uniforms come from the request's own seeded generator, and the host
+keeps the drafts up to the first rejection. A request's tokens do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 from scheduler.planner import ScheduledSeq
 from search.cost_model import b_star
 from search.presets import Precision, get_accelerator, measure_cpu
-from vlmserve.sampling import SamplerState, filtered_probs, sample
+from vlmserve.batch_sampler import GroupResult, RowGroup, sample_rows
+from vlmserve.sampling import SamplerState
 
 
 def verify_greedy(targets: list[int], drafts: tuple[int, ...]) -> list[int]:
@@ -32,21 +35,31 @@ def verify_greedy(targets: list[int], drafts: tuple[int, ...]) -> list[int]:
     return [*drafts[:accepted], targets[accepted]]
 
 
+def accept_drafts(drafts: tuple[int, ...], result: GroupResult) -> list[int]:
+    """Rejection sampling from per-row draws: the drafts up to the first rejected one, then
+    that row's token (drawn from p without the draft), or every draft and the bonus token."""
+    for i, accepted in enumerate(result.accepted):  # one flag per draft
+        if not accepted:
+            return [*drafts[:i], result.token_ids[i]]
+    return [*drafts, result.token_ids[len(drafts)]]
+
+
+def _emitted(group: RowGroup, result: GroupResult) -> list[int] | Exception:
+    if result.error is not None:
+        return ValueError(result.error)
+    if group.state.params.greedy:
+        return verify_greedy(result.token_ids, group.draft_token_ids)
+    return accept_drafts(group.draft_token_ids, result)
+
+
 def verify(logits: torch.Tensor, drafts: tuple[int, ...], state: SamplerState) -> list[int]:
-    """The accepted drafts and one more token. logits: [len(drafts) + 1, vocab] float32."""
-    params = state.params
-    if params.greedy:
-        return verify_greedy(logits.argmax(-1).tolist(), drafts)
-    tokens: list[int] = []
-    for row, draft in zip(logits, drafts, strict=False):
-        probs = filtered_probs(row, params)
-        if float(torch.rand((), generator=state.generator)) < float(probs[draft]):
-            tokens.append(draft)
-            continue
-        probs[draft] = 0.0  # rejected: p without the draft token, renormalised
-        tokens.append(int(torch.multinomial(probs / probs.sum(), 1, generator=state.generator)))
-        return tokens
-    return [*tokens, *sample(logits[-1:], [state])]  # every draft held: the bonus token
+    """The accepted drafts and one more token, for one request alone (`sample_plan` does
+    every request of a step at once). logits: [len(drafts) + 1, vocab]."""
+    group = RowGroup(state, 0, drafts)
+    out = _emitted(group, sample_rows(logits, [group])[0])
+    if isinstance(out, Exception):
+        raise out
+    return out
 
 
 def sample_plan(
@@ -57,36 +70,19 @@ def sample_plan(
     keep the tokens (and generator states) they would have had anyway.
     logits: [num_sampling_rows, vocab] as the runner returns them; `samplers` has one
     state per sampling item, in plan order."""
-    # Greedy rows never come to the host as logits: one argmax over every row where the
-    # logits are, and only token ids come back; the rows of sampling requests move alone.
-    spans: list[tuple[SamplerState, tuple[int, ...], int]] = []  # per sampling item
+    groups: list[RowGroup] = []
     row, states = 0, iter(samplers)
     for item in scheduled:
         if item.sample:
-            spans.append((next(states), item.draft_token_ids, row))
+            groups.append(RowGroup(next(states), row, item.draft_token_ids))
             row += 1 + len(item.draft_token_ids)
-    targets = logits.argmax(-1).tolist() if any(s.params.greedy for s, _, _ in spans) else []
-    moved = [
-        r for s, d, first in spans if not s.params.greedy for r in range(first, first + 1 + len(d))
-    ]
-    host: dict[int, int] = {r: i for i, r in enumerate(moved)}  # row -> row of `on_host`
-    on_host = logits[moved].float().cpu() if moved else logits.new_empty(0)
-    sampled: list[list[int] | Exception] = []
-    taken = iter(spans)
-    for item in scheduled:
-        if not item.sample:
-            sampled.append([])
-            continue
-        state, drafts, first = next(taken)
-        try:
-            if state.params.greedy:
-                sampled.append(verify_greedy(targets[first : first + 1 + len(drafts)], drafts))
-                continue
-            rows = on_host[host[first] : host[first] + 1 + len(drafts)]
-            sampled.append(verify(rows, drafts, state) if drafts else sample(rows, [state]))
-        except Exception as e:  # noqa: BLE001 - reported as this request's failure
-            sampled.append(e)
-    return sampled
+    try:
+        # All rows where the logits are; only token ids and flags come back.
+        results = iter(sample_rows(logits, groups))
+    except Exception as e:  # noqa: BLE001 - belongs to no one request: fails the samplers
+        return [e if item.sample else [] for item in scheduled]
+    taken = iter(groups)
+    return [_emitted(next(taken), next(results)) if item.sample else [] for item in scheduled]
 
 
 _PRESET_KEYS = ("h200", "h100", "b200", "a100", "l40s")

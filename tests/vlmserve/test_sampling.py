@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmserve.sampling import SamplerState, SamplingParams, filtered_probs, sample
+from vlmserve.batch_sampler import sample
+from vlmserve.sampling import SamplerState, SamplingParams, filtered_probs
 
 
 def test_greedy_takes_argmax():

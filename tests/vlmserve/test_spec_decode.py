@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import vlmserve.spec_decode as spec_decode
+import vlmserve.sampling_ops as sampling_ops
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import Sequence
@@ -246,18 +246,11 @@ def test_the_chi_square_test_catches_a_wrong_acceptance_rule(
     """Power check: resampling from p WITHOUT removing the rejected draft (a plausible bug)
     over-produces draft tokens, and the test above must see it."""
 
-    def wrong_verify(logits, drafts, state):
-        tokens = []
-        for row, draft in zip(logits, drafts, strict=False):
-            probs = spec_decode.filtered_probs(row, state.params)
-            if float(torch.rand((), generator=state.generator)) < float(probs[draft]):
-                tokens.append(draft)
-                continue
-            return [*tokens, int(torch.multinomial(probs, 1, generator=state.generator))]
-        return [*tokens, *spec_decode.sample(logits[-1:], [state])]
+    def keep_the_draft(weights, rows, draft_ids):
+        pass  # the bug: the draw after a rejection may give the rejected draft again
 
     plain = plain_samples(TEMPERATURE_1)
-    monkeypatch.setattr(spec_decode, "verify", wrong_verify)
+    monkeypatch.setattr(sampling_ops, "remove_draft_", keep_the_draft)
     spec = SpeculativeConfig(num_speculative_tokens=3, min_n=1, adaptive=False)
     wrong = sample_first_tokens(vocab16_path, spec, TEMPERATURE_1)
     assert min(homogeneity_p_value(plain[:, i], wrong[:, i]) for i in (1, 2, 3)) < 1e-6
