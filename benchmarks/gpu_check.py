@@ -3,7 +3,9 @@
 1. the `gpu`-marked tests (device correctness against the CPU path);
 2. the offline throughput benchmark on the GPU with a larger random model (bfloat16),
    engine against transformers `generate` in the same run;
-3. a short table, printed last.
+3. decode at batch 1 on the same model sizes against its bandwidth bound (weight bytes /
+   measured copy bandwidth), with the engine's default CUDA path;
+4. a short table, printed last.
 
     python -m benchmarks.gpu_check
 """
@@ -35,6 +37,15 @@ def main() -> int:
             "--token-budget", "8192", "--hf-batch-size", "16", "--name", "offline_throughput_gpu",
         ]
     )  # fmt: skip
+    from benchmarks.decode_bound import main as decode_bound
+
+    bound = decode_bound(
+        [
+            "--device", "cuda", "--dtype", "bfloat16", "--layers", "24", "--hidden", "2048",
+            "--heads", "16", "--kv-heads", "4", "--intermediate", "5632",
+            "--name", "decode_bound_gpu",
+        ]
+    )  # fmt: skip
     rows = {r["system"]: r for r in result["rows"]}
     print("\n=== gpu_check summary ===")
     print(f"gpu                  {torch.cuda.get_device_name(0)}")
@@ -44,6 +55,10 @@ def main() -> int:
     speedup = result["speedup_vs_transformers"]
     print(f"speed-up             {speedup:.2f}x" if speedup else "speed-up             n/a")
     print(f"roofline fraction    {result['engine_roofline']['roofline_fraction']:.1%}")
+    print(
+        f"decode batch 1       {bound['ms_per_step']:.2f} ms/step, "
+        f"{bound['bound_fraction']:.0%} of the bandwidth bound ({bound['bandwidth_gbps']:.0f} GB/s)"
+    )
     print(f"wall time            {time.perf_counter() - start:.0f}s")
     return tests.returncode
 
