@@ -13,11 +13,11 @@ from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
 from kernels.attention import AttentionBatch, select_backend
+from kernels.packed_linear import pack_linears
 from scheduler.config import kv_pool_num_blocks
 from scheduler.planner import StepPlan
 from scheduler.sequence import ImagePlaceholder, Sequence
 from vlmserve.config import EngineConfig
-from vlmserve.models.decoder import pack_linears
 from vlmserve.models.loader import LoadedModel, load_model
 
 
@@ -31,6 +31,8 @@ class ModelRunner:
         )
         if config.model.pack_weights and self.device.type == "cpu":
             pack_linears(self.model.decoder)
+            if self.model.vision is not None:
+                self.model.vision.pack_weights()
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit(config)
         cfg = self.model.decoder.cfg
