@@ -80,7 +80,8 @@ class SiglipTower(torch.nn.Module):
     `post_norm=True` keeps the final LayerNorm (HF `post_layernorm`); without it the last
     hidden state is the one before that norm (what LLaVA-OneVision consumes).
     `fused=False` runs timm's own forward (the reference the fused one is tested against).
-    `tiles_per_chunk`: run the blocks over this many tiles at a time (None: all at once).
+    `tiles_per_chunk`: run the blocks over this many tiles at a time (None:
+    `siglip_fused.default_tiles_per_chunk`).
     """
 
     def __init__(

@@ -14,6 +14,7 @@ import torch
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from encoders.siglip import SiglipConfig, SiglipTower, load_siglip_tower
+from encoders.siglip_fused import default_tiles_per_chunk
 from kernels.packed_linear import PackedLinear
 
 needs_onednn = pytest.mark.skipif(
@@ -110,3 +111,15 @@ def test_pack_keeps_float64_towers_plain():
     with torch.no_grad():
         expected = hf.double()(pixel_values).last_hidden_state
         torch.testing.assert_close(tower(pixel_values), expected)
+
+
+def test_default_chunking_is_per_tile_on_one_cpu_thread_only():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert default_tiles_per_chunk(torch.device("cpu"), 7) == 1
+        torch.set_num_threads(2)
+        assert default_tiles_per_chunk(torch.device("cpu"), 7) == 7
+        assert default_tiles_per_chunk(torch.device("meta"), 7) == 7  # a GPU: every tile
+    finally:
+        torch.set_num_threads(threads)
