@@ -28,6 +28,8 @@ from vlmserve.models.random_checkpoint import WORDS, make_text_checkpoint, make_
 
 IMAGE_SIZE = (1024, 768)  # (width, height)
 TILE, PATCH, MAX_GRID, ASPECT_RATIO = 384, 14, 6, "anyres_max_9"
+# The SigLIP tower's sizes (SigLIP-base widths; the layer count is a CLI flag).
+VISION_HIDDEN, VISION_HEADS, VISION_INTERMEDIATE = 768, 12, 3072
 BLOCK_SIZE = 16  # vlmserve's KV block (offline_throughput.make_engine)
 PROMPT = "<|im_start|> user <image> {question} <|im_end|> <|im_start|> assistant"
 # The serving part sends chat messages: the text checkpoint's template passes them through.
@@ -116,10 +118,10 @@ def write_image_workload(
             max_position_embeddings=8192,
             tile=TILE,
             patch=PATCH,
-            vision_hidden=768,
+            vision_hidden=VISION_HIDDEN,
             vision_layers=vision_layers,
-            vision_heads=12,
-            vision_intermediate=3072,
+            vision_heads=VISION_HEADS,
+            vision_intermediate=VISION_INTERMEDIATE,
             max_grid=MAX_GRID,
             aspect_ratio=ASPECT_RATIO,
         )

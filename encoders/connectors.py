@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.packed_linear import Activation, linear_act
+
 # HF `projector_hidden_act` -> module (ACT2FN equivalents that are exactly the same op)
 _PROJECTOR_ACTS = {
     "gelu": lambda: nn.GELU(),
@@ -18,6 +20,8 @@ _PROJECTOR_ACTS = {
     "relu": lambda: nn.ReLU(),
     "silu": lambda: nn.SiLU(),
 }
+# The ones a packed linear_1 applies in its epilogue (the same functions as above).
+_FUSED_ACTS: dict[str, Activation] = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class LlavaOnevisionProjector(nn.Module):
@@ -40,11 +44,14 @@ class LlavaOnevisionProjector(nn.Module):
             )
         self.linear_1 = nn.Linear(vision_dim, text_dim, bias=bias, dtype=dtype, device=device)
         self.act = _PROJECTOR_ACTS[act]()
+        self.fused_act = _FUSED_ACTS.get(act)
         self.linear_2 = nn.Linear(text_dim, text_dim, bias=bias, dtype=dtype, device=device)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         # [..., vision_dim] -> [..., text_dim]
-        return self.linear_2(self.act(self.linear_1(features)))
+        if self.fused_act is None:
+            return self.linear_2(self.act(self.linear_1(features)))
+        return self.linear_2(linear_act(self.linear_1, features, self.fused_act))
 
 
 def select_best_resolution(

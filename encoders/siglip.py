@@ -3,6 +3,9 @@
 With `act_layer='gelu_tanh'`, no class token and no pooling head, the timm model computes
 exactly what HF `SiglipVisionModel` (and Idefics3's SigLIP copy) computes in float32.
 The HF checkpoint stores q/k/v separately; timm fuses them into one `qkv` linear.
+timm's modules hold the weights; the forward is `siglip_fused`'s (timm's own stays
+reachable as the reference, `fused=False`). `pack()` puts the CPU float32 linears in
+oneDNN's layout.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ from dataclasses import dataclass
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
+from encoders.siglip_fused import check_plain_block, fused_states
 from encoders.weights import CheckpointError, load_into, take
+from kernels.packed_linear import Activation, pack_linears
 
-# HF `hidden_act` -> timm `act_layer`; only the ones that stay bit-exact.
-_ACT_LAYERS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+# HF `hidden_act` -> timm `act_layer`; only the ones that stay bit-exact. The fused forward
+# names the same two functions the same way (`kernels.packed_linear.Activation`).
+_ACT_LAYERS: dict[str, Activation] = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,9 @@ class SiglipTower(torch.nn.Module):
 
     `post_norm=True` keeps the final LayerNorm (HF `post_layernorm`); without it the last
     hidden state is the one before that norm (what LLaVA-OneVision consumes).
+    `fused=False` runs timm's own forward (the reference the fused one is tested against).
+    `tiles_per_chunk`: run the blocks over this many tiles at a time (None:
+    `siglip_fused.default_tiles_per_chunk`).
     """
 
     def __init__(
@@ -81,10 +90,14 @@ class SiglipTower(torch.nn.Module):
         post_norm: bool,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        fused: bool = True,
+        tiles_per_chunk: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.post_norm = post_norm
+        self.fused = fused
+        self.tiles_per_chunk = tiles_per_chunk
         # int(hidden * ratio) must give intermediate_size exactly (e.g. 1152 -> 4304).
         mlp_ratio = (config.intermediate_size + 0.5) / config.hidden_size
         self.vit = VisionTransformer(
@@ -107,15 +120,25 @@ class SiglipTower(torch.nn.Module):
             device=device,
         )
         assert self.vit.blocks[0].mlp.fc1.out_features == config.intermediate_size
+        for block in self.vit.blocks:
+            check_plain_block(block)
 
     @property
     def num_layers(self) -> int:
         return len(self.vit.blocks)
 
+    def pack(self) -> int:
+        """Prepack the blocks' CPU float32 linears (oneDNN layout, fused epilogues);
+        returns how many. Both forwards keep working; the plain weights are dropped."""
+        return pack_linears(self.vit.blocks)
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Last hidden state (after the post-norm when the tower has one)."""
         # [num_tiles, 3, H, W] -> [num_tiles, num_patches, hidden]
-        return self.vit.forward_features(pixel_values)
+        if not self.fused:
+            return self.vit.forward_features(pixel_values)
+        (x,) = self._fused_states(pixel_values, [self.num_layers]).values()
+        return self.vit.norm(x)  # Identity without a post-norm
 
     def hidden_states(
         self, pixel_values: torch.Tensor, layers: Sequence[int]
@@ -129,12 +152,19 @@ class SiglipTower(torch.nn.Module):
                     f"vision_feature_layer {layer} out of range for {num_states} states"
                 )
         wanted = [layer % num_states for layer in layers]
+        if self.fused:
+            states = self._fused_states(pixel_values, wanted)
+            return [states[i] for i in wanted]
         x = self.vit._pos_embed(self.vit.patch_embed(pixel_values))  # [T, P, D]
         states = {0: x}
         for i, block in enumerate(self.vit.blocks[: max(wanted)], start=1):
             x = block(x)
             states[i] = x
         return [states[i] for i in wanted]
+
+    def _fused_states(self, pixel_values: torch.Tensor, wanted: list[int]) -> dict:
+        act = _ACT_LAYERS[self.config.hidden_act]
+        return fused_states(self.vit, pixel_values, wanted, act, self.tiles_per_chunk)
 
 
 def _tower_prefix_names(num_layers: int, post_norm: bool) -> dict[str, list[str]]:

@@ -29,6 +29,7 @@ from encoders.connectors import (
 )
 from encoders.siglip import SiglipConfig, SiglipTower, idefics3_position_ids, load_siglip_tower
 from encoders.weights import CheckpointError, load_into, take
+from kernels.packed_linear import pack_linears
 
 __all__ = ["Family", "VisionConfig", "VisionEncoder", "VisionInput", "vision_inputs_from_hf"]
 
@@ -204,6 +205,12 @@ class VisionEncoder(torch.nn.Module):
         newline_name = _find_prefix(tensors, "llava_newline", "")
         with torch.no_grad():
             self.image_newline.copy_(take(tensors, newline_name, tuple(self.image_newline.shape)))
+
+    def pack_weights(self) -> int:
+        """Prepack the CPU float32 linears of the tower and the connector (oneDNN layout,
+        fused epilogues); returns how many. The embeddings stay float32 results."""
+        connector = self.connector if self.config.family == "idefics3" else self.projector
+        return self.tower.pack() + pack_linears(connector)
 
     def num_image_tokens(self, image: VisionInput) -> int:
         """Placeholder tokens `image` takes in the prompt (= rows of its `encode` output),

@@ -28,7 +28,8 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     max_images_per_request: int = 16
     attention_backend: str | None = None
-    # CPU float32: the decoder's linear layers in oneDNN's prepacked layout (PackedLinear).
+    # CPU float32: the decoder's and the vision encoder's linear layers in oneDNN's
+    # prepacked layout (PackedLinear; the tower's GELU and residual adds fused into them).
     pack_weights: bool = True
     # CPU float32: fused C++ RMSNorm + residual, RoPE and SiLU-mul (kernels/fused_ops.py).
     fused_ops: bool = True

@@ -18,11 +18,11 @@ from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
 from kernels.attention import AttentionBatch, select_backend
+from kernels.packed_linear import pack_linears
 from scheduler.config import kv_pool_num_blocks
 from scheduler.planner import StepPlan
 from scheduler.sequence import ImagePlaceholder, Sequence
 from vlmserve.config import EngineConfig
-from vlmserve.models.decoder import pack_linears
 from vlmserve.models.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class ModelRunner:
         )
         if config.model.pack_weights and self.device.type == "cpu":
             pack_linears(self.model.decoder)
+            if self.model.vision is not None:
+                self.model.vision.pack_weights()
         # The decoder takes its eager path wherever the kernels do not apply or build.
         self.model.decoder.fused = config.model.fused_ops
         self.block_size = config.cache.block_size

@@ -276,6 +276,29 @@ def test_siglip_tower_matches_transformers_when_patches_leave_a_margin() -> None
                     close(got, out.hidden_states[i])
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+@pytest.mark.parametrize("family", ["llava_onevision", "idefics3"])
+def test_packed_encoder_matches_transformers(tmp_path: Path, family: str) -> None:
+    # what the runner serves on CPU float32: the tower and connector linears prepacked;
+    # another float32 summation order, so test_packed_linear's tolerance (atol 1e-5)
+    rng = np.random.default_rng(6)
+    images = [random_image(rng, 90, 95), random_image(rng, 20, 90)]
+    if family == "llava_onevision":
+        model, encoder = build_llava(tmp_path, vision_feature_layer=[-2, -1])
+        batch = llava_image_processor()(images, return_tensors="pt")
+        expected = hf_llava_features(model, batch)
+    else:
+        model, encoder = build_idefics3(tmp_path, family)
+        batch = idefics3_image_processor()([images[:1]], return_tensors="pt")
+        with torch.no_grad():
+            expected = list(model.model.get_image_features(
+                batch["pixel_values"], batch["pixel_attention_mask"]).pooler_output)  # fmt: skip
+    assert encoder.pack_weights() == 4 * 2 + (2 if family == "llava_onevision" else 1)
+    ours = encoder.encode(vision_inputs_from_hf(family, batch))
+    for got, want in zip(ours, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_pixel_shuffle_matches_transformers() -> None:
     from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector
 

@@ -251,39 +251,3 @@ class _FusedWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.tensors)
-
-
-class PackedLinear(nn.Module):
-    """A CPU float32 `nn.Linear` whose weight is reordered once into oneDNN's blocked
-    layout, as vLLM's CPU build does: at decode-sized batches (tens of rows) the GEMM runs
-    about 20% faster than MKL on the plain weight, and the same at prefill sizes. Same
-    results as the plain layer (same oneDNN/MKL float32 arithmetic, checked in tests)."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-
-
-def pack_linears(module: nn.Module) -> int:
-    """Replace every float32 CPU `nn.Linear` under `module` with a `PackedLinear` (where
-    torch has oneDNN); returns how many. The plain weights are dropped, not kept twice."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
-    count = 0
-    for name, child in list(module.named_children()):
-        if (
-            isinstance(child, nn.Linear)
-            and child.weight.device.type == "cpu"
-            and child.weight.dtype == torch.float32
-        ):
-            setattr(module, name, PackedLinear(child))
-            count += 1
-        else:
-            count += pack_linears(child)
-    return count
