@@ -54,10 +54,9 @@ class CpuPagedAttention(TorchPagedAttention):
         paged = None
         if small:
             width = max(len(batch.block_tables[i]) for i in small)
-            tables = torch.zeros(len(small), width, dtype=torch.int32)
-            for row, i in enumerate(small):
-                table = batch.block_tables[i]
-                tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            # One tensor from padded lists: a tensor per sequence costs ~10 us each.
+            padded = [t + [0] * (width - len(t)) for t in (batch.block_tables[i] for i in small)]
+            tables = torch.tensor(padded, dtype=torch.int32)
             paged = PagedRows(
                 tables,
                 torch.tensor([starts[i] for i in small], dtype=torch.int32),

@@ -90,6 +90,16 @@ class SchedulerConfig:
     # one burst and from 2.19x to 1.85x with one a minute, for +0.6-1.3% on the bursts'
     # p99 TTFT (lumps lose the steps that start a text request: ~10% at 10 req/s).
     lump_yields_to_quick: bool = True
+    # Plan step i+1 while step i's forward runs on another thread (NanoFlow §4.2.1): the
+    # planning and bookkeeping are hidden behind the forward, and a request that stops
+    # (stop token or string) is noticed one step late, costing one extra token of compute
+    # that is never emitted. Outputs are identical either way. A speculating engine runs
+    # synchronously: its drafts need the previous step's tokens. Off by default: on this
+    # 2-core CPU (benchmarks/async_scheduling.py, 1 thread, three runs) it hides ~75% of
+    # the host's 7 ms a step at batch 256 from the forward, but the forward's own Python
+    # shares the GIL with the engine thread's and slows by about as much: 0.94x-1.04x
+    # wall at batch 64 and 256. Unmeasured on a GPU, where it is meant to pay.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -263,6 +263,10 @@ class Scheduler:
         sequences this pass leaves for later), or itself."""
         while queue and room.tokens > 0:
             seq = queue.pop(0)
+            if seq.num_pending_tokens and seq.num_tokens >= self._max_num_tokens.get(
+                seq.request_id, math.inf
+            ):
+                continue  # async: its last token is in flight, it finishes when that lands
             num_new = min(seq.num_uncomputed_tokens, room.tokens)
             lump = self._is_lump(seq)
             if lump and room.lump_tokens is not None:
@@ -309,7 +313,8 @@ class Scheduler:
         """Ready waiting sequences, each with its prefix-cache match (blocks)."""
         bm, out = self.block_manager, []
         for seq in self.waiting:
-            if not seq.ready:
+            # (Preempted while its last token is in flight: that token is unknown yet.)
+            if not seq.ready or seq.num_pending_tokens:
                 continue
             hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
             # Keep at least one token to compute: its logits give the next token.
@@ -329,6 +334,9 @@ class Scheduler:
         `quick_only`: quick ones alone; the others count as not fitting, so quick ones pass
         an aged lump only where the policy lets them pass one that does not fit."""
         bm, policy, scheduled = self.block_manager, self.admission, []
+        found = self._candidates()
+        if not found:  # nothing to admit: skip the reservations' sums over every runner
+            return scheduled
         # Blocks that admitted sequences have yet to take are spoken for: the rest of
         # their prompt and (lumpy) their expected growth.
         # (A speculating sequence may hold more than its tokens need: that is not a credit.)
@@ -341,7 +349,6 @@ class Scheduler:
             for s in self.running
             if s.request_id in self._quick_ids
         )
-        found = self._candidates()
         matches = {id(c.seq): m for c, m in found}
         blocked: tuple[Candidate, int] | None = None  # an aged candidate that did not fit
         for cand in policy.order([c for c, _ in found]):

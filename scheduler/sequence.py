@@ -47,6 +47,9 @@ class Sequence:
     ready: bool = True
     # Steps spent ready in the waiting queue since it was added or last admitted (aging).
     num_waiting_steps: int = 0
+    # Tokens sampled by a step still in flight (async scheduling): they count in
+    # num_tokens but are not in token_ids yet; they lie past its end until resolved.
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -59,15 +62,15 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     def token_key(self, position: int) -> int | tuple[bytes, int]:
         """What identifies the KV at `position`: the token id, or for an image placeholder

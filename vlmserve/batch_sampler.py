@@ -211,7 +211,13 @@ def sample_rows(
         if group.state.params.greedy:
             greedy_rows += range(group.first_row, group.first_row + num)
             continue
-        draws[i] = _Draws(group, group.state.uniforms(2 * num))  # whatever the batch
+        try:
+            uniforms = group.state.uniforms(2 * num)  # whatever the batch
+        except Exception as e:  # noqa: BLE001 - this request's generator alone
+            draws[i] = _Draws(group, [0.0] * (2 * num))
+            draws[i].error, draws[i].done = f"its generator failed: {e!r}", True
+            continue
+        draws[i] = _Draws(group, uniforms)
         if not all(0 <= t < vocab for t in group.draft_token_ids):  # never a bad index
             draws[i].error = f"a draft token id is outside the vocabulary of {vocab}"
             draws[i].done = True

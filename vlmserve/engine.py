@@ -4,6 +4,11 @@
 and returns what each touched request produced, `generate` drives both to completion.
 The HTTP server drives the same `add_request / step` loop from its own thread.
 
+Async scheduling (`SchedulerConfig.async_scheduling`, NanoFlow §4.2.1): step i's forward
+runs on the forward thread while this thread takes step i-1's tokens and plans step i+1
+(`scheduler.in_flight`); a stop is seen a step late and the token computed meanwhile is
+dropped, so the outputs are those of stepping in turn.
+
 Fault isolation inside a step: a failure that belongs to one request (its image's
 decode or encode, its sampling) fails that request alone, and the step runs on without
 it; a failure that belongs to no request (the forward pass raising, e.g. device OOM)
@@ -17,71 +22,31 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import json
 import logging
+import time
+from collections.abc import Iterable
 from concurrent import futures
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal
+from dataclasses import dataclass
 
 from encoders.errors import PromptTooLongError, RequestError
-from encoders.stage import ImageWork
-from scheduler.planner import Scheduler, StepPlan
+from scheduler.in_flight import LaunchedStep, advance, resolve
+from scheduler.planner import ScheduledSeq, Scheduler, StepPlan
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecMetrics
 from vlmserve.config import EngineConfig
 from vlmserve.detokenizer import IncrementalDetokenizer
-from vlmserve.processing import (
-    ProcessedPrompt,
-    Request,
-    check_prompt_chars,
-    make_prompt_processor,
-)
+from vlmserve.engine_summary import engine_stats
+from vlmserve.forward_thread import ForwardThread, Sampled, StepTimes, run_step
+from vlmserve.image_wait import pending_images, poll_images, wait_for_images
+from vlmserve.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
+from vlmserve.processing import Request, check_prompt_chars, eos_token_ids, make_prompt_processor
 from vlmserve.runner import ModelRunner
 from vlmserve.sampling import SamplerState, SamplingParams
-from vlmserve.spec_decode import ridge_batch_for, sample_plan
+from vlmserve.spec_decode import ridge_batch_for
 
 log = logging.getLogger(__name__)
 
-FinishReason = Literal["stop", "length", "abort", "error"]
-
-# Longest an idle step waits for an image decode (the engine thread has nothing else).
-_IMAGE_POLL_S = 0.005
-
-
-class StepFailedError(RuntimeError):
-    """The engine failed on this request (not on its input): 500. The cause is logged,
-    not sent to the client."""
-
-    status = 500
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    new_token_ids: list[int] = field(default_factory=list)  # since the previous step
-    text: str = ""  # all of it so far, cut at a stop string
-    # Text not handed out before; held back while a stop string could still cut it.
-    text_delta: str = ""
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    error_status: int | None = None  # HTTP status of `error`: 4xx its input, 5xx ours
-    error_type: str | None = None  # the error's class (RequestError subclasses by name)
-    num_prompt_tokens: int = 0
-    num_image_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A request after `Engine.prepare`: tokens, image placeholders, checked limits."""
-
-    request_id: str | None
-    prompt: ProcessedPrompt
-    params: SamplingParams
-    max_tokens: int
+_Kept = dict[str, tuple[list[int], FinishReason | None]]  # request id -> (tokens, why it ended)
 
 
 @dataclass
@@ -92,6 +57,16 @@ class _State:
     max_tokens: int
     output: RequestOutput
     detokenizer: IncrementalDetokenizer
+    stop_token_ids: frozenset[int]  # its own and, unless ignore_eos, the model's EOS ids
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A step launched on the forward thread whose output the engine has not taken."""
+
+    step: LaunchedStep
+    states: list[_State]  # per plan item
+    future: futures.Future[Sampled]
 
 
 class Engine:
@@ -117,11 +92,17 @@ class Engine:
             config.scheduler, config.cache, self.runner.num_blocks, speculative=speculative,
             encoder_cached=cache.__contains__,
         )  # fmt: skip
-        self.eos_token_ids = _eos_token_ids(config.model.path, model.config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(config.model.path, model.config, self.tokenizer)
         self._states: dict[str, _State] = {}
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run (cache misses)
+        self.times = StepTimes()
+        # Async scheduling, unless speculating: drafts are proposed from the tokens the
+        # step before emitted, so a speculating engine waits for them.
+        self.async_scheduling = config.scheduler.async_scheduling and not config.speculative.enabled
+        self._forward = ForwardThread(self.runner, self.times) if self.async_scheduling else None
+        self._in_flight: _InFlight | None = None
 
     # -- requests ---------------------------------------------------------------------
 
@@ -163,10 +144,15 @@ class Engine:
             num_image_tokens=sum(image.num_tokens for image in prompt.images),
         )
         detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop)
-        state = _State(seq, params, SamplerState(params), request.max_tokens, output, detokenizer)
+        stops = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+        )
+        state = _State(
+            seq, params, SamplerState(params), request.max_tokens, output, detokenizer, stops
+        )
         self._states[request_id] = state
         # Its images may still be decoding in the pool: queued now, admitted once ready.
-        seq.ready = not _pending_images(seq)
+        seq.ready = not pending_images(seq)
         self.scheduler.add(seq, num_prompt + request.max_tokens)
         return request_id
 
@@ -178,55 +164,128 @@ class Engine:
         return state.output
 
     def has_unfinished(self) -> bool:
+        # A live request is always the scheduler's until it finishes, even while its last
+        # token is in flight: a step in flight with none left has nothing to hand out.
         return self.scheduler.has_unfinished()
 
     # -- the loop ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration: plan, run, sample, advance. Returns the outputs of requests that
-        produced tokens or finished (failed ones included) in this step."""
+        produced tokens or finished (failed ones included) in this step. With async
+        scheduling a call launches the next step on the forward thread and returns the
+        tokens of the step the call before launched, which ran meanwhile."""
+        start, forward_cpu = time.thread_time(), self.times.forward_cpu_s
+        outputs = self._step_sync() if self._forward is None else self._step_async()
+        host = time.thread_time() - start
+        if self._forward is None:  # the forward ran on this thread
+            host -= self.times.forward_cpu_s - forward_cpu
+        self.times.host_s += host
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
+        plan, failed = self._plan(idle_wait=True)
+        if plan.is_empty:
+            return failed
+        states = [self._states[item.seq.request_id] for item in plan.scheduled]
+        try:
+            inputs = self.runner.prepare(plan)
+            samplers = _samplers(plan, states)
+            sampled = run_step(self.runner, self.times, inputs, plan.scheduled, samplers)
+        except Exception as e:  # noqa: BLE001 - belongs to no one request: fail the step's
+            return failed + self._fail_step(states, e)
+        accepted, failed_now = self._take(states, sampled)
+        plan = self._without(plan, {out.request_id for out in failed_now})
+        ends = [item.seq.num_computed_tokens + item.num_new_tokens for item in plan.scheduled]
+        self._count_prompt_work(plan.scheduled, ends)
+        self.scheduler.update(
+            plan, [accepted.get(item.seq.request_id, ([], None))[0] for item in plan.scheduled]
+        )
+        self.num_steps += 1
+        return failed + failed_now + self._emit(accepted)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Plan and launch step i+1, then take step i's tokens: the forward of step i+1
+        runs while they are checked, detokenised and booked (NanoFlow §4.2.1)."""
+        previous, self._in_flight = self._in_flight, None
+        plan, failed = self._plan(idle_wait=previous is None)
+        if not plan.is_empty:
+            self._in_flight = self._launch(plan, previous)
+        return failed + self._collect(previous)
+
+    def _plan(self, idle_wait: bool) -> tuple[StepPlan, list[RequestOutput]]:
+        """The next plan, without the requests whose images failed (those come back
+        failed). `idle_wait`: with nothing to run, wait briefly for a decoding image."""
         failed = self._poll_images()
         plan = self.scheduler.schedule()
         for seq in plan.preempted:
             self.runner.preempt(seq)
         if plan.is_empty:
-            if not failed:
-                self._wait_for_images()
-            return failed
+            if idle_wait and not failed:
+                wait_for_images(self.scheduler.waiting)
+            return plan, failed
         failed += [
             self._fail(self._states[request_id], error)
             for request_id, error in self.runner.encode_images(plan).items()
         ]
-        plan = self._without(plan, {out.request_id for out in failed})
-        if plan.is_empty:
-            return failed
-        try:
-            logits = self.runner.execute(plan)
-        except Exception as e:  # noqa: BLE001 - belongs to no one request: fail the step's
-            log.exception("forward pass failed; failing the %d requests in it", len(plan.scheduled))
-            return failed + [
-                self._fail(self._states[item.seq.request_id], StepFailedError(str(e)))
-                for item in plan.scheduled
-            ]
+        return self._without(plan, {out.request_id for out in failed}), failed
+
+    def _launch(self, plan: StepPlan, previous: _InFlight | None) -> _InFlight:
+        """Build `plan`'s inputs, count it as run (`advance`) and queue it on the forward
+        thread. Its decodes of tokens `previous` is still sampling take them from its
+        output there."""
+        assert self._forward is not None
         states = [self._states[item.seq.request_id] for item in plan.scheduled]
-        samplers = [
-            s.sampler for s, item in zip(states, plan.scheduled, strict=True) if item.sample
-        ]
-        sampled = sample_plan(plan.scheduled, logits, samplers)
-        accepted: dict[str, tuple[list[int], FinishReason | None]] = {}
+        in_flight = None
+        if previous is not None:
+            scheduled = previous.step.plan.scheduled
+            in_flight = {item.seq: i for i, item in enumerate(scheduled) if item.sample}
+        future: futures.Future[Sampled] = futures.Future()
+        try:
+            inputs = self.runner.prepare(plan, in_flight)
+            samplers, before = _samplers(plan, states), previous.future if previous else None
+            future = self._forward.submit(inputs, plan.scheduled, samplers, before)
+        except Exception as e:  # noqa: BLE001 - as the forward raising: fails when taken
+            future.set_exception(e)
+        return _InFlight(advance(plan), states, future)
+
+    def _collect(self, flight: _InFlight | None) -> list[RequestOutput]:
+        """Wait for `flight`'s output and take it like a synchronous step's. Requests that
+        finished since it was launched are skipped: their extra token is never emitted."""
+        if flight is None:
+            return []
+        start = time.perf_counter()
+        try:
+            sampled = flight.future.result()
+        except Exception as e:  # noqa: BLE001 - belongs to no one request: fail the step's
+            return self._fail_step(flight.states, e)
+        finally:
+            self.times.wait_s += time.perf_counter() - start
+        accepted, failed = self._take(flight.states, sampled)
+        step = flight.step
+        tokens = [accepted.get(item.seq.request_id, ([], None))[0] for item in step.plan.scheduled]
+        self._count_prompt_work(step.plan.scheduled, step.ends)
+        resolve(step, tokens, self.scheduler.block_manager)
+        self.num_steps += 1
+        return failed + self._emit(accepted)
+
+    def _take(self, states: list[_State], sampled: Sampled) -> tuple[_Kept, list[RequestOutput]]:
+        """The tokens each request keeps (cut at its stop) and the requests whose
+        sampling failed (failed alone). Requests finished meanwhile are left out."""
+        accepted: _Kept = {}
+        failed = []
         for state, new in zip(states, sampled, strict=True):
+            if state.seq.status == "finished":
+                continue
             if isinstance(new, Exception):
                 log.error("sampling failed for %s: %r", state.seq.request_id, new)
                 failed.append(self._fail(state, StepFailedError(f"sampling failed: {new}")))
             elif new:
                 accepted[state.seq.request_id] = self._accept(state, new)
-        plan = self._without(plan, {out.request_id for out in failed})
-        self._count_prompt_work(plan)
-        self.scheduler.update(
-            plan, [accepted.get(item.seq.request_id, ([], None))[0] for item in plan.scheduled]
-        )
-        self.num_steps += 1
-        outputs = failed
+        return accepted, failed
+
+    def _emit(self, accepted: _Kept) -> list[RequestOutput]:
+        outputs = []
         for request_id, (tokens, reason) in accepted.items():
             state = self._states[request_id]
             out = state.output
@@ -239,54 +298,35 @@ class Engine:
             outputs.append(out)
         return outputs
 
-    def _poll_images(self) -> list[RequestOutput]:
-        """Mark waiting sequences whose images are decoded ready; fail (alone) those
-        whose decode failed. Never blocks."""
-        failed = []
-        for seq in [s for s in self.scheduler.waiting if not s.ready]:
-            if _pending_images(seq):
-                continue
-            try:
-                for image in seq.images:
-                    if isinstance(image.data, ImageWork):
-                        image.data.wait()  # done: records timings, raises a decode error
-            except Exception as e:  # noqa: BLE001 - this request's image alone
-                failed.append(self._fail(self._states[seq.request_id], e))
-                continue
-            seq.ready = True
-        return failed
+    def _fail_step(self, states: list[_State], error: Exception) -> list[RequestOutput]:
+        """The forward failed: fail the step's requests (those not finished meanwhile)."""
+        live = [state for state in states if state.seq.status != "finished"]
+        log.error("forward pass failed; failing the %d requests in it", len(live), exc_info=error)
+        return [self._fail(state, StepFailedError(str(error))) for state in live]
 
-    def _wait_for_images(self) -> None:
-        """Nothing to run but images still decoding: wait briefly for one of them rather
-        than spin (short, so new requests and aborts are still taken promptly)."""
-        pending = [f for s in self.scheduler.waiting for f in _pending_images(s)]
-        if pending:
-            futures.wait(pending, timeout=_IMAGE_POLL_S, return_when=futures.FIRST_COMPLETED)
+    def _poll_images(self) -> list[RequestOutput]:
+        """Ready the sequences whose images are decoded; fail those whose decode failed."""
+        failures = poll_images(self.scheduler.waiting)
+        return [self._fail(self._states[seq.request_id], e) for seq, e in failures]
 
     @staticmethod
     def _without(plan: StepPlan, request_ids: set[str]) -> StepPlan:
-        if not request_ids:
-            return plan
         kept = [item for item in plan.scheduled if item.seq.request_id not in request_ids]
-        return StepPlan(kept, plan.preempted)
+        return StepPlan(kept, plan.preempted) if request_ids else plan
 
-    def _count_prompt_work(self, plan: StepPlan) -> None:
-        for item in plan.scheduled:
-            start = item.seq.num_computed_tokens
-            end = min(start + item.num_new_tokens, item.seq.num_prompt_tokens)
-            self.num_computed_prompt_tokens += max(0, end - start)
-
-    def _stop_token_ids(self, params: SamplingParams) -> set[int]:
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops |= self.eos_token_ids
-        return stops
+    def _count_prompt_work(self, scheduled: list[ScheduledSeq], ends: Iterable[int]) -> None:
+        """Prompt tokens the items (each computing up to its end) computed, failed ones
+        left out."""
+        for item, end in zip(scheduled, ends, strict=True):
+            if item.seq.status != "finished":
+                start, prompt_end = end - item.num_new_tokens, item.seq.num_prompt_tokens
+                self.num_computed_prompt_tokens += max(0, min(end, prompt_end) - start)
 
     def _accept(self, state: _State, new: list[int]) -> tuple[list[int], FinishReason | None]:
         """`new` up to and including the first token that ends the request (a stop id, a
         completed stop string, max_tokens or the context), as plain decoding would stop:
         accepted drafts past it are dropped. Feeds the detokenizer token by token."""
-        stops = self._stop_token_ids(state.params)
+        stops = state.stop_token_ids
         num_done = len(state.output.token_ids)
         num_prompt = state.output.num_prompt_tokens
         for i, token in enumerate(new):
@@ -325,35 +365,7 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Engine-side gauges and counters for metrics: queue, KV pool, prefix and encoder
         caches, preprocessing stage seconds, speculation."""
-        scheduler, bm = self.scheduler, self.scheduler.block_manager
-        used = bm.num_blocks - bm.num_free_blocks
-        stats = {
-            "waiting": float(len(scheduler.waiting)),
-            "running": float(len(scheduler.running)),
-            "num_blocks": float(bm.num_blocks),
-            "free_blocks": float(bm.num_free_blocks),
-            "used_blocks": float(used),
-            "kv_usage": used / bm.num_blocks,
-            "num_steps": float(self.num_steps),
-            "num_preemptions": float(scheduler.num_preemptions),
-            "recomputed_tokens_total": float(scheduler.num_recomputed_tokens),
-            "computed_prompt_tokens": float(self.num_computed_prompt_tokens),
-        }
-        cache = self.runner.encoder_cache.stats()
-        stats |= {
-            "encoder_cache_hits": float(cache.hits),
-            "encoder_cache_misses": float(cache.misses),
-            "encoder_cache_bytes": float(cache.num_bytes),
-        }
-        pool = self.processor.pool_metrics()
-        stats |= {f"preprocess_{k}": float(v) for k, v in pool.items()}
-        spec = self.spec_metrics
-        if spec is not None:
-            stats |= {
-                "spec_proposed": float(spec.num_proposed_tokens),
-                "spec_accepted": float(spec.num_accepted_tokens),
-            }
-        return stats
+        return engine_stats(self)
 
     @property
     def spec_metrics(self) -> SpecMetrics | None:
@@ -379,26 +391,6 @@ class Engine:
         return outputs
 
 
-def _pending_images(seq: Sequence) -> list[futures.Future]:
-    """Futures of `seq`'s images still being decoded and tiled in the pool."""
-    return [
-        image.data.future
-        for image in seq.images
-        if isinstance(image.data, ImageWork)
-        and image.data.future is not None
-        and not image.data.future.done()
-    ]
-
-
-def _eos_token_ids(path: str, config: dict, tokenizer: object) -> set[int]:
-    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
-    sources = []
-    gen_path = Path(path) / "generation_config.json"
-    if gen_path.is_file():
-        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
-    sources += [config.get("eos_token_id"), config.get("text_config", {}).get("eos_token_id")]
-    sources.append(getattr(tokenizer, "eos_token_id", None))
-    for value in sources:
-        if value is not None:
-            return set(value) if isinstance(value, list) else {int(value)}
-    return set()
+def _samplers(plan: StepPlan, states: list[_State]) -> list[SamplerState]:
+    """One sampler per sampling item of `plan`, in plan order (`sample_plan`'s input)."""
+    return [s.sampler for s, item in zip(states, plan.scheduled, strict=True) if item.sample]

@@ -157,6 +157,15 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
         f"no cap (default: {sched.lump_prefill_tokens_per_step})",
     )
     group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=sched.async_scheduling,
+        help="plan the next step while the forward pass runs on its own thread; a request "
+        "that stops is noticed a step late (one extra token computed, never sent); outputs "
+        "are unchanged. Off by default: on a CPU the forward's Python shares the GIL with "
+        "the planner's (README, 'Async scheduling'). Speculation always runs synchronously",
+    )
+    group.add_argument(
         "--no-lump-yield",
         action="store_true",
         help="let those requests run in a step that starts a quick request (by default "
@@ -284,6 +293,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         lump_headroom=args.lump_headroom,
         lump_prefill_tokens_per_step=args.lump_prefill_tokens or None,
         lump_yields_to_quick=not args.no_lump_yield,
+        async_scheduling=args.async_scheduling,
     )
     cache = _with_flags(
         "--block-size / --num-kv-blocks",

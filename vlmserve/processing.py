@@ -300,3 +300,17 @@ class HFPromptProcessor:
         return ProcessedPrompt(
             list(token_ids), place_works(token_ids, self.model.image_token_id, works)
         )
+
+
+def eos_token_ids(path: str, config: dict, tokenizer: object) -> set[int]:
+    """EOS ids from generation_config.json, else config.json, else the tokenizer."""
+    sources = []
+    gen_path = Path(path) / "generation_config.json"
+    if gen_path.is_file():
+        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    sources += [config.get("eos_token_id"), config.get("text_config", {}).get("eos_token_id")]
+    sources.append(getattr(tokenizer, "eos_token_id", None))
+    for value in sources:
+        if value is not None:
+            return set(value) if isinstance(value, list) else {int(value)}
+    return set()

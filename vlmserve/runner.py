@@ -1,5 +1,7 @@
 """The model runner: owns the device, the weights and the KV cache; turns a StepPlan
-into one forward pass and returns the logits of the rows that sample.
+into one forward pass and returns the logits of the rows that sample. `prepare` reads the
+plan into self-contained inputs on the engine thread; `run` may then go on the forward
+thread (async scheduling) while the engine plans the next step.
 
 A speculating decode's drafts are just more query rows of that sequence: they are fed
 after its last token (they are not in `seq.token_ids`, which holds accepted tokens only)
@@ -9,8 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import functools
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +54,24 @@ def keep_activations_in_heap() -> bool:
     except (OSError, AttributeError, TypeError):
         log.info("no glibc mallopt here (%s): CPU activations use the default allocator", name)
         return False
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One forward's inputs, self-contained: no scheduler object inside. Host tensors:
+    `run` copies them to the device, on the forward thread in stream order, so building
+    the next step's inputs never waits behind the step in flight (a copy from pageable
+    memory synchronises its stream)."""
+
+    token_ids: torch.Tensor  # [num_tokens]; `pending_rows` hold stand-ins
+    # (row, item index in the step before): async scheduling, the row's token is what
+    # that item sampled, known only once that step has run.
+    pending_rows: list[tuple[int, int]]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: object  # the attention backend's, for this step's layout, built on the host
+    # (rows, the image's embeddings on the device, which of them go to those rows)
+    image_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    sample_rows: torch.Tensor  # [num_sampling_rows]
 
 
 class ModelRunner:
@@ -125,23 +148,32 @@ class ModelRunner:
         self.release(seq.request_id)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run `plan` (its images already encoded by `encode_images`); returns logits
-        [num_sampling_rows, vocab] in plan order: one row per sampling item,
-        1 + len(draft_token_ids) rows for a speculating one."""
+    def prepare(
+        self, plan: StepPlan, in_flight: Mapping[Sequence, int] | None = None
+    ) -> StepInputs:
+        """The tensors of `plan`'s forward (its images already encoded by `encode_images`),
+        read from its sequences now: the engine thread may change them while `run` goes on
+        another thread. `in_flight` (async scheduling): the item index, in the step still
+        running, of each sequence whose last token that step is sampling; its row is
+        filled from that step's output in `run`."""
         token_ids, positions, slots, sample_rows = [], [], [], []
         query_lens, context_lens, block_tables = [], [], []
-        image_rows: list[tuple[torch.Tensor, torch.Tensor, tuple[str, int]]] = []
+        image_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        pending_rows: list[tuple[int, int]] = []
         row = 0
         for item in plan.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            token_ids += seq.token_ids[start:end]  # drafts lie past the end of token_ids
+            known = seq.token_ids[start:end]  # drafts and pending tokens lie past the end
+            token_ids += known
+            if len(known) + len(item.draft_token_ids) < n:
+                assert in_flight is not None and seq in in_flight, f"{seq.request_id}: no token"
+                assert len(known) + 1 == n, f"{seq.request_id}: more than one pending token"
+                pending_rows.append((row + len(known), in_flight[seq]))
+                token_ids.append(0)  # a stand-in until `run`
             token_ids += item.draft_token_ids
-            pos = torch.arange(start, end)
-            positions.append(pos)
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            positions.extend(range(start, end))
+            slots.extend(_slots(seq.block_table, start, end, self.block_size))
             query_lens.append(n)
             context_lens.append(end)
             block_tables.append(seq.block_table)
@@ -149,24 +181,46 @@ class ModelRunner:
                 where = _rows_in_chunk(image, start, end)
                 if where is not None:
                     offsets, chunk_pos = where
-                    image_rows.append((offsets, chunk_pos - start + row, (seq.request_id, index)))
+                    embeds = self._image_embeds[(seq.request_id, index)]
+                    image_rows.append((chunk_pos - start + row, embeds, offsets))
             row += n
             if item.sample:
                 sample_rows.extend(range(row - 1 - len(item.draft_token_ids), row))
-
-        decoder = self.model.decoder
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        embeds = decoder.embed(ids)  # [num_tokens, hidden]
-        for offsets, rows, key in image_rows:
-            embeds[rows.to(self.device)] = self._image_embeds[key][offsets.to(self.device)]
         batch = AttentionBatch(query_lens, context_lens, block_tables, self.block_size)
-        slot_mapping = torch.cat(slots)
-        metadata = self.backend.build_metadata(batch, slot_mapping, self.device)
-        hidden = decoder(embeds, torch.cat(positions).to(self.device), metadata, self.kv_caches)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = decoder.compute_logits(hidden[rows])
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        metadata = self.backend.build_metadata(batch, slot_mapping, torch.device("cpu"))
         self._drop_finished_images(plan)
-        return logits
+        return StepInputs(
+            torch.tensor(token_ids, dtype=torch.long), pending_rows,
+            torch.tensor(positions, dtype=torch.long), metadata, image_rows,
+            torch.tensor(sample_rows, dtype=torch.long),
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def run(
+        self, inputs: StepInputs, previous: list[list[int] | Exception] | None = None
+    ) -> torch.Tensor:
+        """The forward pass of prepared inputs; returns logits [num_sampling_rows, vocab]
+        in plan order: one row per sampling item, 1 + len(draft_token_ids) rows for a
+        speculating one. `previous`: the tokens the step before emitted, per item (None
+        when it failed), for the pending rows."""
+        ids = inputs.token_ids
+        if inputs.pending_rows:
+            rows, filled = [], []
+            for row, index in inputs.pending_rows:
+                tokens = previous[index] if previous is not None else None
+                # No token (that step or this request's sampling failed): the request is
+                # failed when the engine takes that step's output; this row is dropped.
+                rows.append(row)
+                filled.append(tokens[0] if isinstance(tokens, list) and tokens else 0)
+            ids[rows] = torch.tensor(filled, dtype=torch.long)
+        device, decoder = self.device, self.model.decoder
+        embeds = decoder.embed(ids.to(device))  # [num_tokens, hidden]
+        for rows, values, offsets in inputs.image_rows:
+            embeds[rows.to(device)] = values[offsets.to(device)]
+        metadata = inputs.metadata if device.type == "cpu" else _to_device(inputs.metadata, device)
+        hidden = decoder(embeds, inputs.positions.to(device), metadata, self.kv_caches)
+        return decoder.compute_logits(hidden[inputs.sample_rows.to(device)])
 
     def encode_images(self, plan: StepPlan) -> dict[str, Exception]:
         """Run the vision tower once over every image this step's chunks need. Returns
@@ -215,6 +269,35 @@ class ModelRunner:
             for index, image in enumerate(seq.images):
                 if image.positions and image.positions[-1] < end:
                     self._image_embeds.pop((seq.request_id, index), None)
+
+
+def _to_device(value: object, device: torch.device) -> object:
+    """`value` (a tensor, or lists and dataclasses holding them) with its tensors on
+    `device`: attention metadata built on the host, for the forward."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {
+            f.name: _to_device(getattr(value, f.name), device) for f in dataclasses.fields(value)
+        }
+        return dataclasses.replace(value, **fields)
+    return value
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end): slot = block * block_size + offset. A run of
+    slots per block, not a division per position (a decode is one slot, a chunk many)."""
+    slots: list[int] = []
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        take = min(block_size - offset, end - pos)
+        base = block_table[block] * block_size + offset
+        slots.extend(range(base, base + take))
+        pos += take
+    return slots
 
 
 def _rows_in_chunk(

@@ -113,6 +113,16 @@ def test_generate_speculates_and_answers_as_without(scene_png, capsys):
     assert num_drafted(always.err) > 0
 
 
+def test_generate_with_async_scheduling_answers_as_without(scene_png, capsys):
+    args = ["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
+            "--max-tokens", "40"]  # fmt: skip
+    assert main(args) == 0
+    plain = capsys.readouterr()
+    assert main([*args, "--async-scheduling"]) == 0
+    overlapped = capsys.readouterr()
+    assert plain.out.strip() and overlapped.out == plain.out
+
+
 def test_demo_speculates_and_answers_as_without(capsys):
     def answers(text: str) -> list[str]:
         return [line for line in text.splitlines() if line.strip().startswith("A:")]

@@ -183,13 +183,14 @@ def test_request_that_can_never_fit_the_pool_is_refused_at_arrival(llava_ov_path
     assert not engine.has_unfinished()  # nothing was queued
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_images_still_decoding_are_waited_for_and_a_late_bad_one_fails_alone(
-    llava_ov_path, random_image
+    llava_ov_path, random_image, async_scheduling
 ):
     from concurrent.futures import Future
 
     reference = run_checked(make_engine(llava_ov_path), [chat([random_image(1, 40, 40)], "a")])
-    engine = make_engine(llava_ov_path)
+    engine = make_engine(llava_ov_path, scheduler={"async_scheduling": async_scheduling})
     ids = [
         engine.add_request(chat([random_image(1, 40, 40)], "a", request_id="slow")),
         engine.add_request(chat([random_image(2, 40, 40)], "b", request_id="bad")),

@@ -41,6 +41,7 @@ FLAGS = [
     (["--lump-prefill-tokens", "64"], "scheduler.lump_prefill_tokens_per_step", 64),
     (["--lump-prefill-tokens", "0"], "scheduler.lump_prefill_tokens_per_step", None),
     (["--no-lump-yield"], "scheduler.lump_yields_to_quick", False),
+    (["--async-scheduling"], "scheduler.async_scheduling", True),
     (["--speculative-tokens", "4"], "speculative.num_speculative_tokens", 4),
     (["--no-adaptive-speculation"], "speculative.adaptive", False),
     (["--speculative-ngram-min", "1"], "speculative.min_n", 1),

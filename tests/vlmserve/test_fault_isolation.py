@@ -41,8 +41,11 @@ def alone(engine: Engine, request: Request) -> list[int]:
     return drain(engine, [rid])[rid].token_ids
 
 
-def test_an_image_failing_at_encode_time_fails_only_its_request(llava_ov_path, random_image):
-    engine = make_engine(llava_ov_path)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_image_failing_at_encode_time_fails_only_its_request(
+    llava_ov_path, random_image, async_scheduling
+):
+    engine = make_engine(llava_ov_path, scheduler={"async_scheduling": async_scheduling})
     good = chat([random_image(1, 60, 40)], "describe", GREEDY_8)
     text = Request(prompt="red green blue", sampling=GREEDY_8)
     want = {"good": alone(engine, good), "text": alone(engine, text)}
@@ -62,8 +65,11 @@ def test_an_image_failing_at_encode_time_fails_only_its_request(llava_ov_path, r
     assert outs["good"].token_ids == want["good"] and outs["text"].token_ids == want["text"]
 
 
-def test_a_placeholder_count_mismatch_fails_only_its_request(llava_ov_path, random_image):
-    engine = make_engine(llava_ov_path)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_placeholder_count_mismatch_fails_only_its_request(
+    llava_ov_path, random_image, async_scheduling
+):
+    engine = make_engine(llava_ov_path, scheduler={"async_scheduling": async_scheduling})
     good = chat([random_image(3, 40, 60)], "describe", GREEDY_8)
     want = alone(engine, good)
     engine.runner.encoder_cache.clear()
@@ -80,23 +86,51 @@ def test_a_placeholder_count_mismatch_fails_only_its_request(llava_ov_path, rand
     assert outs["good"].token_ids == want
 
 
-def test_a_failed_forward_pass_fails_its_step_and_the_engine_serves_on(llama_path):
-    engine = make_engine(llama_path)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_failed_forward_pass_fails_its_step_and_the_engine_serves_on(
+    llama_path, async_scheduling
+):
+    engine = make_engine(llama_path, scheduler={"async_scheduling": async_scheduling})
+    assert engine.async_scheduling == async_scheduling
     request = Request(prompt="one two three four", sampling=GREEDY_8)
     want = alone(engine, request)
+    # A third request joins a step later, so the failing step is not its own: with async
+    # scheduling its first step is launched before the failure is known.
+    late = Request(prompt="five six seven", sampling=GREEDY_8)
+    want_late = alone(engine, late)
     ids = [engine.add_request(dataclasses.replace(request, request_id=f"r{i}")) for i in (1, 2)]
-    execute = engine.runner.execute
+    outs = {rid: engine._states[rid].output for rid in ids}
+    run = engine.runner.run
 
-    def out_of_memory_once(plan):
-        engine.runner.execute = execute
+    def out_of_memory_once(inputs, previous=None):
+        engine.runner.run = run
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    engine.runner.execute = out_of_memory_once
-    outs = drain(engine, ids)
+    engine.runner.run = out_of_memory_once
+    engine.step()  # the failing step (launched only, when async)
+    outs |= drain(engine, [engine.add_request(dataclasses.replace(late, request_id="late"))])
     for rid in ids:
         assert (outs[rid].finish_reason, outs[rid].error_status) == ("error", 500)
         assert "out of memory" not in outs[rid].error
+    assert outs["late"].token_ids == want_late
     assert alone(engine, request) == want
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_sampling_that_raises_in_a_step_fails_only_its_request(llama_path, async_scheduling):
+    engine = make_engine(llama_path, scheduler={"async_scheduling": async_scheduling})
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    prompts = [("one two three", GREEDY_8), ("red green", seeded), ("blue star", GREEDY_8)]
+    requests = [Request(prompt=p, sampling=s) for p, s in prompts]
+    want = [alone(engine, r) for r in requests]
+    ids = [engine.add_request(dataclasses.replace(r, request_id=f"r{i}"))
+           for i, r in enumerate(requests)]  # fmt: skip
+    for _ in range(3):
+        engine.step()
+    engine._states["r1"].sampler.rng = "broken"  # its uniforms cannot be drawn from now on
+    outs = drain(engine, ids)
+    assert (outs["r1"].finish_reason, outs["r1"].error_status) == ("error", 500)
+    assert outs["r0"].token_ids == want[0] and outs["r2"].token_ids == want[2]
 
 
 def test_temperatures_and_top_p_that_underflow_sample_like_greedy(llama_path):

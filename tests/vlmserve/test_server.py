@@ -57,11 +57,13 @@ class Served:
         return self.app.state.engine_loop.stats()
 
 
-def engine_config(path, num_blocks: int = 1024) -> EngineConfig:
+def engine_config(path, num_blocks: int = 1024, async_scheduling: bool = False) -> EngineConfig:
     return EngineConfig(
         ModelConfig(str(path)),
         CacheConfig(num_blocks=num_blocks, block_size=4),
-        SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16),
+        SchedulerConfig(
+            max_num_batched_tokens=256, max_num_seqs=16, async_scheduling=async_scheduling
+        ),
     )
 
 
@@ -79,11 +81,13 @@ def media_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(llava_ov_path, media_dir) -> Iterator[Served]:
-    """Default media rules (no loopback), an API key, small caps to test the 413s."""
+    """Default media rules (no loopback), an API key, small caps to test the 413s. Its
+    engine schedules asynchronously, the `offline` one in turn: the answers must agree."""
     media = MediaPolicy(allowed_local_dir=str(media_dir), max_image_pixels=20_000)
+    config = engine_config(llava_ov_path, async_scheduling=True)
     with serve(
-        lambda: Engine(engine_config(llava_ov_path)), api_key=KEY, media=media,
-        max_images_per_request=4, max_body_bytes=1 << 20,
+        lambda: Engine(config), api_key=KEY, media=media, max_images_per_request=4,
+        max_body_bytes=1 << 20,
     ) as s:  # fmt: skip
         yield s
 
