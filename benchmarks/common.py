@@ -25,7 +25,7 @@ def median_time(fn: Callable[[], object], repeat: int = 5, sync: Callable[[], No
     return statistics.median(times)
 
 
-def _sync_for(device: torch.device) -> Callable[[], None]:
+def sync_for(device: torch.device) -> Callable[[], None]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
@@ -34,7 +34,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 2048) -> floa
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up
-    seconds = median_time(lambda: a @ b, repeat=7, sync=_sync_for(device))
+    seconds = median_time(lambda: a @ b, repeat=7, sync=sync_for(device))
     return 2 * n**3 / seconds
 
 
@@ -43,7 +43,7 @@ def memory_bandwidth(device: torch.device, num_bytes: int = 512 << 20) -> float:
     src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    seconds = median_time(lambda: dst.copy_(src), repeat=7, sync=_sync_for(device))
+    seconds = median_time(lambda: dst.copy_(src), repeat=7, sync=sync_for(device))
     return 2 * num_bytes / seconds
 
 

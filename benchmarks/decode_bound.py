@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from benchmarks.common import _sync_for, environment, memory_bandwidth, table, write_result
+from benchmarks.common import environment, memory_bandwidth, sync_for, table, write_result
 from benchmarks.offline_throughput import make_engine
 from vlmserve.engine import Engine
 from vlmserve.models.random_checkpoint import make_text_checkpoint
@@ -42,7 +42,7 @@ def decode_batch1(path: str, device: str, dtype: str | None, steps: int = 32) ->
     engine = make_engine(path, requests, args)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     engine.add_request(Request(prompt_token_ids=requests[0][0], sampling=params))
-    sync = _sync_for(torch.device(device))
+    sync = sync_for(torch.device(device))
     for _ in range(4):  # the prefill, then warm decodes
         engine.step()
     times = []

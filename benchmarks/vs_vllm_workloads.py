@@ -54,6 +54,14 @@ def kv_cache_gib(prompt_lens: list[int], output_lens: list[int], args) -> int:
     return max(1, math.ceil(pool / 2**30))
 
 
+def decoder_sizes(args: argparse.Namespace) -> dict:
+    """The offline-throughput decoder's sizes as checkpoint-builder keywords."""
+    return {
+        "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+        "kv_heads": args.kv_heads, "vocab": args.vocab, "intermediate_size": args.intermediate,
+    }  # fmt: skip
+
+
 def write_text_workload(root: Path, args: argparse.Namespace) -> dict:
     model = root / "model"
     params = {
@@ -69,16 +77,7 @@ def write_text_workload(root: Path, args: argparse.Namespace) -> dict:
         "covered_vocab": True,
     }
     if _stale(root, params):
-        make_text_checkpoint(
-            model,
-            "llama",
-            hidden=args.hidden,
-            layers=args.layers,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            vocab=args.vocab,
-            intermediate_size=args.intermediate,
-        )
+        make_text_checkpoint(model, "llama", **decoder_sizes(args))
         add_chat_template(model, TEXT_CHAT_TEMPLATE)
         cover_vocab(model, args.vocab)
         _mark(root, params)
@@ -109,12 +108,7 @@ def write_image_workload(
         make_vlm_checkpoint(
             model,
             "llava_onevision",
-            hidden=args.hidden,
-            layers=args.layers,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            vocab=args.vocab,
-            intermediate_size=args.intermediate,
+            **decoder_sizes(args),
             max_position_embeddings=8192,
             tile=TILE,
             patch=PATCH,

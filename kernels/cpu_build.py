@@ -1,7 +1,8 @@
 """Building the C++ CPU kernels (kernels/csrc/*.cpp) with torch.utils.cpp_extension.
 
 Each source is compiled the first time a process needs it (about 20 s) into a build
-directory named for the source's content, the flags and the torch build, so checkouts
+directory named for the source's content (and the shared headers'), the flags and the
+torch build, so checkouts
 of the same code share one build, a changed kernel never reuses a stale one, and two
 checkouts of different code never rebuild over each other in turn (torch's default keys
 the directory by the extension's name alone and rebuilds whenever the source path changes).
@@ -27,6 +28,8 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 def build_directory(name: str, source: Path) -> Path:
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(CSRC.glob("*.h")):  # what the sources include
+        digest.update(header.read_bytes())
     digest.update(" ".join([*CFLAGS, torch.__version__]).encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     path = Path(root) / "vlmserve" / f"{name}-{digest.hexdigest()[:12]}"

@@ -1,7 +1,7 @@
 // Fused elementwise ops of the decoder layer on the CPU, float32: each reads its inputs
 // once and writes its outputs once, where the eager ops they replace make 3-6 passes.
 //
-// Registered as torch.ops.vlmserve.*; kernels/fused_ops.py builds this file on first use
+// Registered as torch.ops.vlmserve_fused.*; kernels/fused_ops.py builds this file on first use
 // (kernels/cpu_build.py, with -ffp-contract=off) and holds the eager reference of each op.
 // Rounding: rope and the residual add round exactly as the eager ops; the RMS reduction
 // and exp in silu are summed / approximated in their own order (within a few ulp).
@@ -13,32 +13,16 @@
 #include <immintrin.h>
 #include <cmath>
 
+#include "vec_avx512.h"
+
 namespace {
 
 #if defined(__AVX512F__)
-inline __mmask16 first_lanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
-
-// e^x for 16 lanes, Cephes' single-precision expf (about 1 ulp); saturates at +-88.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
+using vlmserve_vec::exp_ps;
+using vlmserve_vec::first_lanes;
 #endif
 
-// Rows of x are `stride` apart with `width` dense elements each.
+// A [rows, width] float32 CPU tensor whose rows are dense (any row stride).
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": CPU float32");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": [rows, width] with dense rows");

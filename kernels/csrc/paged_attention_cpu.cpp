@@ -23,7 +23,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_avx512.h"
+
 namespace {
+
+#if defined(__AVX512F__)
+using vlmserve_vec::exp_ps;
+using vlmserve_vec::first_lanes;
+#endif
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kPrefetchAhead = 1;
@@ -55,29 +62,6 @@ inline void block_scores(const float* qs, const float* kb, float* p, int64_t row
     }
 }
 
-#if defined(__AVX512F__)
-// e^x for 16 lanes, Cephes' single-precision expf (about 1 ulp): x = n ln2 + r, |r| <=
-// ln2 / 2, a degree-6 polynomial for e^r, scaled by 2^n. Inputs below -87.3 give ~0.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
-
-inline __mmask16 first_lanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
-#endif
 
 // One query row's scores over a block, p[0, count), of which the first `visible` may be
 // seen: p becomes exp(p - new max) (0 past `visible`), and the row's running max `m`, sum
