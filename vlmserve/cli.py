@@ -32,7 +32,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     request = Request(messages=[{"role": "user", "content": content}], sampling=params)
     start = time.perf_counter()
-    [out] = engine.generate([request])
+    try:
+        [out] = engine.generate([request])
+    finally:
+        engine.close()  # tensor-parallel workers end with the command
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
         return 2
