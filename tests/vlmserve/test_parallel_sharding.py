@@ -50,9 +50,7 @@ def test_kv_heads_split_then_replicate():
     assert [TPShard(r, 4).kv_head_range(8) for r in range(4)] == [
         range(0, 2), range(2, 4), range(4, 6), range(6, 8)
     ]  # fmt: skip
-    assert [TPShard(r, 16).kv_head_range(8).start for r in range(16)] == [
-        r // 2 for r in range(16)
-    ]
+    assert [TPShard(r, 16).kv_head_range(8).start for r in range(16)] == [r // 2 for r in range(16)]
     assert kv_replicas(8, 16) == 2 and kv_replicas(8, 4) == 1
     local = TPShard(3, 16).local_config(cfg)
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 6)
