@@ -39,8 +39,8 @@ from vlmserve.engine_summary import engine_stats
 from vlmserve.forward_thread import ForwardThread, Sampled, StepTimes, run_step
 from vlmserve.image_wait import pending_images, poll_images, wait_for_images
 from vlmserve.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
+from vlmserve.parallel.executor import make_runner
 from vlmserve.processing import Request, check_prompt_chars, eos_token_ids, make_prompt_processor
-from vlmserve.runner import ModelRunner
 from vlmserve.sampling import SamplerState, SamplingParams
 from vlmserve.spec_decode import ridge_batch_for
 
@@ -72,7 +72,7 @@ class _InFlight:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = make_runner(config)  # tensor parallel: starts the other ranks
         model = self.runner.model
         self.processor = make_prompt_processor(
             config.model.path, model, config.model.max_images_per_request,
@@ -360,6 +360,11 @@ class Engine:
         self.scheduler.finish(state.seq)
         self.runner.release(state.seq.request_id)
         del self._states[state.seq.request_id]
+
+    def close(self) -> None:
+        """Stop what the engine started outside this process (tensor-parallel workers).
+        Also done when the engine is garbage-collected or the interpreter exits."""
+        self.runner.close()
 
     def stats(self) -> dict[str, float]:
         """Engine-side gauges and counters for metrics: queue, KV pool, prefix and encoder

@@ -16,6 +16,7 @@ import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,11 @@ from scheduler.config import kv_pool_num_blocks
 from scheduler.step_plan import ImageChunk, StepPlan
 from vlmserve.config import EngineConfig
 from vlmserve.models.loader import LoadedModel, load_model
+from vlmserve.parallel.layers import shard_decoder
+from vlmserve.parallel.sharding import TPShard
+
+if TYPE_CHECKING:
+    from vlmserve.parallel.comm import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +89,20 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, group: TPGroup | None = None) -> None:
+        """`group`: this process is one rank of a tensor-parallel group (vlmserve/parallel)
+        and holds that rank's shard of the decoder and of the KV cache."""
         self.device = torch.device(config.model.device)
         if self.device.type == "cpu":
             keep_activations_in_heap()
         self.dtype = config.model.torch_dtype
         self.backend = select_backend(self.device, config.model.attention_backend)
+        shard = None if group is None else TPShard(group.rank, group.size)
         self.model: LoadedModel = load_model(
-            config.model.path, self.dtype, self.device, self.backend
+            config.model.path, self.dtype, self.device, self.backend, shard
         )
+        if group is not None:
+            shard_decoder(self.model.decoder, group)
         if config.model.pack_weights and self.device.type == "cpu":
             pack_linears(self.model.decoder)
             if self.model.vision is not None:
@@ -100,6 +111,8 @@ class ModelRunner:
         self.model.decoder.fused = config.model.fused_ops
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit(config)
+        if group is not None:  # every rank's pool holds the same blocks
+            self.num_blocks = group.min_int(self.num_blocks)
         cfg = self.model.decoder.cfg
         # Per layer, in the backend's layout (torch: [2, num_kv_heads, num_slots, head_dim]);
         # slot = block * size + offset.
@@ -217,23 +230,34 @@ class ModelRunner:
         in plan order: one row per sampling item, 1 + len(draft_token_ids) rows for a
         speculating one. `previous`: the tokens the step before emitted, per item (None
         when it failed), for the pending rows."""
-        ids = inputs.token_ids
-        if inputs.pending_rows:
-            rows, filled = [], []
-            for row, index in inputs.pending_rows:
-                tokens = previous[index] if previous is not None else None
-                # No token (that step or this request's sampling failed): the request is
-                # failed when the engine takes that step's output; this row is dropped.
-                rows.append(row)
-                filled.append(tokens[0] if isinstance(tokens, list) and tokens else 0)
-            ids[rows] = torch.tensor(filled, dtype=torch.long)
+        self._fill_pending_rows(inputs, previous)
         device, decoder = self.device, self.model.decoder
-        embeds = decoder.embed(ids.to(device))  # [num_tokens, hidden]
+        embeds = decoder.embed(inputs.token_ids.to(device))  # [num_tokens, hidden]
         for rows, values, offsets in inputs.image_rows:
             embeds[rows.to(device)] = values[offsets.to(device)]
         metadata = inputs.metadata if device.type == "cpu" else _to_device(inputs.metadata, device)
         hidden = decoder(embeds, inputs.positions.to(device), metadata, self.kv_caches)
         return decoder.compute_logits(hidden[inputs.sample_rows.to(device)])
+
+    @staticmethod
+    def _fill_pending_rows(
+        inputs: StepInputs, previous: list[list[int] | Exception] | None
+    ) -> None:
+        """Write the tokens the step before sampled into `inputs`' pending rows, in place
+        (async scheduling); none left pending after."""
+        if not inputs.pending_rows:
+            return
+        rows, filled = [], []
+        for row, index in inputs.pending_rows:
+            tokens = previous[index] if previous is not None else None
+            # No token (that step or this request's sampling failed): the request is
+            # failed when the engine takes that step's output; this row is dropped.
+            rows.append(row)
+            filled.append(tokens[0] if isinstance(tokens, list) and tokens else 0)
+        inputs.token_ids[rows] = torch.tensor(filled, dtype=torch.long)
+
+    def close(self) -> None:
+        """Release what outlives the object (tensor-parallel worker processes); no-op here."""
 
     def encode_images(self, plan: StepPlan) -> dict[str, Exception]:
         """Run the vision tower once over every image this step's chunks need. Returns
