@@ -4,8 +4,9 @@ Each eager function here is the plain-torch definition the decoder used before f
 the fused ones (kernels/csrc/fused_ops_cpu.cpp) read their inputs once and write their
 outputs once and are tested against these. At a 2,048-token prefill chunk the eager
 RMSNorms, residual adds, RoPE and SiLU·mul are about a tenth of the step on this CPU.
-The fused path runs for float32 CPU tensors where the kernels build; anything else takes
-the eager path, so GPU and other dtypes run as before.
+The fused path runs for float32 CPU tensors where the kernels build; on a GPU the residual
+add + RMSNorm is the Triton kernel in kernels/triton_ops.py (RoPE is fused into the Triton
+attention backend's K/V write); anything else takes the eager path.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual). The fused op overwrites both inputs."""
+    if fused and x.is_cuda:  # the Triton kernel (imported here: triton is GPU-side)
+        from kernels import triton_ops
+
+        return triton_ops.add_rms_norm(x, residual, weight, eps)
     if not (fused and can_fuse(x)):
         residual = x + residual
         return rms_norm_eager(residual, weight, eps), residual

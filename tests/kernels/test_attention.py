@@ -69,15 +69,16 @@ def run_step(
 
 def check_paged_attention(
     device: torch.device, heads: int = HEADS, kv_heads: int = KV_HEADS, block: int = BLOCK,
-    backend=None, shapes=SHAPES, dim: int = DIM, seed: int = 0,
+    backend=None, shapes=SHAPES, dim: int = DIM, seed: int = 0, fill: float = 0.0,
 ) -> None:  # fmt: skip
     """Two steps on a paged cache with scattered blocks: step 1 writes the prefixes, step 2
-    reads them back through the block tables."""
+    reads them back through the block tables. `fill`: the unwritten slots' value (NaN:
+    any read outside a block table's context shows in the output)."""
     gen = torch.Generator().manual_seed(seed)
     backend = backend or TorchPagedAttention()
     num_blocks = max(NUM_BLOCKS, sum(-(-(c + n) // block) for c, n in shapes) + 8)
     shape = backend.kv_cache_shape(num_blocks, block, kv_heads, dim)
-    cache = torch.zeros(shape, device=device)
+    cache = torch.full(shape, fill, device=device)
     free = torch.randperm(num_blocks, generator=gen).tolist()  # non-contiguous blocks
     tables = [[free.pop() for _ in range(-(-(c + n) // block))] for c, n in shapes]
     qkv = [
