@@ -93,3 +93,22 @@ def silu_and_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     torch.ops.vlmserve_fused.silu_and_mul(out, gate_up)
     return out
+
+
+def op_backends(device: torch.device, attention: str, fused: bool = True) -> dict[str, str]:
+    """Which implementation serves each decoder op on `device` with the `attention`
+    backend (what `vlmserve info` reports). `fused`: ModelConfig.fused_ops."""
+    cpu = fused and device.type == "cpu" and available() is None
+    gpu = fused and device.type == "cuda"
+    triton_rope = fused and attention == "triton"
+    return {
+        "attention": attention,
+        "rope": "triton, fused into the K/V cache write" if triton_rope else _impl(cpu, False),
+        "add_rms_norm": _impl(cpu, gpu),
+        "silu_and_mul": _impl(cpu, False),
+        "cuda_graphs": "decode, per batch-size bucket" if gpu and attention == "triton" else "off",
+    }
+
+
+def _impl(cpu_fused: bool, triton: bool) -> str:
+    return "cpu C++ (fused)" if cpu_fused else "triton (fused)" if triton else "torch eager"

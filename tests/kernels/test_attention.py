@@ -118,8 +118,10 @@ def test_cpu_kernel_is_the_cpu_default_and_torch_stays_selectable():
     cpu_backend()
     assert select_backend(torch.device("cpu")).name == "cpu"
     assert select_backend(torch.device("cpu"), "torch").name == "torch"
-    with pytest.raises(ValueError, match="not available"):
+    with pytest.raises(ValueError, match="not one of"):
         select_backend(torch.device("cpu"), "flash")
+    with pytest.raises(ValueError, match="flashinfer"):
+        select_backend(torch.device("cpu"), "flashinfer")  # GPU-only
 
 
 @pytest.mark.parametrize(

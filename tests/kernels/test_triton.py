@@ -127,3 +127,38 @@ def test_rope_and_cache_write_match_eager(heads, kv_heads, dim):
     torch.testing.assert_close(q, exp_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k, exp_k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_engine_with_the_triton_backend_gives_the_torch_tokens(llava_ov_path, random_image):
+    """The whole runner path on the Triton backend (fused RoPE + K/V write, decode and
+    extend kernels; in the interpreter on a CPU): greedy tokens equal the torch backend's
+    for two image requests batched together."""
+    from scheduler.config import CacheConfig, SchedulerConfig
+    from vlmserve.config import EngineConfig, ModelConfig
+    from vlmserve.engine import Engine
+    from vlmserve.processing import Request
+    from vlmserve.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    requests = [
+        Request(
+            messages=[{"role": "user", "content": [
+                {"type": "image", "image": random_image(seed, 70, 40)},
+                {"type": "text", "text": text}]}],
+            sampling=params,
+        )
+        for seed, text in [(3, "where is the star"), (4, "count")]
+    ]  # fmt: skip
+    tokens = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(
+            EngineConfig(
+                ModelConfig(str(llava_ov_path), device=DEVICE.type, dtype="float32",
+                            attention_backend=backend),
+                CacheConfig(num_blocks=32, block_size=16),
+                SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4),
+            )
+        )  # fmt: skip
+        assert engine.runner.backend.name == backend
+        tokens[backend] = [out.token_ids for out in engine.generate(requests)]
+    assert tokens["triton"] == tokens["torch"]
