@@ -285,6 +285,11 @@ class TritonPagedAttention:
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, int, int, int]:
+        # A kernel step reads one cache block as a tile: a power of two, and >= 16 for
+        # the tensor-core dot products.
+        if block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"the Triton backend needs a power-of-two block size >= 16, "
+                             f"not {block_size}")  # fmt: skip
         return (2, num_kv_heads, num_blocks * block_size, head_dim)
 
     def build_metadata(
