@@ -27,8 +27,11 @@ import traceback
 
 import torch
 
-from benchmarks.common import environment, memory_bandwidth, table, write_result
-from kernels.attention import AttentionBatch, TorchPagedAttention, select_backend
+if not torch.cuda.is_available():  # read when triton is first imported: before anything else
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benchmarks.common import environment, memory_bandwidth, table, write_result  # noqa: E402
+from kernels.attention import AttentionBatch, TorchPagedAttention, select_backend  # noqa: E402
 
 CONTEXTS = (2048, 8192, 32768)
 BATCHES = (1, 64)
@@ -173,9 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--intermediate", type=int, default=5632)
     p.add_argument("--steps", type=int, default=32)
     args = p.parse_args(argv)
-    if args.device == "cpu":
-        # The Triton kernels run on a CPU only in the interpreter, read at their import.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.device == "cpu":  # the interpreter (TRITON_INTERPRET=1, set above): small
         args.contexts, args.batches, args.reps = [300], [4], 1
         args.heads, args.kv_heads, args.head_dim = 8, 2, 64
     args.torch_dtype = getattr(torch, args.dtype)

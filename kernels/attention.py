@@ -81,6 +81,18 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+def split_by_query_len(batch: AttentionBatch) -> tuple[list[int], list[int], list[int]]:
+    """Each sequence's first flat token index; the single-token queries (decodes); the
+    longer ones (chunks, verifications). The GPU backends' split."""
+    starts, total = [], 0
+    for q_len in batch.query_lens:
+        starts.append(total)
+        total += q_len
+    decode = [i for i, q_len in enumerate(batch.query_lens) if q_len == 1]
+    extend = [i for i, q_len in enumerate(batch.query_lens) if q_len > 1]
+    return starts, decode, extend
+
+
 def _slots(block_table: list[int], num_positions: int, block_size: int) -> torch.Tensor:
     positions = torch.arange(num_positions)
     table = torch.tensor(block_table, dtype=torch.long)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionBatch
+from kernels.attention import AttentionBatch, split_by_query_len
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-K scratch (its documented example size)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -90,12 +90,7 @@ class FlashInferPagedAttention:
     def build_metadata(
         self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
     ) -> FlashInferMetadata:
-        starts, total = [], 0
-        for q_len in batch.query_lens:
-            starts.append(total)
-            total += q_len
-        decode = [i for i, q_len in enumerate(batch.query_lens) if q_len == 1]
-        extend = [i for i, q_len in enumerate(batch.query_lens) if q_len > 1]
+        starts, decode, extend = split_by_query_len(batch)
         extend_rows = [r for i in extend for r in range(starts[i], starts[i] + batch.query_lens[i])]
         return FlashInferMetadata(
             slot_mapping.to(device),

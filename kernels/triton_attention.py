@@ -28,12 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import AttentionBatch
+from kernels.attention import AttentionBatch, split_by_query_len
 from kernels.cpu_attention import PagedRows
 from kernels.triton_ops import rope_and_cache_write
 
-# Read where triton reads it: when a kernel is decorated (at this module's import).
+# Read where triton reads it: when a kernel is decorated (at this module's import). Its
+# own language functions (tl.sum, ...) must have been decorated under it too.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
+LATE = INTERPRETED and isinstance(tl.sum, triton.runtime.JITFunction)
 # Decode splits: at least this many context tokens per split, and enough splits to give a
 # GPU about this many programs (two waves on an H100/H200's 132 SMs).
 MIN_SPLIT_TOKENS = 256
@@ -44,6 +46,8 @@ def available(device: torch.device) -> str | None:
     """None when the kernels can run on `device`; otherwise why not."""
     if device.type == "cuda":
         return None
+    if device.type == "cpu" and LATE:
+        return "TRITON_INTERPRET=1 was set after triton was imported: set it before start"
     if device.type == "cpu" and INTERPRETED:
         return None
     return f"Triton kernels run on CUDA, or on a CPU under TRITON_INTERPRET=1 (not {device})"
@@ -124,7 +128,8 @@ def _decode_merge(
     num = tl.sum(w[:, None] * acc, axis=0)
     out = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
     row = tl.load(rows_ptr + seq).to(tl.int64)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out, mask=d_ok)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)  # fmt: skip
 
 
 @triton.jit
@@ -295,12 +300,7 @@ class TritonPagedAttention:
     def build_metadata(
         self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
     ) -> TritonAttentionMetadata:
-        starts, total = [], 0
-        for q_len in batch.query_lens:
-            starts.append(total)
-            total += q_len
-        decode = [i for i, q_len in enumerate(batch.query_lens) if q_len == 1]
-        extend = [i for i, q_len in enumerate(batch.query_lens) if q_len > 1]
+        starts, decode, extend = split_by_query_len(batch)
         splits, split_len = 1, batch.block_size
         if decode:
             # KV heads are unknown here; one is the conservative guess (more splits).

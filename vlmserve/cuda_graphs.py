@@ -35,8 +35,11 @@ def buckets_up_to(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self, decoder: torch.nn.Module, kv_caches: list[torch.Tensor], max_batch: int,
-        max_model_len: int, block_size: int,
+        max_model_len: int, block_size: int, capture: bool = True,
     ) -> None:  # fmt: skip
+        # capture=False runs each bucket's padded step eagerly instead of replaying it:
+        # the same buffers, padding and metadata, checkable on a CPU (Triton interpreter).
+        self.capture = capture
         self.decoder, self.kv_caches = decoder, kv_caches
         self.buckets = buckets_up_to(max_batch)
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -85,6 +88,8 @@ class DecodeGraphs:
         self.positions[n:size].zero_()
         self.slots[n:size].fill_(-1)
         self.context_lens[n:size].zero_()
+        if not self.capture:
+            return self._forward(size)[:n]
         if size not in self.graphs:
             self._capture(size)
         self.graphs[size].replay()

@@ -6,20 +6,15 @@ read outside a sequence's block table and context poisons its output."""
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # read by triton when a kernel is decorated (import)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from kernels import triton_attention, triton_ops  # noqa: E402
-from kernels.attention import TorchPagedAttention  # noqa: E402
-from kernels.cpu_attention import PagedRows  # noqa: E402
-from kernels.fused_ops import rms_norm_eager, rope_eager  # noqa: E402
-from tests.kernels.test_attention import check_paged_attention, run_step  # noqa: E402
+# Without a GPU: TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported.
+from kernels import triton_attention, triton_ops
+from kernels.attention import TorchPagedAttention
+from kernels.cpu_attention import PagedRows
+from kernels.fused_ops import rms_norm_eager, rope_eager
+from tests.kernels.test_attention import check_paged_attention, run_step
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if triton_attention.available(DEVICE) is not None:
@@ -162,3 +157,46 @@ def test_engine_with_the_triton_backend_gives_the_torch_tokens(llava_ov_path, ra
         assert engine.runner.backend.name == backend
         tokens[backend] = [out.token_ids for out in engine.generate(requests)]
     assert tokens["triton"] == tokens["torch"]
+
+
+def test_decode_graph_buffers_and_padding_give_the_unpadded_logits(llava_ov_path):
+    """The CUDA-graph decode path minus the capture (vlmserve/cuda_graphs.py with
+    capture=False): a 3-sequence decode step copied into the persistent buffers of the
+    4-row bucket, the 4th row padded (slot -1, context 0), gives the logits of the plain
+    step; the padded row wrote no K/V."""
+    from scheduler.config import CacheConfig, SchedulerConfig
+    from vlmserve.config import EngineConfig, ModelConfig
+    from vlmserve.cuda_graphs import DecodeGraphs
+    from vlmserve.engine import Engine
+    from vlmserve.processing import Request
+    from vlmserve.sampling import SamplingParams
+
+    engine = Engine(
+        EngineConfig(
+            ModelConfig(str(llava_ov_path), device=DEVICE.type, dtype="float32",
+                        attention_backend="triton"),
+            CacheConfig(num_blocks=16, block_size=16),
+            SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+        )
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for ids in ([5, 6, 7], [8, 9, 10, 11, 12], list(range(20, 39))):
+        engine.add_request(Request(prompt_token_ids=ids, sampling=params))
+    engine.step()  # the prefills
+    engine.step()  # a first decode
+    plan = engine.scheduler.schedule()
+    runner = engine.runner
+    inputs = runner.prepare(plan)
+    assert inputs.metadata.extend is None and inputs.metadata.decode is not None
+    caches = [c.clone() for c in runner.kv_caches]
+    expected = runner.run(inputs)
+    written = [c.clone() for c in runner.kv_caches]
+    for c, saved in zip(runner.kv_caches, caches, strict=True):
+        c.copy_(saved)
+    graphs = DecodeGraphs(runner.model.decoder, runner.kv_caches, 4, 64, 16, capture=False)
+    assert graphs.fits(inputs.metadata)
+    hidden = graphs.run(inputs.token_ids, inputs.positions, inputs.metadata)
+    logits = runner.model.decoder.compute_logits(hidden[inputs.sample_rows])
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    for c, w in zip(runner.kv_caches, written, strict=True):
+        assert torch.equal(c, w)  # the same K/V, and nothing for the padded row
