@@ -35,9 +35,12 @@ def weight_bytes(engine: Engine) -> int:
     return total
 
 
-def decode_batch1(path: str, device: str, dtype: str | None, steps: int = 32) -> dict:
-    """Median ms per decode step of one sequence (prompt 128 tokens) and the bound."""
-    args = argparse.Namespace(device=device, dtype=dtype, token_budget=2048)
+def decode_batch1(
+    path: str, device: str, dtype: str | None, steps: int = 32, **model: object
+) -> dict:
+    """Median ms per decode step of one sequence (prompt 128 tokens) and the bound.
+    `model`: attention_backend, cuda_graphs (ModelConfig's; default: the engine's)."""
+    args = argparse.Namespace(device=device, dtype=dtype, token_budget=2048, **model)
     requests = [(list(range(10, 138)), steps + 8)]
     engine = make_engine(path, requests, args)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)

@@ -44,7 +44,13 @@ def make_engine(path: str, requests, args: argparse.Namespace) -> Engine:
     kv_tokens = sum(len(ids) + out for ids, out in requests)
     return Engine(
         EngineConfig(
-            ModelConfig(path, device=args.device, dtype=args.dtype),
+            ModelConfig(
+                path,
+                device=args.device,
+                dtype=args.dtype,
+                attention_backend=getattr(args, "attention_backend", None),
+                cuda_graphs=getattr(args, "cuda_graphs", True),
+            ),  # fmt: skip
             CacheConfig(num_blocks=kv_tokens // 16 + 64, block_size=16),
             SchedulerConfig(max_num_batched_tokens=args.token_budget, max_num_seqs=256),
         )

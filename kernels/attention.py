@@ -9,8 +9,9 @@ for batched matmuls. The layout is the backend's: `kv_cache_shape` says it, and 
 allocates what it returns.
 The torch backend runs on CPU and GPU alike and is the reference; the CPU backend
 (kernels/cpu_attention.py) replaces its decode path with a C++ kernel over the same
-layout. GPU kernels (FlashInfer, Triton) are planned; each will implement the same three
-methods and give its own layout.
+layout. The GPU backends implement the same three methods: Triton
+(kernels/triton_attention.py, this layout) and FlashInfer (kernels/flashinfer_attention.py,
+its own paged layout).
 """
 
 from __future__ import annotations
@@ -78,6 +79,18 @@ class AttentionBackend(Protocol):
         metadata: object,
         scale: float,
     ) -> torch.Tensor: ...
+
+
+def split_by_query_len(batch: AttentionBatch) -> tuple[list[int], list[int], list[int]]:
+    """Each sequence's first flat token index; the single-token queries (decodes); the
+    longer ones (chunks, verifications). The GPU backends' split."""
+    starts, total = [], 0
+    for q_len in batch.query_lens:
+        starts.append(total)
+        total += q_len
+    decode = [i for i, q_len in enumerate(batch.query_lens) if q_len == 1]
+    extend = [i for i, q_len in enumerate(batch.query_lens) if q_len > 1]
+    return starts, decode, extend
 
 
 def _slots(block_table: list[int], num_positions: int, block_size: int) -> torch.Tensor:
@@ -263,17 +276,45 @@ class TorchPagedAttention:
         return out.permute(1, 2, 0, 3, 4).reshape(num_seqs, q_max, kv_heads * group, dim)
 
 
-def select_backend(device: torch.device, preferred: str | None = None) -> AttentionBackend:
-    """The attention backend for `device`: on a CPU the C++ paged kernel where it builds
-    (kernels/cpu_attention.py), else plain torch. `preferred` names one ("torch", "cpu");
-    the torch backend runs anywhere and is the reference every other is tested against.
-    The planned GPU backends will register here, imported lazily (flashinfer is GPU-only)."""
+BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")
+
+
+def select_backend(
+    device: torch.device, preferred: str | None = None, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """The attention backend for `device` and activation `dtype`. `preferred`: one of
+    BACKENDS; None or "auto" picks FlashInfer on a GPU where it is installed (it runs
+    float16 / bfloat16), else Triton there; on a CPU the C++ paged kernel where it builds
+    (kernels/cpu_attention.py), else plain torch. The torch backend runs anywhere and is
+    the reference every other is tested against. The GPU backends are imported here,
+    lazily: flashinfer is GPU-only, and triton runs on a CPU only in its interpreter."""
     from kernels import cpu_attention
 
-    if preferred not in (None, "torch", "cpu"):
-        raise ValueError(f"attention backend {preferred!r} is not available (have: torch, cpu)")
+    if preferred not in (None, *BACKENDS):
+        raise ValueError(f"attention backend {preferred!r} is not one of {', '.join(BACKENDS)}")
     if preferred == "torch":
         return TorchPagedAttention()
+    if preferred == "triton" or (preferred in (None, "auto") and device.type == "cuda"):
+        if preferred is None or preferred == "auto":
+            from kernels import flashinfer_attention
+
+            if flashinfer_attention.available(device, dtype) is None:
+                return flashinfer_attention.FlashInferPagedAttention()
+        from kernels import triton_attention
+
+        why = triton_attention.available(device)
+        if why is None:
+            return triton_attention.TritonPagedAttention()
+        if preferred == "triton":
+            raise ValueError(f"attention backend 'triton' cannot run here: {why}")
+        return TorchPagedAttention()
+    if preferred == "flashinfer":
+        from kernels import flashinfer_attention
+
+        why = flashinfer_attention.available(device, dtype)
+        if why is not None:
+            raise ValueError(f"attention backend 'flashinfer' cannot run here: {why}")
+        return flashinfer_attention.FlashInferPagedAttention()
     if device.type == "cpu":
         why = cpu_attention.available()
         if why is None:

@@ -4,8 +4,9 @@ Each eager function here is the plain-torch definition the decoder used before f
 the fused ones (kernels/csrc/fused_ops_cpu.cpp) read their inputs once and write their
 outputs once and are tested against these. At a 2,048-token prefill chunk the eager
 RMSNorms, residual adds, RoPE and SiLU·mul are about a tenth of the step on this CPU.
-The fused path runs for float32 CPU tensors where the kernels build; anything else takes
-the eager path, so GPU and other dtypes run as before.
+The fused path runs for float32 CPU tensors where the kernels build; on a GPU the residual
+add + RMSNorm is the Triton kernel in kernels/triton_ops.py (RoPE is fused into the Triton
+attention backend's K/V write); anything else takes the eager path.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual). The fused op overwrites both inputs."""
+    if fused and x.is_cuda:  # the Triton kernel (imported here: triton is GPU-side)
+        from kernels import triton_ops
+
+        return triton_ops.add_rms_norm(x, residual, weight, eps)
     if not (fused and can_fuse(x)):
         residual = x + residual
         return rms_norm_eager(residual, weight, eps), residual
@@ -88,3 +93,22 @@ def silu_and_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     torch.ops.vlmserve_fused.silu_and_mul(out, gate_up)
     return out
+
+
+def op_backends(device: torch.device, attention: str, fused: bool = True) -> dict[str, str]:
+    """Which implementation serves each decoder op on `device` with the `attention`
+    backend (what `vlmserve info` reports). `fused`: ModelConfig.fused_ops."""
+    cpu = fused and device.type == "cpu" and available() is None
+    gpu = fused and device.type == "cuda"
+    triton_rope = fused and attention == "triton"
+    return {
+        "attention": attention,
+        "rope": "triton, fused into the K/V cache write" if triton_rope else _impl(cpu, False),
+        "add_rms_norm": _impl(cpu, gpu),
+        "silu_and_mul": _impl(cpu, False),
+        "cuda_graphs": "decode, per batch-size bucket" if gpu and attention == "triton" else "off",
+    }
+
+
+def _impl(cpu_fused: bool, triton: bool) -> str:
+    return "cpu C++ (fused)" if cpu_fused else "triton (fused)" if triton else "torch eager"

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-from PIL import Image
+import os
 
-from vlmserve.models.random_checkpoint import make_text_checkpoint, make_vlm_checkpoint
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter, which triton reads when its
+# language module and each kernel are decorated, i.e. at their first import (transformers'
+# model classes import triton): set here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from vlmserve.models.random_checkpoint import (  # noqa: E402
+    make_text_checkpoint,
+    make_vlm_checkpoint,
+)
 
 
 @pytest.fixture(scope="session")

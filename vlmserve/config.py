@@ -27,12 +27,16 @@ class ModelConfig:
     dtype: str | None = None
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     max_images_per_request: int = 16
+    # None / "auto", "torch", "cpu", "triton", "flashinfer" (kernels.attention.select_backend)
     attention_backend: str | None = None
     # CPU float32: the decoder's and the vision encoder's linear layers in oneDNN's
     # prepacked layout (PackedLinear; the tower's GELU and residual adds fused into them).
     pack_weights: bool = True
     # CPU float32: fused C++ RMSNorm + residual, RoPE and SiLU-mul (kernels/fused_ops.py).
     fused_ops: bool = True
+    # CUDA: replay the decode step from CUDA graphs per batch-size bucket (Triton backend,
+    # fused ops on; vlmserve/cuda_graphs.py).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not Path(self.path).is_dir():

@@ -13,6 +13,7 @@ import argparse
 from collections.abc import Callable
 
 from encoders.config import EncoderConfig
+from kernels.attention import BACKENDS
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
@@ -90,8 +91,16 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--eager",
         action="store_true",
-        help="CPU: run the decoder's plain torch ops (unpacked linear weights, unfused "
-        "RMSNorm / RoPE / SiLU-mul): the reference path, slower",
+        help="run the decoder's plain torch ops (unpacked linear weights, unfused "
+        "RMSNorm / RoPE / SiLU-mul; on a GPU no CUDA graphs): the reference path, slower",
+    )
+    group.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=BACKENDS,
+        help="auto (default): FlashInfer on a GPU where installed, else Triton there; the "
+        "C++ kernel on a CPU. torch: the plain-torch reference anywhere. triton runs on a "
+        "CPU only under TRITON_INTERPRET=1",
     )
 
 
@@ -287,6 +296,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_images_per_request=args.max_images_per_request,
         pack_weights=not args.eager,
         fused_ops=not args.eager,
+        cuda_graphs=not args.eager,
+        attention_backend=args.attention_backend,
         **({"device": args.device} if args.device else {}),
     )
     scheduler = _with_flags(

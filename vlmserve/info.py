@@ -1,5 +1,5 @@
-"""What `vlmserve info` reports: versions, the PIL build, the device and the attention
-backend that would serve."""
+"""What `vlmserve info` reports: versions, the PIL build, the device, the attention
+backend that would serve, and which implementation each decoder op uses."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from kernels.attention import select_backend
+from kernels.fused_ops import op_backends
 from vlmserve.config import default_device
 
 
@@ -74,12 +75,15 @@ def tensor_parallel(model_path: str, size: int) -> dict[str, object]:
 
 def collect(model_path: str | None = None, tp: int = 1) -> dict[str, object]:
     device = default_device()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # ModelConfig's default
+    attention = select_backend(torch.device(device), None, dtype).name
     info: dict[str, object] = {
         "python": platform.python_version(),
         **{name: dist_version(name) for name in ("vlmserve", "torch", "transformers", "timm")},
         "pil": pil_variant(),
         "device": device,
-        "attention_backend": select_backend(torch.device(device)).name,
+        "attention_backend": attention,
+        "ops": op_backends(torch.device(device), attention),
         "threads": torch.get_num_threads(),
     }
     if device.startswith("cuda"):

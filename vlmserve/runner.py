@@ -96,7 +96,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_activations_in_heap()
         self.dtype = config.model.torch_dtype
-        self.backend = select_backend(self.device, config.model.attention_backend)
+        self.backend = select_backend(self.device, config.model.attention_backend, self.dtype)
         shard = None if group is None else TPShard(group.rank, group.size)
         self.model: LoadedModel = load_model(
             config.model.path, self.dtype, self.device, self.backend, shard
@@ -124,6 +124,15 @@ class ModelRunner:
         ]
         # Per request id: the block table and images, from the plans (StepPlan deltas).
         self._requests: dict[str, _RequestState] = {}
+        self.graphs = None  # CUDA graphs of the decode step (vlmserve/cuda_graphs.py)
+        if self.device.type == "cuda" and config.model.cuda_graphs and config.model.fused_ops:
+            if self.backend.name == "triton":
+                from vlmserve.cuda_graphs import DecodeGraphs
+
+                self.graphs = DecodeGraphs(
+                    self.model.decoder, self.kv_caches, config.scheduler.max_num_seqs,
+                    self._max_model_len(config), self.block_size,
+                )  # fmt: skip
         # Pooled image embeddings of prompts still in prefill, by (request id, image index).
         self._image_embeds: dict[tuple[str, int], torch.Tensor] = {}
         self.num_encoded_images = 0
@@ -149,12 +158,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(1, int(free * 0.85) // self.block_bytes)
-        context = self.model.decoder.cfg.max_position_embeddings
-        max_model_len = min(config.model.max_model_len or context, context)
+        max_model_len = self._max_model_len(config)
         return kv_pool_num_blocks(
             config.cache.memory_bytes, self.block_bytes, self.block_size,
             config.scheduler.max_num_seqs, max_model_len,
         )  # fmt: skip
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        context = self.model.decoder.cfg.max_position_embeddings
+        return min(config.model.max_model_len or context, context)
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (finished, aborted or preempted)."""
@@ -232,7 +244,11 @@ class ModelRunner:
         when it failed), for the pending rows."""
         self._fill_pending_rows(inputs, previous)
         device, decoder = self.device, self.model.decoder
-        embeds = decoder.embed(inputs.token_ids.to(device))  # [num_tokens, hidden]
+        ids = inputs.token_ids
+        if self.graphs is not None and not inputs.image_rows and self.graphs.fits(inputs.metadata):
+            hidden = self.graphs.run(ids, inputs.positions, inputs.metadata)
+            return decoder.compute_logits(hidden[inputs.sample_rows.to(device)])
+        embeds = decoder.embed(ids.to(device))  # [num_tokens, hidden]
         for rows, values, offsets in inputs.image_rows:
             embeds[rows.to(device)] = values[offsets.to(device)]
         metadata = inputs.metadata if device.type == "cpu" else _to_device(inputs.metadata, device)

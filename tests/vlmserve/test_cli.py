@@ -40,8 +40,17 @@ def test_info_reports_versions_pil_device_and_backend():
     assert info["device"] in ("cpu", "cuda")
     from kernels.cpu_attention import available
 
-    cpu_kernel = info["device"] == "cpu" and available() is None
-    assert info["attention_backend"] == ("cpu" if cpu_kernel else "torch")
+    if info["device"] == "cpu":
+        assert info["attention_backend"] == ("cpu" if available() is None else "torch")
+    else:
+        assert info["attention_backend"] in ("triton", "flashinfer")
+    ops = info["ops"]
+    assert ops["attention"] == info["attention_backend"]
+    assert set(ops) == {"attention", "rope", "add_rms_norm", "silu_and_mul", "cuda_graphs"}
+    from kernels import fused_ops
+
+    if info["device"] == "cpu" and fused_ops.available() is None:
+        assert ops["add_rms_norm"] == "cpu C++ (fused)" and ops["cuda_graphs"] == "off"
 
 
 def test_info_reports_how_tensor_parallelism_splits_a_model(llava_ov_path, capsys):

@@ -105,6 +105,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext, layer: int) -> torch.Tensor:
         n, c = x.shape[0], self.cfg
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        rope_forward = getattr(self.backend, "forward_rope", None)
+        if ctx.fused and rope_forward is not None:  # RoPE fused into the backend's K/V write
+            out = rope_forward(
+                q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim),
+                v.view(n, c.num_kv_heads, c.head_dim), ctx.cos, ctx.sin,
+                ctx.kv_caches[layer], ctx.attn_metadata, self.scale,
+            )  # fmt: skip
+            return self.o_proj(out.reshape(n, c.num_heads * c.head_dim))
         q, k = fused_ops.rope(
             q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim),
             ctx.cos, ctx.sin, ctx.fused,

@@ -1,0 +1,152 @@
+"""The FlashInfer attention backend: paged decode and prefill/extend through FlashInfer's
+batch wrappers (`BatchDecodeWithPagedKVCacheWrapper`, `BatchPrefillWithPagedKVCacheWrapper`).
+
+FlashInfer is GPU-only (the `gpu` extra, `flashinfer-python`): it is imported when a
+backend is first planned, never at module import, so this module (its layout, its page
+tables) loads and is tested on a CPU. Its cache layout is FlashInfer's HND paged one,
+`[num_blocks, 2 (k, v), num_kv_heads, block_size, head_dim]`; a step's page table is
+FlashInfer's CSR form (per sequence: its blocks, and how many slots of the last are used).
+FlashInfer plans once per step on the host (work partitioning for its split-K) and then
+runs every layer on that plan; the plan happens in the first layer's `forward`, on the
+thread that runs the forward, so planning never races a step still in flight.
+FlashInfer runs float16 / bfloat16 only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import AttentionBatch, split_by_query_len
+
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-K scratch (its documented example size)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def available(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+    """None when the backend can run on `device` in `dtype`; otherwise why not."""
+    if device.type != "cuda":
+        return f"FlashInfer runs on CUDA devices only, not {device.type}"
+    if dtype is not None and dtype not in DTYPES:
+        return f"FlashInfer runs float16 / bfloat16, not {dtype}"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "flashinfer is not installed (pip install 'vlmserve[gpu]')"
+    return None
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """FlashInfer's CSR page table of some sequences, as host lists (moved at plan time)."""
+
+    qo_indptr: list[int]  # [S + 1] query rows, prefix sums (extend only)
+    kv_indptr: list[int]  # [S + 1] blocks, prefix sums into kv_indices
+    kv_indices: list[int]  # the blocks, sequence after sequence
+    last_page_len: list[int]  # [S] used slots of each sequence's last block, 1..block_size
+
+
+@dataclass
+class FlashInferMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where the new K/V go
+    decode_rows: torch.Tensor | None  # flat token index of each single-token query
+    decode: PageTable | None
+    extend_rows: torch.Tensor | None  # flat token indices of the longer queries, in order
+    extend: PageTable | None
+
+
+def page_table(batch: AttentionBatch, members: list[int]) -> PageTable:
+    qo, kv, indices, last = [0], [0], [], []
+    for i in members:
+        ctx, size = batch.context_lens[i], batch.block_size
+        blocks = -(-ctx // size)
+        indices += batch.block_tables[i][:blocks]
+        qo.append(qo[-1] + batch.query_lens[i])
+        kv.append(kv[-1] + blocks)
+        last.append(ctx - (blocks - 1) * size)
+    return PageTable(qo, kv, indices, last)
+
+
+def write_kv(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """k, v [tokens, kv_heads, head_dim] into the HND paged cache at `slots`."""
+    size = kv_cache.shape[3]
+    blocks, offsets = slots // size, slots % size
+    kv_cache[blocks, 0, :, offsets] = k
+    kv_cache[blocks, 1, :, offsets] = v
+
+
+class FlashInferPagedAttention:
+    name = "flashinfer"
+
+    def __init__(self) -> None:
+        self._decode = self._prefill = None
+        self._planned: FlashInferMetadata | None = None
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, 2, num_kv_heads, block_size, head_dim)
+
+    def build_metadata(
+        self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
+    ) -> FlashInferMetadata:
+        starts, decode, extend = split_by_query_len(batch)
+        extend_rows = [r for i in extend for r in range(starts[i], starts[i] + batch.query_lens[i])]
+        return FlashInferMetadata(
+            slot_mapping.to(device),
+            torch.tensor([starts[i] for i in decode], device=device) if decode else None,
+            page_table(batch, decode) if decode else None,
+            torch.tensor(extend_rows, device=device) if extend else None,
+            page_table(batch, extend) if extend else None,
+        )  # fmt: skip
+
+    def _make_wrappers(self, device: torch.device) -> None:
+        import flashinfer
+
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
+
+    def _plan(self, meta: FlashInferMetadata, q: torch.Tensor, kv_cache: torch.Tensor, scale):
+        if self._decode is None:
+            self._make_wrappers(q.device)
+        _, _, kv_heads, size, dim = kv_cache.shape
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32)
+
+        kinds = dict(sm_scale=scale, q_data_type=q.dtype, kv_data_type=kv_cache.dtype)
+        if meta.decode is not None:
+            t = meta.decode
+            self._decode.plan(
+                ints(t.kv_indptr), ints(t.kv_indices), ints(t.last_page_len),
+                q.shape[1], kv_heads, dim, size, **kinds,
+            )  # fmt: skip
+        if meta.extend is not None:
+            t = meta.extend
+            self._prefill.plan(
+                ints(t.qo_indptr), ints(t.kv_indptr), ints(t.kv_indices),
+                ints(t.last_page_len), q.shape[1], kv_heads, dim, size, causal=True, **kinds,
+            )  # fmt: skip
+        self._planned = meta
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: FlashInferMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, metadata.slot_mapping, k, v)
+        if metadata is not self._planned:  # the step's first layer
+            self._plan(metadata, q, kv_cache, scale)
+        out = torch.empty_like(q)
+        if metadata.decode_rows is not None:
+            rows = metadata.decode_rows
+            out[rows] = self._decode.run(q[rows], kv_cache)
+        if metadata.extend_rows is not None:
+            rows = metadata.extend_rows
+            out[rows] = self._prefill.run(q[rows], kv_cache)
+        return out
