@@ -35,7 +35,9 @@ class Bubble:
 
 def compute_bubbles(nanos: tuple[Nano, ...]) -> list[Bubble]:
     """Intervals of the layer in which no compute nano-operation runs, longest first."""
-    busy = sorted((n.start_us, n.start_us + n.duration_us) for n in nanos if n.resource == "compute")
+    busy = sorted(
+        (n.start_us, n.start_us + n.duration_us) for n in nanos if n.resource == "compute"
+    )
     end = max(n.start_us + n.duration_us for n in nanos)
     gaps, edge = [], 0.0
     for a, b in busy:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import combinations
@@ -75,7 +76,11 @@ def _cbc(time_limit_s: float, warm: bool = False) -> pulp.LpSolver:
     # One thread: the search shares the host with the engine (and CI with other jobs).
     # CBC_MSG=1 shows CBC's log: incumbents and bound, to see where time goes.
     msg = bool(os.environ.get("CBC_MSG"))
-    return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, threads=1, warmStart=warm)
+    with warnings.catch_warnings():
+        # pulp 3.3 deprecates the CBC binary it ships in favour of pulp[cbc]; it still
+        # runs it, and that binary is the one this project can count on.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, threads=1, warmStart=warm)
 
 
 def depends(later: Nano, earlier: Nano, order: dict[str, int]) -> bool:
@@ -182,7 +187,7 @@ def solve_stage1(
         n = counts[grp]
         for k in range(n):
             for m in range(1, granules - n + 2):
-                x[grp, k, m] = pulp.LpVariable(f"x_{grp}_{k}_{m}", cat="Binary")
+                x[grp, k, m] = prob.add_variable(f"x_{grp}_{k}_{m}", cat="Binary")
             sizes = [m for (gg, kk, m) in x if gg == grp and kk == k]
             prob += pulp.lpSum(x[grp, k, m] for m in sizes) == 1
             size[grp, k] = pulp.lpSum(m * x[grp, k, m] for m in sizes)
@@ -196,11 +201,11 @@ def solve_stage1(
     for o in names:
         grp = group[o]
         for k in range(counts[grp]):
-            start[o, k] = pulp.LpVariable(f"s_{o}_{k}", 0, horizon)
+            start[o, k] = prob.add_variable(f"s_{o}_{k}", 0, horizon)
             dur[o, k] = pulp.lpSum(
                 best[o][m - 1] * x[grp, k, m] for (gg, kk, m) in x if (gg, kk) == (grp, k)
             )
-    makespan = pulp.LpVariable("makespan", 0, horizon)
+    makespan = prob.add_variable("makespan", 0, horizon)
     prob += makespan
     for (o, k), s in start.items():
         prob += makespan >= s + dur[o, k]
@@ -221,7 +226,7 @@ def solve_stage1(
         if a[0] != b[0] and resource[a[0]] == resource[b[0]]:
             if group[a[0]] == group[b[0]] and a[1] == b[1]:
                 continue  # the same rows, so ordered through the chain between them
-            z = order_vars[a, b] = pulp.LpVariable(f"z_{a[0]}_{a[1]}_{b[0]}_{b[1]}", cat="Binary")
+            z = order_vars[a, b] = prob.add_variable(f"z_{a[0]}_{a[1]}_{b[0]}_{b[1]}", cat="Binary")
             prob += start[b] >= start[a] + dur[a] - horizon * (1 - z)
             prob += start[a] >= start[b] + dur[b] - horizon * z
     _warm_start(profiles, dense_batch, counts, x, start, makespan, order_vars, row_vars)
@@ -230,7 +235,7 @@ def solve_stage1(
     solve_s = time.perf_counter() - t0
     status = _status(prob)
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        raise RuntimeError(f"Stage I found no schedule in {time_limit_s} s ({status}, {pulp.LpStatus[prob.status]})")
+        raise RuntimeError(f"Stage I found no schedule in {time_limit_s} s ({status})")
     nanos = []
     for o in names:
         grp = group[o]
@@ -262,8 +267,8 @@ def _stage1_dependency(prob, p, o, group, counts, start, dur, size, lo, granules
             if k == 0 and j == 0:  # both begin at row 0: always intersect
                 prob += start[o, k] >= start[p, j] + dur[p, j]
                 continue
-            below = pulp.LpVariable(f"below_{o}_{k}_{p}_{j}", cat="Binary")
-            above = pulp.LpVariable(f"above_{o}_{k}_{p}_{j}", cat="Binary")
+            below = prob.add_variable(f"below_{o}_{k}_{p}_{j}", cat="Binary")
+            above = prob.add_variable(f"above_{o}_{k}_{p}_{j}", cat="Binary")
             row_vars[o, k, p, j] = (below, above)
             prob += below + above <= 1
             # below = 1 only if o's rows end where p's begin or earlier; above mirrors it.
@@ -302,7 +307,7 @@ def _warm_start(profiles, dense_batch, counts, x, start, makespan, order_vars, r
 
 
 def _status(prob: pulp.LpProblem) -> str:
-    """"optimal", or "time limit" when CBC stopped with a schedule it had not proven best."""
+    """ "optimal", or "time limit" when CBC stopped with a schedule it had not proven best."""
     if prob.sol_status == pulp.LpSolutionOptimal:
         return "optimal"
     return "time limit" if prob.sol_status == pulp.LpSolutionIntegerFeasible else "none"
@@ -333,10 +338,10 @@ def solve_stage2(
     horizon = sum(n.best_us / profiles.perf(n.resource, MIN_SHARE) for n in nanos)
     prob = pulp.LpProblem("nanoflow_stage2", pulp.LpMinimize)
     idx = range(len(nanos))
-    s = [pulp.LpVariable(f"s_{i}", 0, horizon) for i in idx]
-    t = [pulp.LpVariable(f"t_{i}", nanos[i].best_us, horizon) for i in idx]
-    r = [pulp.LpVariable(f"r_{i}", MIN_SHARE, 1) for i in idx]
-    makespan = pulp.LpVariable("makespan", 0, horizon)
+    s = [prob.add_variable(f"s_{i}", 0, horizon) for i in idx]
+    t = [prob.add_variable(f"t_{i}", nanos[i].best_us, horizon) for i in idx]
+    r = [prob.add_variable(f"r_{i}", MIN_SHARE, 1) for i in idx]
+    makespan = prob.add_variable("makespan", 0, horizon)
     prob += makespan
     for i, n in enumerate(nanos):
         prob += makespan >= s[i] + t[i]
@@ -351,7 +356,7 @@ def solve_stage2(
         if reach[i][j] or reach[j][i] or nanos[i].resource == nanos[j].resource:
             continue
         for a, b in ((i, j), (j, i)):
-            before[a, b] = pulp.LpVariable(f"b_{a}_{b}", cat="Binary")
+            before[a, b] = prob.add_variable(f"b_{a}_{b}", cat="Binary")
             prob += s[b] >= s[a] + t[a] - horizon * (1 - before[a, b])
         prob += before[i, j] + before[j, i] <= 1
         prob += r[i] + r[j] <= 1 + before[i, j] + before[j, i]
@@ -365,7 +370,7 @@ def solve_stage2(
     solve_s = time.perf_counter() - t0
     status = _status(prob)
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        raise RuntimeError(f"Stage II found no allocation in {time_limit_s} s ({status}, {pulp.LpStatus[prob.status]})")
+        raise RuntimeError(f"Stage II found no allocation in {time_limit_s} s ({status})")
     edges = set(fixed) | {p for p, v in before.items() if pulp.value(v) > 0.5}
     out = []
     for i, n in enumerate(nanos):

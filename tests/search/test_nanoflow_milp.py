@@ -1,0 +1,96 @@
+"""Stage I and Stage II MILPs on hand-made profiles whose optimum is worked out by hand,
+and the auto-search's schedules through the independent checker."""
+
+import pytest
+
+from search.auto_search import cached_schedule, search_schedule
+from search.nanoflow_milp import solve_stage1, solve_stage2
+from search.op_graph import BatchMix
+from search.presets import ModelShape, get_accelerator
+from search.profiles import TABLE3_KNOTS, OpProfile, Profiles, synthetic_gpu_profiles
+from search.schedule import check
+
+
+def _profiles(per_granule: dict[str, tuple[str, float]], granules: int, knots=None) -> Profiles:
+    """Ops whose time is linear in rows: `us` microseconds per 128 rows."""
+    counts = tuple(128 * m for m in range(1, granules + 1))
+    ops = tuple(
+        OpProfile(op, res, counts, tuple(us * m for m in range(1, granules + 1)))
+        for op, (res, us) in per_granule.items()
+    )
+    return Profiles("hand", "hand", 128, ops, knots or dict(TABLE3_KNOTS), "synthetic")
+
+
+def _sizes(result, op):
+    return [n.row_end - n.row_start for n in result.nanos if n.op == op]
+
+
+def test_stage1_finds_the_hand_computed_split():
+    # qkv (compute) 10 us per 128 rows, then attention (memory) 30 us per 128 rows, 512
+    # rows in two nano-batches each. qkv = (a, 4-a) granules, attention = (c, 4-c):
+    # attention's first part can start after qkv's first only if c <= a, and then the
+    # layer lasts max(40, 10a + 30c) + 30(4 - c); c > a gives 160. Best: a = c = 1, 130 us
+    # (unsplit: 40 + 120 = 160).
+    profiles = _profiles({"qkv": ("compute", 10.0), "attention": ("memory", 30.0)}, 4)
+    result = solve_stage1(profiles, 512, {"qkv": 2, "attention": 2})
+    assert result.status == "optimal"
+    assert result.makespan_us == pytest.approx(130.0)
+    assert _sizes(result, "qkv") == [128, 384] and _sizes(result, "attention") == [128, 384]
+
+
+def test_stage1_never_overlaps_one_resource():
+    # Two compute ops: nothing can run beside anything, the layer is their sum.
+    profiles = _profiles({"qkv": ("compute", 10.0), "o_proj": ("compute", 20.0)}, 4)
+    result = solve_stage1(profiles, 512, {"qkv": 2, "o_proj": 2})
+    assert result.makespan_us == pytest.approx(40.0 + 80.0)
+    spans = sorted((n.start_us, n.start_us + n.duration_us) for n in result.nanos)
+    assert all(b[0] >= a[1] - 1e-9 for a, b in zip(spans, spans[1:], strict=False))
+
+
+def test_stage2_shares_match_table3_by_hand():
+    # 256 rows, 10 us per 128 rows each: Stage I runs qkv[128:] beside attention[:128]
+    # (30 us). Under Table 3, sharing R and 1 - R takes 10 max(1/R, 1/P(1 - R)), least
+    # where R = P(1 - R) = 0.3 + (0.8 - R)·0.55/0.6: R = 0.539, 18.55 us, and the layer
+    # 38.55 us: better than running the two one after the other (40 us).
+    profiles = _profiles({"qkv": ("compute", 10.0), "attention": ("memory", 10.0)}, 2)
+    stage1 = solve_stage1(profiles, 256, {"qkv": 2, "attention": 2})
+    assert stage1.makespan_us == pytest.approx(30.0)
+    stage2 = solve_stage2(stage1, profiles)
+    # The secant bound over a 0.1 grid of R leaves the optimum at most a little above.
+    assert 38.55 <= stage2.makespan_us <= 38.55 * 1.02
+    qkv1 = next(n for n in stage2.nanos if n.op == "qkv" and n.row_start == 128)
+    attn0 = next(n for n in stage2.nanos if n.op == "attention" and n.row_start == 0)
+    assert qkv1.share == pytest.approx(0.539, abs=0.04)
+    assert qkv1.share + attn0.share <= 1 + 1e-6
+
+
+def test_stage2_with_no_interference_gain_does_not_beat_running_in_order():
+    # P = R for memory too: sharing the device is never faster than taking turns, so the
+    # best is the sum of every nano-operation's time (10 + 30 + 30 + 90 = 160 us).
+    linear = {"memory": ((0.0, 0.0), (1.0, 1.0))}
+    profiles = _profiles({"qkv": ("compute", 10.0), "attention": ("memory", 30.0)}, 4, linear)
+    stage1 = solve_stage1(profiles, 512, {"qkv": 2, "attention": 2})
+    assert solve_stage2(stage1, profiles).makespan_us == pytest.approx(160.0, rel=1e-6)
+
+
+TINY = ModelShape("tiny-gqa", 2, 512, 8, 2, 64, 1024, 1000)
+
+
+@pytest.mark.parametrize("tp, dense_batch", [(1, 256), (2, 256)])
+def test_every_emitted_schedule_passes_the_checker(tp, dense_batch):
+    accel = get_accelerator("a100")
+    mix = BatchMix(decode_fraction=0.75, decode_context=4096)
+    profiles = synthetic_gpu_profiles(TINY, accel, 384, tp=tp, mix=mix)
+    for interference in (False, True):
+        schedule = search_schedule(profiles, dense_batch, 10.0, 1, interference)
+        assert check(schedule) == []
+        assert schedule.makespan_us <= schedule.sequential_us + 1e-6
+        assert schedule.notes["counts"]["qkv"] >= 2
+
+
+def test_schedules_are_cached_per_model_device_and_batch(tmp_path):
+    profiles = synthetic_gpu_profiles(TINY, get_accelerator("a100"), 256)
+    first, hit = cached_schedule(profiles, 256, tmp_path, 10.0)
+    again, hit_again = cached_schedule(profiles, 256, tmp_path, 10.0)
+    assert (hit, hit_again) == (False, True) and again == first
+    assert [p.name for p in tmp_path.iterdir()] == ["schedule-tiny-gqa-a100-80gb-b256.json"]
