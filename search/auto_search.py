@@ -15,7 +15,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from search.nanoflow_milp import Nano, StageResult, solve_stage1, solve_stage2, split_groups
+from search.nano_schedule import Nano, split_largest
+from search.nanoflow_milp import StageResult, solve_stage1, solve_stage2, split_groups
 from search.profiles import Profiles, _slug
 from search.schedule import NanoOp, Schedule, check
 
@@ -34,18 +35,17 @@ class Bubble:
 
 
 def compute_bubbles(nanos: tuple[Nano, ...]) -> list[Bubble]:
-    """Intervals of the layer in which no compute nano-operation runs, longest first."""
+    """Idle intervals of the compute stream between its first and last nano-operation,
+    longest first: where a compute op waits on another resource. (Before the first and
+    after the last no compute op is left that could run: those are not bubbles.)"""
     busy = sorted(
         (n.start_us, n.start_us + n.duration_us) for n in nanos if n.resource == "compute"
     )
-    end = max(n.start_us + n.duration_us for n in nanos)
-    gaps, edge = [], 0.0
-    for a, b in busy:
-        if a > edge + 1e-9:
+    gaps, edge = [], busy[0][1] if busy else 0.0
+    for a, b in busy[1:]:
+        if a > edge + 1e-6:
             gaps.append(Bubble(edge, a))
         edge = max(edge, b)
-    if end > edge + 1e-9:
-        gaps.append(Bubble(edge, end))
     return sorted(gaps, key=lambda g: -g.length_us)
 
 
@@ -64,28 +64,42 @@ def ops_near(bubble: Bubble, nanos: tuple[Nano, ...]) -> set[str]:
 
 
 def stage1_search(
-    profiles: Profiles, dense_batch: int, time_limit_s: float = 20.0, max_rounds: int = 8
+    profiles: Profiles,
+    dense_batch: int,
+    time_limit_s: float = 20.0,
+    max_rounds: int = 8,
+    bubbles_per_round: int = 2,
 ) -> tuple[StageResult, dict[str, int], list[dict]]:
-    """Iterative splitting; returns the best Stage I result, its counts and the rounds."""
+    """Iterative splitting; returns the best Stage I result, its counts and the rounds.
+    Each round tries the largest bubbles in turn and keeps the first split that helps."""
     group = split_groups(p.op for p in profiles.ops)
+    order = {p.op: i for i, p in enumerate(profiles.ops)}
     granules = dense_batch // profiles.granularity
     counts = {g: min(2, granules) for g in sorted(set(group.values()))}
     best = solve_stage1(profiles, dense_batch, counts, time_limit_s)
     rounds = [_round(counts, best, kept=True)]
     for _ in range(max_rounds):
-        bubbles = compute_bubbles(best.nanos)
-        if not bubbles:
+        improved = False
+        for bubble in compute_bubbles(best.nanos)[:bubbles_per_round]:
+            near = {group[o] for o in ops_near(bubble, best.nanos)}
+            trial_counts = {g: n + (g in near) for g, n in counts.items()}
+            incumbent: tuple[Nano, ...] | None = best.nanos
+            for g in sorted(near):
+                members = {o for o, grp in group.items() if grp == g}
+                if incumbent is not None:
+                    incumbent = split_largest(
+                        incumbent, members, profiles.granularity, profiles.time_us, order
+                    )
+            if incumbent is None:  # a nano-batch would fall under the granularity
+                continue
+            trial = solve_stage1(profiles, dense_batch, trial_counts, time_limit_s, incumbent)
+            kept = trial.makespan_us < best.makespan_us * (1 - MIN_GAIN)
+            rounds.append(_round(trial_counts, trial, kept))
+            if kept:
+                best, counts, improved = trial, trial_counts, True
+                break
+        if not improved:
             break
-        near = {group[o] for o in ops_near(bubbles[0], best.nanos)}
-        trial_counts = {g: n + (g in near) for g, n in counts.items()}
-        if trial_counts == counts or any(n > granules for n in trial_counts.values()):
-            break
-        trial = solve_stage1(profiles, dense_batch, trial_counts, time_limit_s)
-        kept = trial.makespan_us < best.makespan_us * (1 - MIN_GAIN)
-        rounds.append(_round(trial_counts, trial, kept))
-        if not kept:
-            break
-        best, counts = trial, trial_counts
     return best, counts, rounds
 
 

@@ -24,11 +24,20 @@ import os
 import time
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
 
 import pulp
 
+from search.nano_schedule import (
+    Nano,
+    asap,
+    closure,
+    even_split,
+    list_schedule,
+    makespan,
+    precedence,
+)
 from search.profiles import Profiles
 
 # Elementwise ops take the split of the GEMM they feed or follow (NanoFlow fuses them
@@ -41,21 +50,6 @@ FUSED_INTO: dict[str, str] = {
 }
 MIN_SHARE = 0.1  # Stage II's floor on R: below it D/P(R) grows without bound
 SHARE_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))
-
-
-@dataclass(frozen=True)
-class Nano:
-    """One nano-operation as the MILPs see it (rows in tokens, times in microseconds)."""
-
-    op: str
-    index: int  # k-th nano-operation of its op, in row order
-    row_start: int
-    row_end: int
-    resource: str
-    best_us: float  # D_best at its size
-    start_us: float
-    duration_us: float
-    share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -83,81 +77,6 @@ def _cbc(time_limit_s: float, warm: bool = False) -> pulp.LpSolver:
         return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, threads=1, warmStart=warm)
 
 
-def depends(later: Nano, earlier: Nano, order: dict[str, int]) -> bool:
-    rows = later.row_start < earlier.row_end and earlier.row_start < later.row_end
-    return rows and order[later.op] > order[earlier.op]
-
-
-def asap(nanos: list[Nano], edges: set[tuple[int, int]]) -> list[Nano]:
-    """Every nano-operation started as soon as all of `edges`' predecessors (i, j): i
-    before j) have ended; keeps the Stage's order, removes the solver's slack and
-    rounding, and so makes the schedule valid exactly."""
-    preds: dict[int, list[int]] = {j: [] for j in range(len(nanos))}
-    for i, j in edges:
-        preds[j].append(i)
-    end: dict[int, float] = {}
-    out = list(nanos)
-    pending = list(range(len(nanos)))
-    while pending:
-        ready = [j for j in pending if all(i in end for i in preds[j])]
-        assert ready, "precedence edges form a cycle"
-        for j in ready:
-            start = max((end[i] for i in preds[j]), default=0.0)
-            out[j] = _replace(nanos[j], start_us=start)
-            end[j] = start + nanos[j].duration_us
-            pending.remove(j)
-    return out
-
-
-def _replace(n: Nano, **kw) -> Nano:
-    return Nano(**{**n.__dict__, **kw})
-
-
-def data_edges(nanos: list[Nano], order: dict[str, int]) -> set[tuple[int, int]]:
-    """(i, j): j needs i's output (consecutive ops, intersecting rows). The rest of the
-    dependencies follow through the chain: every op tiles all rows."""
-    chain = sorted(order, key=order.get)
-    next_op = dict(zip(chain, chain[1:], strict=False))
-    return {
-        (i, j)
-        for i, a in enumerate(nanos)
-        for j, b in enumerate(nanos)
-        if next_op.get(a.op) == b.op and depends(b, a, order)
-    }
-
-
-def list_schedule(nanos: list[Nano], order: dict[str, int]) -> list[Nano]:
-    """A greedy schedule (Stage I's first incumbent): repeatedly start the ready
-    nano-operation that can start earliest on its resource."""
-    preds: dict[int, list[int]] = {j: [] for j in range(len(nanos))}
-    for i, j in data_edges(nanos, order):
-        preds[j].append(i)
-    end: dict[int, float] = {}
-    free: dict[str, float] = {}
-    out = list(nanos)
-    while len(end) < len(nanos):
-        ready = [j for j in range(len(nanos)) if j not in end and all(i in end for i in preds[j])]
-        earliest = {
-            j: max([free.get(nanos[j].resource, 0.0)] + [end[i] for i in preds[j]]) for j in ready
-        }
-        j = min(ready, key=lambda j: (earliest[j], order[nanos[j].op], nanos[j].index))
-        out[j] = _replace(nanos[j], start_us=earliest[j])
-        end[j] = free[nanos[j].resource] = earliest[j] + nanos[j].duration_us
-    return out
-
-
-def precedence(nanos: list[Nano], order: dict[str, int]) -> set[tuple[int, int]]:
-    """Data dependencies between consecutive ops, and each resource's order by start."""
-    edges = data_edges(nanos, order)
-    by_resource: dict[str, list[int]] = {}
-    for i, n in enumerate(nanos):
-        by_resource.setdefault(n.resource, []).append(i)
-    for members in by_resource.values():
-        members.sort(key=lambda i: (nanos[i].start_us, order[nanos[i].op], nanos[i].index))
-        edges.update(zip(members, members[1:], strict=False))
-    return edges
-
-
 # --- Stage I ---------------------------------------------------------------------------
 
 
@@ -166,8 +85,10 @@ def solve_stage1(
     dense_batch: int,
     counts: dict[str, int],
     time_limit_s: float = 20.0,
+    incumbent: tuple[Nano, ...] | None = None,
 ) -> StageResult:
-    """Sizes and start times for `counts` nano-operations per split group, no interference."""
+    """Sizes and start times for `counts` nano-operations per split group, no interference.
+    `incumbent`: a valid schedule with these counts to start the branch and bound from."""
     g = profiles.granularity
     if dense_batch % g or not g <= dense_batch <= profiles.max_tokens:
         raise ValueError(f"dense batch {dense_batch} is not a profiled multiple of {g}")
@@ -196,7 +117,7 @@ def solve_stage1(
             lo[grp, k] = pulp.lpSum(size[grp, j] for j in range(k))
     # Time big-M: the makespan of one feasible schedule (even sizes, one nano-operation
     # after another) bounds the optimum's, so no start or end in it lies beyond.
-    horizon = sum(best[o][m - 1] for o in names for m in _even_split(granules, counts[group[o]]))
+    horizon = sum(best[o][m - 1] for o in names for m in even_split(granules, counts[group[o]]))
     start, dur = {}, {}
     for o in names:
         grp = group[o]
@@ -205,16 +126,16 @@ def solve_stage1(
             dur[o, k] = pulp.lpSum(
                 best[o][m - 1] * x[grp, k, m] for (gg, kk, m) in x if (gg, kk) == (grp, k)
             )
-    makespan = prob.add_variable("makespan", 0, horizon)
-    prob += makespan
+    span = prob.add_variable("makespan", 0, horizon)
+    prob += span
     for (o, k), s in start.items():
-        prob += makespan >= s + dur[o, k]
+        prob += span >= s + dur[o, k]
         if k:  # an op's nano-operations run in row order on its stream
             prob += s >= start[o, k - 1] + dur[o, k - 1]
     # Valid cuts the disjunctions hide from the LP relaxation: a resource runs its
     # nano-operations one at a time, so the layer lasts at least each resource's load.
     for res in set(resource.values()):
-        prob += makespan >= pulp.lpSum(d for (o, _), d in dur.items() if resource[o] == res)
+        prob += span >= pulp.lpSum(d for (o, _), d in dur.items() if resource[o] == res)
     row_vars: dict = {}
     for p, o in zip(names, names[1:], strict=False):
         row_vars |= _stage1_dependency(
@@ -229,7 +150,7 @@ def solve_stage1(
             z = order_vars[a, b] = prob.add_variable(f"z_{a[0]}_{a[1]}_{b[0]}_{b[1]}", cat="Binary")
             prob += start[b] >= start[a] + dur[a] - horizon * (1 - z)
             prob += start[a] >= start[b] + dur[b] - horizon * z
-    _warm_start(profiles, dense_batch, counts, x, start, makespan, order_vars, row_vars)
+    _warm_start(profiles, dense_batch, counts, incumbent, x, start, span, order_vars, row_vars)
     t0 = time.perf_counter()
     prob.solve(_cbc(time_limit_s, warm=True))
     solve_s = time.perf_counter() - t0
@@ -246,11 +167,7 @@ def solve_stage1(
             nanos.append(Nano(o, k, edge, edge + rows, resource[o], d, pulp.value(start[o, k]), d))
             edge += rows
     nanos = asap(nanos, precedence(nanos, order))
-    return StageResult(tuple(nanos), _makespan(nanos), status, solve_s)
-
-
-def _even_split(granules: int, n: int) -> list[int]:
-    return [granules // n + (1 if k < granules % n else 0) for k in range(n)]
+    return StageResult(tuple(nanos), makespan(nanos), status, solve_s)
 
 
 def _stage1_dependency(prob, p, o, group, counts, start, dur, size, lo, granules, horizon):
@@ -278,27 +195,29 @@ def _stage1_dependency(prob, p, o, group, counts, start, dur, size, lo, granules
     return row_vars
 
 
-def _warm_start(profiles, dense_batch, counts, x, start, makespan, order_vars, row_vars):
-    """Hand CBC the greedy schedule of the even split as its first incumbent: with it,
-    branches worse than a known schedule are cut from the first node."""
+def _warm_start(profiles, dense_batch, counts, incumbent, x, start, span, order_vars, row_vars):
+    """Hand CBC a first incumbent: the better of the greedy schedule of the even split and
+    `incumbent` (the previous round's best, cut to these counts). Branches worse than a
+    known schedule are then cut from the first node."""
     g, names = profiles.granularity, [p.op for p in profiles.ops]
     order, group = {o: i for i, o in enumerate(names)}, split_groups(names)
     nanos = []
     for o in names:
         edge = 0
-        for k, m in enumerate(_even_split(dense_batch // g, counts[group[o]])):
+        for k, m in enumerate(even_split(dense_batch // g, counts[group[o]])):
             d = profiles.time_us(o, m * g)
-            res = profiles.op(o).resource
-            nanos.append(Nano(o, k, edge, edge + m * g, res, d, 0.0, d))
-            x[group[o], k, m].setInitialValue(1)
+            nanos.append(Nano(o, k, edge, edge + m * g, profiles.op(o).resource, d, 0.0, d))
             edge += m * g
-    for v in x.values():
-        if v.varValue is None:
-            v.setInitialValue(0)
-    at = {(n.op, n.index): n for n in list_schedule(nanos, order)}
+    best = list_schedule(nanos, order)
+    if incumbent is not None and makespan(incumbent) < makespan(best):
+        best = list(incumbent)
+    at = {(n.op, n.index): n for n in best}
+    for (grp, k, m), v in x.items():
+        first = next(o for o in names if group[o] == grp)
+        v.setInitialValue(1 if (at[first, k].row_end - at[first, k].row_start) == m * g else 0)
     for key, v in start.items():
         v.setInitialValue(at[key].start_us)
-    makespan.setInitialValue(_makespan(at.values()))
+    span.setInitialValue(makespan(best))
     for (a, b), z in order_vars.items():
         z.setInitialValue(1 if at[b].start_us >= at[a].start_us + at[a].duration_us else 0)
     for (o, k, p, j), (below, above) in row_vars.items():
@@ -311,10 +230,6 @@ def _status(prob: pulp.LpProblem) -> str:
     if prob.sol_status == pulp.LpSolutionOptimal:
         return "optimal"
     return "time limit" if prob.sol_status == pulp.LpSolutionIntegerFeasible else "none"
-
-
-def _makespan(nanos: Iterable[Nano]) -> float:
-    return max(n.start_us + n.duration_us for n in nanos)
 
 
 # --- Stage II --------------------------------------------------------------------------
@@ -334,17 +249,17 @@ def solve_stage2(
     nanos = list(stage1.nanos)
     order = {p.op: i for i, p in enumerate(profiles.ops)}
     fixed = precedence(nanos, order)
-    reach = _closure(len(nanos), fixed)
+    reach = closure(len(nanos), fixed)
     horizon = sum(n.best_us / profiles.perf(n.resource, MIN_SHARE) for n in nanos)
     prob = pulp.LpProblem("nanoflow_stage2", pulp.LpMinimize)
     idx = range(len(nanos))
     s = [prob.add_variable(f"s_{i}", 0, horizon) for i in idx]
     t = [prob.add_variable(f"t_{i}", nanos[i].best_us, horizon) for i in idx]
     r = [prob.add_variable(f"r_{i}", MIN_SHARE, 1) for i in idx]
-    makespan = prob.add_variable("makespan", 0, horizon)
-    prob += makespan
+    span = prob.add_variable("makespan", 0, horizon)
+    prob += span
     for i, n in enumerate(nanos):
-        prob += makespan >= s[i] + t[i]
+        prob += span >= s[i] + t[i]
         for r0, v0, r1, v1 in _secants(profiles, n.resource):
             prob += t[i] >= n.best_us * (v0 + (v1 - v0) * (r[i] - r0) / (r1 - r0))
     for i, j in fixed:
@@ -376,22 +291,6 @@ def solve_stage2(
     for i, n in enumerate(nanos):
         share = min(1.0, max(MIN_SHARE, pulp.value(r[i])))
         d = n.best_us / profiles.perf(n.resource, share)
-        out.append(_replace(n, share=share, duration_us=d, start_us=pulp.value(s[i])))
+        out.append(replace(n, share=share, duration_us=d, start_us=pulp.value(s[i])))
     out = asap(out, edges)
-    return StageResult(tuple(out), _makespan(out), status, solve_s)
-
-
-def _closure(n: int, edges: set[tuple[int, int]]) -> list[list[bool]]:
-    """reach[i][j]: j cannot start before i ends, through any chain of edges."""
-    succ: dict[int, list[int]] = {i: [] for i in range(n)}
-    for i, j in edges:
-        succ[i].append(j)
-    reach = [[False] * n for _ in range(n)]
-    for i in range(n):
-        stack = list(succ[i])
-        while stack:
-            j = stack.pop()
-            if not reach[i][j]:
-                reach[i][j] = True
-                stack.extend(succ[j])
-    return reach
+    return StageResult(tuple(out), makespan(out), status, solve_s)
