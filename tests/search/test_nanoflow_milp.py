@@ -4,9 +4,9 @@ and the auto-search's schedules through the independent checker."""
 import pytest
 
 from search.auto_search import cached_schedule, search_schedule
-from search.nanoflow_milp import solve_stage1, solve_stage2
+from search.nanoflow_milp import solve_stage1, solve_stage2, split_groups
 from search.op_graph import BatchMix
-from search.presets import ModelShape, get_accelerator
+from search.presets import ModelShape, get_accelerator, get_model
 from search.profiles import TABLE3_KNOTS, OpProfile, Profiles, synthetic_gpu_profiles
 from search.schedule import check
 
@@ -94,3 +94,46 @@ def test_schedules_are_cached_per_model_device_and_batch(tmp_path):
     again, hit_again = cached_schedule(profiles, 256, tmp_path, 10.0)
     assert (hit, hit_again) == (False, True) and again == first
     assert [p.name for p in tmp_path.iterdir()] == ["schedule-tiny-gqa-a100-80gb-b256.json"]
+
+
+# --- the reference's own inputs: synthetic A100 profiles and Table 3 --------------------
+
+
+def _overlaps(a, b) -> bool:
+    return (
+        a.start_us < b.start_us + b.duration_us - 1e-6
+        and b.start_us < a.start_us + a.duration_us - 1e-6
+    )
+
+
+def _two_way(model: str, tp: int):
+    profiles = synthetic_gpu_profiles(get_model(model), get_accelerator("a100"), 2048, tp=tp)
+    groups = set(split_groups(p.op for p in profiles.ops).values())
+    stage1 = solve_stage1(profiles, 2048, {g: 2 for g in groups}, time_limit_s=30.0)
+    sequential = sum(profiles.time_us(p.op, 2048) for p in profiles.ops)
+    return profiles, stage1, sequential
+
+
+def test_8b_two_nano_operations_put_decode_attention_beside_up_gate_down():
+    # NanoFlow §4.1.4: LLaMA-3-8B on one A100 runs every op in two nano-operations, decode
+    # attention of one nano-batch overlapping the Up/Gate/Down GEMMs of the other.
+    _, stage1, sequential = _two_way("llama-3-8b", 1)
+    assert stage1.makespan_us < 0.85 * sequential
+    attention = [n for n in stage1.nanos if n.op == "attention"]
+    mlp = [n for n in stage1.nanos if n.op in ("gate_up", "down")]
+    assert any(_overlaps(a, m) for a in attention for m in mlp)
+
+
+def test_70b_stage2_shares_are_in_the_reference_ballpark():
+    # NanoFlow Figure 6: decode attention at R = 0.4 beside KQV, collectives at R 0.1-0.2.
+    profiles, stage1, sequential = _two_way("llama-2-70b", 8)
+    assert stage1.status == "optimal" and stage1.makespan_us < 0.85 * sequential
+    stage2 = solve_stage2(stage1, profiles, time_limit_s=30.0)
+    assert stage1.makespan_us < stage2.makespan_us < sequential
+    computes = [n for n in stage2.nanos if n.resource == "compute"]
+    for n in stage2.nanos:
+        beside = [c for c in computes if _overlaps(n, c)]
+        if n.op == "attention" and beside:
+            assert 0.3 <= n.share <= 0.6
+        if n.resource == "network" and beside:
+            assert n.share <= 0.4
