@@ -30,7 +30,7 @@ def tiny_config(tmp_path):
 def test_gpu_preset_table_plot_and_cache(tmp_path, tiny_config, capsys):
     cache, plot = tmp_path / "cache", tmp_path / "gantt.png"
     argv = ["pipeline", "--model", tiny_config, "--accelerator", "a100", "--dense-batch", "256"]
-    argv += ["--decode-context", "4096", "--cache-dir", str(cache), "--time-limit", "3"]
+    argv += ["--decode-context", "4096", "--cache-dir", str(cache), "--time-limit", "1.5"]
     code, out, err = run_cli(capsys, *argv, "--plot", str(plot))
     assert code == 0, err
     assert "pipeline: " in out and "dense batch 256 (synthetic profiles)" in out
@@ -47,7 +47,7 @@ def test_gpu_preset_table_plot_and_cache(tmp_path, tiny_config, capsys):
 def test_cpu_profiles_are_measured_then_reused(tmp_path, tiny_config, capsys):
     cache = tmp_path / "cache"
     argv = ["pipeline", "--model", tiny_config, "--accelerator", "cpu", "--dense-batch", "64"]
-    argv += ["--cache-dir", str(cache), "--time-limit", "3"]
+    argv += ["--cache-dir", str(cache), "--time-limit", "1.5"]
     code, out, err = run_cli(capsys, *argv)
     assert code == 0, err
     assert "(measured profiles)" in out
