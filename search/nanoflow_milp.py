@@ -257,7 +257,9 @@ def solve_stage2(
     t = [prob.add_variable(f"t_{i}", nanos[i].best_us, horizon) for i in idx]
     r = [prob.add_variable(f"r_{i}", MIN_SHARE, 1) for i in idx]
     span = prob.add_variable("makespan", 0, horizon)
-    prob += span
+    # Makespan first; a nano-operation nothing competes with then takes R = 1 (its best
+    # time) rather than any share that happens not to lengthen the layer.
+    prob += span + 1e-3 * pulp.lpSum(t)
     for i, n in enumerate(nanos):
         prob += span >= s[i] + t[i]
         for r0, v0, r1, v1 in _secants(profiles, n.resource):

@@ -1,14 +1,16 @@
 """Stage I and Stage II MILPs on hand-made profiles whose optimum is worked out by hand,
 and the auto-search's schedules through the independent checker."""
 
+import random
+
 import pytest
 
-from search.auto_search import cached_schedule, search_schedule
+from search.auto_search import STREAMS, cached_schedule, search_schedule
 from search.nanoflow_milp import solve_stage1, solve_stage2, split_groups
-from search.op_graph import BatchMix
+from search.op_graph import BatchMix, layer_ops
 from search.presets import ModelShape, get_accelerator, get_model
 from search.profiles import TABLE3_KNOTS, OpProfile, Profiles, synthetic_gpu_profiles
-from search.schedule import check
+from search.schedule import NanoOp, Schedule, check
 
 
 def _profiles(per_granule: dict[str, tuple[str, float]], granules: int, knots=None) -> Profiles:
@@ -137,3 +139,31 @@ def test_70b_stage2_shares_are_in_the_reference_ballpark():
             assert 0.3 <= n.share <= 0.6
         if n.resource == "network" and beside:
             assert n.share <= 0.4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_profiles_and_splits_never_break_a_dependency(seed):
+    # Random affine op times (a weight read plus a per-row part) over the whole layer at
+    # TP 2, random nano-operation counts: Stage I and Stage II output must pass `check`,
+    # optimal or cut short by the time limit alike.
+    rng = random.Random(seed)
+    resources = {op.name: op.resource for op in layer_ops(TINY, get_accelerator("a100"), 128, 2)}
+    per_granule = {op: (res, rng.uniform(1, 30)) for op, res in resources.items()}
+    profiles = _profiles(per_granule, 3)
+    fixed = {op: rng.uniform(0, 10) for op in resources}
+    profiles = Profiles(
+        "random", "hand", 128,
+        tuple(OpProfile(p.op, p.resource, p.token_counts,
+                        tuple(t + fixed[p.op] for t in p.times_us)) for p in profiles.ops),
+        dict(TABLE3_KNOTS), "synthetic",
+    )  # fmt: skip
+    counts = {g: rng.randint(1, 3) for g in set(split_groups(resources).values())}
+    stage1 = solve_stage1(profiles, 384, counts, time_limit_s=1.0)
+    for result in (stage1, solve_stage2(stage1, profiles, time_limit_s=1.0)):
+        schedule = Schedule(
+            "random", "hand", 384,
+            tuple(NanoOp(n.op, n.row_start, n.row_end, n.resource, STREAMS[n.resource],
+                         n.start_us, n.duration_us, n.share) for n in result.nanos),
+            sequential_us=0.0,
+        )  # fmt: skip
+        assert check(schedule) == []
