@@ -6,8 +6,10 @@ start times, minimising the layer's makespan. A nano-operation depends on one of
 before it iff their row ranges intersect, which is itself decided by the sizes, so it is
 modelled with two binaries per pair ("my rows are all below yours" / "all above"); two
 nano-operations of one bound resource never overlap (a binary ordering per pair). All
-big-M constants come from the profiles: a row bound of B_dense / granularity, a time
-bound of every nano-operation at its largest size run one after another.
+big-M constants come from the profiles: a row bound of B_dense / granularity, and a time
+bound of one feasible schedule (the even split run op after op), which no optimum
+exceeds. Resource-load cuts (the layer lasts at least each resource's total) and a
+greedy or previous-round incumbent make the branch and bound prune early.
 
 Stage II (interference): sizes and per-resource order fixed from Stage I, each
 nano-operation gets a share R of the device with Σ R ≤ 1 over nano-operations running at
@@ -20,7 +22,6 @@ T ≥ D/P(R) is convex in R for a concave P and is bounded below by its secants.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections.abc import Iterable
@@ -56,7 +57,7 @@ SHARE_GRID = tuple(round(0.1 * i, 1) for i in range(1, 11))
 class StageResult:
     nanos: tuple[Nano, ...]
     makespan_us: float  # after `asap` on the exact durations
-    status: str  # CBC's: "Optimal", or "Not Solved" when the time limit cut it short
+    status: str  # "optimal", or "time limit": CBC's best when the limit cut it short
     solve_s: float
 
 
@@ -68,13 +69,11 @@ def split_groups(op_names: Iterable[str]) -> dict[str, str]:
 
 def _cbc(time_limit_s: float, warm: bool = False) -> pulp.LpSolver:
     # One thread: the search shares the host with the engine (and CI with other jobs).
-    # CBC_MSG=1 shows CBC's log: incumbents and bound, to see where time goes.
-    msg = bool(os.environ.get("CBC_MSG"))
     with warnings.catch_warnings():
         # pulp 3.3 deprecates the CBC binary it ships in favour of pulp[cbc]; it still
         # runs it, and that binary is the one this project can count on.
         warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=msg, timeLimit=time_limit_s, threads=1, warmStart=warm)
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, warmStart=warm)
 
 
 # --- Stage I ---------------------------------------------------------------------------
