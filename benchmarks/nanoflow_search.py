@@ -89,8 +89,9 @@ def main(argv: list[str]) -> dict:
     if not args.skip_cpu:
         t0 = time.perf_counter()
         profiles = measure_cpu_profiles(CPU_MODEL, 256)
+        profile_s = time.perf_counter() - t0
         cpu = _summary("tiny GQA layer on this CPU (measured)", profiles, 256, args.time_limit)
-        cpu |= {"profile_s": round(time.perf_counter() - t0, 1)}
+        cpu |= {"profile_s": round(profile_s, 1)}
         cpu |= {"interference": profiles.interference, "raw": profiles.notes["interference"]}
         cases.append(cpu)
     rows = [
