@@ -155,6 +155,8 @@ MODELS: dict[str, ModelShape] = {
         _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256),
         _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000),
         _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256),
+        # NanoFlow's primary model (GQA, 8 KV heads), served there on 8×A100 at TP 8.
+        _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000),
         # Lab 4's "7B full-MHA backbone": Llama-2-7B shapes priced at a nominal 7e9 params,
         # the only P for which §17's "LLM prefill over 2,400 tokens ≈ 36.6 TFLOP" reproduces.
         _llama("mha-7b", 32, 4096, 32, 32, 11008, 32000, num_params_override=7.0e9),

@@ -1,7 +1,8 @@
 """``vlmserve estimate``: the article's Labs 1–4 as a command line.
 
 ``image`` (Lab 4), ``kv`` (Lab 1), ``plan`` (Lab 2), ``batching`` (Lab 3), ``capacity``
-(a request trace through the real scheduler on the cost model's clock). A table by
+(a request trace through the real scheduler on the cost model's clock), ``pipeline``
+(NanoFlow's nano-batch auto-search, search/auto_search.py). A table by
 default, ``--json`` for scripts, ``--plot FILE.png`` for the curves the labs draw.
 Every figure is a roofline model (search/), not a measurement.
 """
@@ -38,7 +39,7 @@ from search.presets import (
     get_model,
     get_weight_precision,
 )
-from vlmserve import estimate_capacity
+from vlmserve import estimate_capacity, estimate_pipeline
 from vlmserve.estimate_plot import Curve, draw
 
 Row = tuple[str, str]
@@ -108,8 +109,8 @@ def _tp_arg(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``estimate`` with its ``image``, ``kv``, ``plan``, ``batching`` and ``capacity``
-    commands."""
+    """Add ``estimate`` with its ``image``, ``kv``, ``plan``, ``batching``, ``capacity`` and
+    ``pipeline`` commands."""
     estimate = subparsers.add_parser(
         "estimate",
         help="roofline cost estimates: image budget, KV cache, serving plan, batching, capacity",
@@ -118,7 +119,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     estimate.set_defaults(func=lambda args: _usage(estimate))
     sub = estimate.add_subparsers(
-        dest="estimate_command", metavar="{image,kv,plan,batching,capacity}"
+        dest="estimate_command", metavar="{image,kv,plan,batching,capacity,pipeline}"
     )
 
     p = sub.add_parser(
@@ -172,10 +173,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     estimate_capacity.add_arguments(p)
     p.set_defaults(func=lambda args: _run(args, estimate_capacity.run_capacity))
 
+    p = sub.add_parser(
+        "pipeline",
+        parents=[_common("llama-3-8b", 2.0)],
+        help="NanoFlow auto-search: the nano-batch schedule of one layer (--plot: Gantt)",
+        description=estimate_pipeline.__doc__,
+    )
+    _tp_arg(p)
+    estimate_pipeline.add_arguments(p)
+    p.set_defaults(func=estimate_pipeline.run_pipeline)
+
 
 def _usage(parser: argparse.ArgumentParser) -> int:
     parser.print_usage(sys.stderr)
-    choices = "image, kv, plan, batching, capacity"
+    choices = "image, kv, plan, batching, capacity, pipeline"
     print(f"vlmserve estimate: error: choose one of {choices}", file=sys.stderr)
     return 2
 

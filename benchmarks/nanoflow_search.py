@@ -1,0 +1,116 @@
+"""The auto-search on the reference's own inputs (NanoFlow §4.1.4) and on this CPU:
+what structure it chooses, the Stage I / Stage II makespans against the layer run in
+order, the shares, and how long each CBC solve took. The reference's 70B structure
+(4 nano-operations over KQV / attention / O / all-reduce, 2 over Up/Gate/Down) is also
+solved with its counts forced, from the searched schedule cut to them, for comparison.
+Writes benchmarks/results/nanoflow_search.json.
+
+    .venv/bin/python -m benchmarks.nanoflow_search [--time-limit 30] [--skip-cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from benchmarks.common import table, write_result
+from search.auto_search import search_schedule
+from search.cpu_profile import measure_cpu_profiles
+from search.nano_schedule import split_largest
+from search.nanoflow_milp import solve_stage1, solve_stage2, split_groups
+from search.presets import ModelShape, get_accelerator, get_model
+from search.profiles import Profiles, synthetic_gpu_profiles
+
+REFERENCE_4WAY = ("qkv", "attention", "o_proj", "allreduce_attn")
+CPU_MODEL = ModelShape("tiny-cpu-gqa", 2, 256, 8, 2, 32, 768, 1000)
+
+
+def _summary(name: str, profiles: Profiles, dense_batch: int, limit: float) -> dict:
+    schedule = search_schedule(profiles, dense_batch, limit)
+    n = schedule.notes
+    shares = {
+        f"{op.op}[{op.row_start}:{op.row_end}]": round(op.share, 2)
+        for op in schedule.nano_ops
+        if op.share < 1
+    }
+    return {
+        "case": name,
+        "counts": n["counts"],
+        "sequential_us": round(schedule.sequential_us, 1),
+        "stage1_us": round(n["stage1_makespan_us"], 1),
+        "stage2_us": round(n["searched_makespan_us"], 1),
+        "overlap_pays": n["overlap_pays"],
+        "rounds": n["rounds"],
+        "stage2_solve_s": round(n["stage2_solve_s"], 2),
+        "search_s": round(n["search_s"], 1),
+        "shares": shares,
+    }
+
+
+def _reference_structure(profiles: Profiles, limit: float) -> dict:
+    """Stage I with NanoFlow's 70B counts, warm-started from the two-way optimum."""
+    group = split_groups(p.op for p in profiles.ops)
+    order = {p.op: i for i, p in enumerate(profiles.ops)}
+    two = solve_stage1(profiles, 2048, {g: 2 for g in set(group.values())}, limit)
+    counts = {g: 4 if g in REFERENCE_4WAY else 2 for g in set(group.values())}
+    incumbent = two.nanos
+    for g in REFERENCE_4WAY:
+        members = {o for o, grp in group.items() if grp == g}
+        for _ in range(2):
+            incumbent = split_largest(incumbent, members, 128, profiles.time_us, order)
+    forced = solve_stage1(profiles, 2048, counts, limit, incumbent)
+    stage2 = solve_stage2(forced, profiles, limit)
+    return {
+        "case": "llama-2-70b tp8, reference counts forced",
+        "counts": counts,
+        "stage1_us": round(forced.makespan_us, 1),
+        "stage1_status": forced.status,
+        "stage1_solve_s": round(forced.solve_s, 1),
+        "stage2_us": round(stage2.makespan_us, 1),
+        "two_way_stage1_us": round(two.makespan_us, 1),
+    }
+
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
+    parser.add_argument("--skip-cpu", action="store_true")
+    args = parser.parse_args(argv)
+    a100 = get_accelerator("a100")
+    cases = []
+    for model, tp in (("llama-2-70b", 8), ("llama-3-8b", 1)):
+        profiles = synthetic_gpu_profiles(get_model(model), a100, 2048, tp)
+        cases.append(_summary(f"{model} tp{tp} a100 (synthetic)", profiles, 2048, args.time_limit))
+    seventy = synthetic_gpu_profiles(get_model("llama-2-70b"), a100, 2048, 8)
+    forced = _reference_structure(seventy, args.time_limit)
+    cpu = None
+    if not args.skip_cpu:
+        t0 = time.perf_counter()
+        profiles = measure_cpu_profiles(CPU_MODEL, 256)
+        profile_s = time.perf_counter() - t0
+        cpu = _summary("tiny GQA layer on this CPU (measured)", profiles, 256, args.time_limit)
+        cpu |= {"profile_s": round(profile_s, 1)}
+        cpu |= {"interference": profiles.interference, "raw": profiles.notes["interference"]}
+        cases.append(cpu)
+    rows = [
+        {k: c[k] for k in ("case", "sequential_us", "stage1_us", "stage2_us", "overlap_pays")}
+        | {"split": ",".join(f"{g}{n}" for g, n in c["counts"].items())}
+        for c in cases
+    ]
+    print(table(rows, ["case", "split", "sequential_us", "stage1_us", "stage2_us", "overlap_pays"]))
+    print(f"reference counts forced on 70B: {forced}")
+    print(f"load average {os.getloadavg()} (2 shared cores: solve times are upper bounds)")
+    result = {
+        "time_limit_s": args.time_limit,
+        "load_average": os.getloadavg(),
+        "cases": cases,
+        "reference_structure_70b": forced,
+    }
+    write_result("nanoflow_search", result)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

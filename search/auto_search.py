@@ -1,0 +1,203 @@
+"""The auto-search (NanoFlow §4.1): iterative Stage I splitting, then Stage II shares,
+emitted as the `Schedule` the runner executes and cached per (model, device, B_dense).
+
+Stage I starts with every op cut into two nano-operations. After each solve the largest
+compute bubble (an interval in which no compute-bound nano-operation runs) is found and
+the ops near it (those running during it, and the compute ops either side) get one more
+nano-operation each; the new split is kept if the layer got shorter. The search stops
+when a split no longer shortens it, or when a nano-operation would fall under the
+profiling granularity.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from search.nano_schedule import Nano, split_largest
+from search.nanoflow_milp import StageResult, solve_stage1, solve_stage2, split_groups
+from search.profiles import Profiles, _slug
+from search.schedule import NanoOp, Schedule, check
+
+STREAMS = {"compute": 0, "memory": 1, "network": 2}
+MIN_GAIN = 1e-3  # a split must shorten the layer by 0.1% to be kept
+
+
+@dataclass(frozen=True)
+class Bubble:
+    start_us: float
+    end_us: float
+
+    @property
+    def length_us(self) -> float:
+        return self.end_us - self.start_us
+
+
+def compute_bubbles(nanos: tuple[Nano, ...]) -> list[Bubble]:
+    """Idle intervals of the compute stream between its first and last nano-operation,
+    longest first: where a compute op waits on another resource. (Before the first and
+    after the last no compute op is left that could run: those are not bubbles.)"""
+    busy = sorted(
+        (n.start_us, n.start_us + n.duration_us) for n in nanos if n.resource == "compute"
+    )
+    gaps, edge = [], busy[0][1] if busy else 0.0
+    for a, b in busy[1:]:
+        if a > edge + 1e-6:
+            gaps.append(Bubble(edge, a))
+        edge = max(edge, b)
+    return sorted(gaps, key=lambda g: -g.length_us)
+
+
+def ops_near(bubble: Bubble, nanos: tuple[Nano, ...]) -> set[str]:
+    """Ops running during `bubble`, and the compute ops ending or starting at its edges."""
+    near = set()
+    for n in nanos:
+        end = n.start_us + n.duration_us
+        if n.start_us < bubble.end_us - 1e-9 and end > bubble.start_us + 1e-9:
+            near.add(n.op)
+        elif n.resource == "compute" and (
+            abs(end - bubble.start_us) < 1e-6 or abs(n.start_us - bubble.end_us) < 1e-6
+        ):
+            near.add(n.op)
+    return near
+
+
+def stage1_search(
+    profiles: Profiles,
+    dense_batch: int,
+    time_limit_s: float = 20.0,
+    max_rounds: int = 8,
+    bubbles_per_round: int = 2,
+) -> tuple[StageResult, dict[str, int], list[dict]]:
+    """Iterative splitting; returns the best Stage I result, its counts and the rounds.
+    Each round tries the largest bubbles in turn and keeps the first split that helps."""
+    group = split_groups(p.op for p in profiles.ops)
+    order = {p.op: i for i, p in enumerate(profiles.ops)}
+    granules = dense_batch // profiles.granularity
+    counts = {g: min(2, granules) for g in sorted(set(group.values()))}
+    best = solve_stage1(profiles, dense_batch, counts, time_limit_s)
+    rounds = [_round(counts, best, kept=True)]
+    for _ in range(max_rounds):
+        improved = False
+        for bubble in compute_bubbles(best.nanos)[:bubbles_per_round]:
+            near = {group[o] for o in ops_near(bubble, best.nanos)}
+            trial_counts = {g: n + (g in near) for g, n in counts.items()}
+            incumbent: tuple[Nano, ...] | None = best.nanos
+            for g in sorted(near):
+                members = {o for o, grp in group.items() if grp == g}
+                if incumbent is not None:
+                    incumbent = split_largest(
+                        incumbent, members, profiles.granularity, profiles.time_us, order
+                    )
+            if incumbent is None:  # a nano-batch would fall under the granularity
+                continue
+            trial = solve_stage1(profiles, dense_batch, trial_counts, time_limit_s, incumbent)
+            kept = trial.makespan_us < best.makespan_us * (1 - MIN_GAIN)
+            rounds.append(_round(trial_counts, trial, kept))
+            if kept:
+                best, counts, improved = trial, trial_counts, True
+                break
+        if not improved:
+            break
+    return best, counts, rounds
+
+
+def _round(counts: dict[str, int], result: StageResult, kept: bool) -> dict:
+    return {
+        "counts": dict(counts),
+        "makespan_us": round(result.makespan_us, 3),
+        "status": result.status,
+        "solve_s": round(result.solve_s, 3),
+        "kept": kept,
+    }
+
+
+def search_schedule(
+    profiles: Profiles,
+    dense_batch: int,
+    time_limit_s: float = 20.0,
+    max_rounds: int = 8,
+    interference: bool = True,
+) -> Schedule:
+    """Stage I (iterated) then, with `interference`, Stage II; checked before returning."""
+    t0 = time.perf_counter()
+    stage1, counts, rounds = stage1_search(profiles, dense_batch, time_limit_s, max_rounds)
+    final = solve_stage2(stage1, profiles, time_limit_s) if interference else stage1
+    sequential = sum(profiles.time_us(p.op, dense_batch) for p in profiles.ops)
+    # Overlap that does not beat the unsplit layer run op after op is not worth its
+    # weight re-reads: emit that layer instead (is_split False: the runner goes in order).
+    pays = final.makespan_us < sequential * (1 - MIN_GAIN)
+    nanos = final.nanos if pays else _unsplit(profiles, dense_batch)
+    schedule = Schedule(
+        model=profiles.model,
+        device=profiles.device,
+        dense_batch=dense_batch,
+        nano_ops=tuple(
+            NanoOp(
+                n.op,
+                n.row_start,
+                n.row_end,
+                n.resource,  # type: ignore[arg-type]
+                STREAMS[n.resource],
+                n.start_us,
+                n.duration_us,
+                n.share,
+            )
+            for n in sorted(nanos, key=lambda n: (n.start_us, STREAMS[n.resource]))
+        ),
+        sequential_us=sequential,
+        notes={
+            "overlap_pays": pays,
+            "searched_makespan_us": final.makespan_us,
+            "counts": counts,
+            "rounds": rounds,
+            "stage1_makespan_us": stage1.makespan_us,
+            "stage2_makespan_us": final.makespan_us if interference else None,
+            "stage2_status": final.status if interference else None,
+            "stage2_solve_s": final.solve_s if interference else None,
+            "search_s": time.perf_counter() - t0,
+            "profiles": profiles.source,
+            "granularity": profiles.granularity,
+        },
+    )
+    problems = check(schedule)
+    assert not problems, f"the search emitted an invalid schedule: {problems[:3]}"
+    return schedule
+
+
+def _unsplit(profiles: Profiles, dense_batch: int) -> tuple[Nano, ...]:
+    nanos, clock = [], 0.0
+    for p in profiles.ops:
+        d = profiles.time_us(p.op, dense_batch)
+        nanos.append(Nano(p.op, 0, 0, dense_batch, p.resource, d, clock, d))
+        clock += d
+    return tuple(nanos)
+
+
+def schedule_path(cache_dir: Path, model: str, device: str, dense_batch: int) -> Path:
+    return cache_dir / f"schedule-{_slug(model)}-{_slug(device)}-b{dense_batch}.json"
+
+
+def cached_schedule(
+    profiles: Profiles, dense_batch: int, cache_dir: Path, time_limit_s: float = 20.0
+) -> tuple[Schedule, bool]:
+    """The cached schedule for these profiles and batch, or a fresh search saved there;
+    the flag says whether it came from the cache. A cached schedule whose profiles differ
+    from `profiles` (re-profiled since) is searched again."""
+    path = schedule_path(cache_dir, profiles.model, profiles.device, dense_batch)
+    if path.is_file():
+        cached = Schedule.load(path)
+        if cached.notes.get("profile_digest") == _digest(profiles):
+            return cached, True
+    schedule = search_schedule(profiles, dense_batch, time_limit_s)
+    schedule.notes["profile_digest"] = _digest(profiles)
+    schedule.save(path)
+    return schedule, False
+
+
+def _digest(profiles: Profiles) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(asdict(profiles), sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,141 @@
+"""``vlmserve estimate pipeline``: NanoFlow's auto-search (§4.1) for one model and device.
+
+On a GPU preset the profiles are synthetic (the cost model's per-op times and Table 3);
+with ``--accelerator cpu`` one layer of the model is timed on this CPU (a small model:
+give a checkpoint's config.json). Profiles and the schedule are cached as JSON under
+``--cache-dir``; the schedule is what the runner executes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from search.auto_search import cached_schedule, search_schedule
+from search.op_graph import BatchMix
+from search.presets import get_accelerator, get_model
+from search.profiles import (
+    DEFAULT_CACHE_DIR,
+    Profiles,
+    save_profiles,
+    synthetic_gpu_profiles,
+    try_load_profiles,
+)
+from search.schedule import Schedule
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dense-batch",
+        type=int,
+        help="tokens per step, a multiple of 128 (GPU) or 16 (cpu); default 2048 / 256",
+    )
+    p.add_argument(
+        "--decode-fraction",
+        type=float,
+        default=0.5,
+        help="share of the batch's rows that decode (default: %(default)s)",
+    )
+    p.add_argument(
+        "--decode-context",
+        type=int,
+        help="decode rows' context (default: their caches fill the device; 512 on cpu)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=20.0,
+        help="seconds CBC may take per MILP solve (default: %(default)s)",
+    )
+    p.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="profiles and schedules")
+    p.add_argument("--refresh", action="store_true", help="search (and profile) again")
+
+
+def _profiles(args: argparse.Namespace, mix: BatchMix, dense_batch: int) -> Profiles:
+    model = get_model(args.model)
+    cache_dir = Path(args.cache_dir)
+    if args.accelerator.strip().lower() == "cpu":
+        if args.tp != 1:
+            raise ValueError("--tp must be 1 on cpu")
+        cached = None if args.refresh else try_load_profiles(cache_dir, model.name, "cpu")
+        if cached is not None and cached.max_tokens >= dense_batch:
+            return cached
+        from search.cpu_profile import measure_cpu_profiles
+
+        profiles = measure_cpu_profiles(model, dense_batch, mix)
+    else:
+        accel = get_accelerator(args.accelerator)
+        profiles = synthetic_gpu_profiles(model, accel, dense_batch, args.tp, mix)
+    save_profiles(profiles, cache_dir)
+    return profiles
+
+
+def _table(schedule: Schedule, from_cache: bool) -> str:
+    n = schedule.notes
+    saving = 1 - schedule.makespan_us / schedule.sequential_us
+    counts = ", ".join(f"{op} {c}" for op, c in n["counts"].items())
+    lines = [
+        f"pipeline: {schedule.model} on {schedule.device}, dense batch {schedule.dense_batch}"
+        f" ({n['profiles']} profiles{', cached' if from_cache else ''})",
+        f"  nano-operations   {counts}",
+        f"  layer, in order   {schedule.sequential_us:,.1f} us",
+        f"  Stage I           {n['stage1_makespan_us']:,.1f} us (no interference)",
+        f"  Stage II          {n['searched_makespan_us']:,.1f} us (R -> P interference)",
+        f"  chosen            {schedule.makespan_us:,.1f} us ({saving:.1%} shorter; "
+        f"overlap {'pays' if n['overlap_pays'] else 'does NOT pay: run in order'})",
+        "  solves            "
+        + ", ".join(f"{r['solve_s']:.1f} s ({r['status']})" for r in n["rounds"])
+        + f"; Stage II {n['stage2_solve_s']:.1f} s",
+        "",
+        f"  {'stream':<8} {'op':<15} {'rows':>11} {'start us':>10} {'dur us':>9} {'R':>5}",
+    ]
+    for op in schedule.nano_ops:
+        rows = f"{op.row_start}:{op.row_end}"
+        lines.append(
+            f"  {op.resource:<8} {op.op:<15} {rows:>11} {op.start_us:>10.1f} "
+            f"{op.duration_us:>9.1f} {op.share:>5.2f}"
+        )
+    return "\n".join(lines)
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    """Profile (or load), search (or load), print; user errors exit 2 with one line."""
+    try:
+        plot = Path(args.plot) if args.plot else None
+        if plot is not None and (plot.suffix.lower() != ".png" or not plot.parent.is_dir()):
+            raise ValueError(f"--plot wants a .png file in an existing folder, got {args.plot}")
+        if args.kv_dtype != "bf16":
+            raise ValueError("pipeline prices a bf16 cache only")
+        on_cpu = args.accelerator.strip().lower() == "cpu"
+        dense_batch = args.dense_batch or (256 if on_cpu else 2048)
+        if args.time_limit <= 0:
+            raise ValueError(f"--time-limit must be > 0, got {args.time_limit}")
+        mix = BatchMix(
+            args.decode_fraction,
+            args.decode_context or (512 if on_cpu else None),
+            workspace_bytes=args.workspace_gb * 1e9,
+        )
+        profiles = _profiles(args, mix, dense_batch)
+        if args.refresh:
+            schedule, hit = search_schedule(profiles, dense_batch, args.time_limit), False
+        else:
+            schedule, hit = cached_schedule(
+                profiles, dense_batch, Path(args.cache_dir), args.time_limit
+            )
+        if plot is not None:
+            from vlmserve.estimate_plot import draw_gantt
+
+            draw_gantt(plot, schedule)
+    except (ValueError, OSError) as exc:
+        print(f"vlmserve estimate pipeline: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"command": "pipeline", "cached": hit, **asdict(schedule)}, indent=1))
+    else:
+        print(_table(schedule, hit))
+    if plot is not None:
+        print(f"wrote {plot}", file=sys.stderr)
+    return 0
