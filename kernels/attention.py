@@ -264,22 +264,29 @@ class TorchPagedAttention:
 
 
 def select_backend(device: torch.device, preferred: str | None = None) -> AttentionBackend:
-    """The attention backend for `device`: on a CPU the C++ paged kernel where it builds
-    (kernels/cpu_attention.py), else plain torch. `preferred` names one ("torch", "cpu");
-    the torch backend runs anywhere and is the reference every other is tested against.
-    The planned GPU backends will register here, imported lazily (flashinfer is GPU-only)."""
+    """The attention backend for `device`: on a CPU the C++ kernels where they build
+    (kernels/cpu_attention.py), else plain torch. `preferred` names one: "torch", "cpu" (the
+    C++ decode and prefill kernels) or "cpu-sdpa" (the C++ decode kernel, torch's SDPA for
+    prefills); the torch backend runs anywhere and is the reference every other is tested
+    against. The planned GPU backends will register here, imported lazily (flashinfer is
+    GPU-only)."""
     from kernels import cpu_attention
 
-    if preferred not in (None, "torch", "cpu"):
-        raise ValueError(f"attention backend {preferred!r} is not available (have: torch, cpu)")
+    names = ("torch", "cpu", "cpu-sdpa")
+    if preferred not in (None, *names):
+        raise ValueError(
+            f"attention backend {preferred!r} is not available (have: {', '.join(names)})"
+        )
     if preferred == "torch":
         return TorchPagedAttention()
     if device.type == "cpu":
         why = cpu_attention.available()
-        if why is None:
-            return cpu_attention.CpuPagedAttention()
-        if preferred == "cpu":
-            raise ValueError(f"attention backend 'cpu' did not build: {why}")
-    elif preferred == "cpu":
-        raise ValueError(f"attention backend 'cpu' runs on a CPU device, not {device.type}")
+        prefill_why = None if preferred == "cpu-sdpa" else cpu_attention.prefill_available()
+        if why is None and (prefill_why is None or preferred is None):
+            use_kernel = preferred != "cpu-sdpa" and prefill_why is None
+            return cpu_attention.CpuPagedAttention(prefill_kernel=use_kernel)
+        if preferred is not None:
+            raise ValueError(f"attention backend {preferred!r} did not build: {why or prefill_why}")
+    elif preferred is not None:
+        raise ValueError(f"attention backend {preferred!r} runs on a CPU device, not {device.type}")
     return TorchPagedAttention()
