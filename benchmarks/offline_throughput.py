@@ -39,12 +39,16 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     return requests
 
 
-def make_engine(path: str, requests, args: argparse.Namespace) -> Engine:
+def make_engine(
+    path: str, requests, args: argparse.Namespace, attention_backend: str | None = None
+) -> Engine:
     """The engine the benchmark measures: a KV pool that holds every request at once."""
     kv_tokens = sum(len(ids) + out for ids, out in requests)
     return Engine(
         EngineConfig(
-            ModelConfig(path, device=args.device, dtype=args.dtype),
+            ModelConfig(
+                path, device=args.device, dtype=args.dtype, attention_backend=attention_backend
+            ),
             CacheConfig(num_blocks=kv_tokens // 16 + 64, block_size=16),
             SchedulerConfig(max_num_batched_tokens=args.token_budget, max_num_seqs=256),
         )

@@ -108,13 +108,17 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _attend(self, out, q, k, v, kv_cache, metadata: CpuAttentionMetadata, scale) -> None:
         super()._attend(out, q, k, v, kv_cache, metadata, scale)
-        kernels = (
-            (metadata.paged, torch.ops.vlmserve.paged_attention),
-            (metadata.prefill, torch.ops.vlmserve_prefill.prefill_attention),
-        )
-        for p, kernel in kernels:
-            if p is not None:
-                kernel(
-                    out, q, kv_cache, p.block_tables, p.query_starts,
-                    p.query_lens, p.context_lens, p.block_size, scale,
-                )  # fmt: skip
+        # Each op is looked up only when used: "cpu-sdpa" never loads the prefill kernel.
+        if metadata.paged is not None:
+            _run(torch.ops.vlmserve.paged_attention, out, q, kv_cache, metadata.paged, scale)
+        if metadata.prefill is not None:
+            kernel = torch.ops.vlmserve_prefill.prefill_attention
+            _run(kernel, out, q, kv_cache, metadata.prefill, scale)
+
+
+def _run(kernel, out, q, kv_cache, p: PagedRows, scale: float) -> None:
+    """Either kernel, writing its sequences' rows of `out` in place."""
+    kernel(
+        out, q, kv_cache, p.block_tables, p.query_starts,
+        p.query_lens, p.context_lens, p.block_size, scale,
+    )  # fmt: skip
