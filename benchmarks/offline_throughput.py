@@ -39,7 +39,9 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     return requests
 
 
-def make_engine(path: str, requests, args: argparse.Namespace) -> Engine:
+def make_engine(
+    path: str, requests, args: argparse.Namespace, attention_backend: str | None = None
+) -> Engine:
     """The engine the benchmark measures: a KV pool that holds every request at once."""
     kv_tokens = sum(len(ids) + out for ids, out in requests)
     return Engine(
@@ -48,7 +50,7 @@ def make_engine(path: str, requests, args: argparse.Namespace) -> Engine:
                 path,
                 device=args.device,
                 dtype=args.dtype,
-                attention_backend=getattr(args, "attention_backend", None),
+                attention_backend=attention_backend or getattr(args, "attention_backend", None),
                 cuda_graphs=getattr(args, "cuda_graphs", True),
             ),  # fmt: skip
             CacheConfig(num_blocks=kv_tokens // 16 + 64, block_size=16),

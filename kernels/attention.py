@@ -276,7 +276,7 @@ class TorchPagedAttention:
         return out.permute(1, 2, 0, 3, 4).reshape(num_seqs, q_max, kv_heads * group, dim)
 
 
-BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")
+BACKENDS = ("auto", "torch", "cpu", "cpu-sdpa", "triton", "flashinfer")
 
 
 def select_backend(
@@ -284,18 +284,21 @@ def select_backend(
 ) -> AttentionBackend:
     """The attention backend for `device` and activation `dtype`. `preferred`: one of
     BACKENDS; None or "auto" picks FlashInfer on a GPU where it is installed (it runs
-    float16 / bfloat16), else Triton there; on a CPU the C++ paged kernel where it builds
-    (kernels/cpu_attention.py), else plain torch. The torch backend runs anywhere and is
-    the reference every other is tested against. The GPU backends are imported here,
-    lazily: flashinfer is GPU-only, and triton runs on a CPU only in its interpreter."""
+    float16 / bfloat16), else Triton there; on a CPU the C++ kernels where they build
+    (kernels/cpu_attention.py: "cpu" = the decode and prefill kernels, "cpu-sdpa" = the
+    decode kernel with torch's SDPA for prefills), else plain torch. The torch backend
+    runs anywhere and is the reference every other is tested against. The GPU backends
+    are imported here, lazily: flashinfer is GPU-only, and triton runs on a CPU only in
+    its interpreter."""
     from kernels import cpu_attention
 
     if preferred not in (None, *BACKENDS):
         raise ValueError(f"attention backend {preferred!r} is not one of {', '.join(BACKENDS)}")
+    preferred = None if preferred == "auto" else preferred
     if preferred == "torch":
         return TorchPagedAttention()
-    if preferred == "triton" or (preferred in (None, "auto") and device.type == "cuda"):
-        if preferred is None or preferred == "auto":
+    if preferred == "triton" or (preferred is None and device.type == "cuda"):
+        if preferred is None:
             from kernels import flashinfer_attention
 
             if flashinfer_attention.available(device, dtype) is None:
@@ -317,10 +320,12 @@ def select_backend(
         return flashinfer_attention.FlashInferPagedAttention()
     if device.type == "cpu":
         why = cpu_attention.available()
-        if why is None:
-            return cpu_attention.CpuPagedAttention()
-        if preferred == "cpu":
-            raise ValueError(f"attention backend 'cpu' did not build: {why}")
-    elif preferred == "cpu":
-        raise ValueError(f"attention backend 'cpu' runs on a CPU device, not {device.type}")
+        prefill_why = None if preferred == "cpu-sdpa" else cpu_attention.prefill_available()
+        if why is None and (prefill_why is None or preferred is None):
+            use_kernel = preferred != "cpu-sdpa" and prefill_why is None
+            return cpu_attention.CpuPagedAttention(prefill_kernel=use_kernel)
+        if preferred is not None:
+            raise ValueError(f"attention backend {preferred!r} did not build: {why or prefill_why}")
+    elif preferred is not None:
+        raise ValueError(f"attention backend {preferred!r} runs on a CPU device, not {device.type}")
     return TorchPagedAttention()

@@ -1,36 +1,54 @@
-"""The CPU backend: decodes and verifications read K/V straight from the paged cache in a
-C++ kernel (kernels/csrc/paged_attention_cpu.cpp), with no per-layer gather.
+"""The CPU backend: attention reads K/V straight from the paged cache in C++ kernels, with
+no per-layer gather.
 
-The torch backend gathers every short-query sequence's context into a padded buffer per
-layer and runs batched matmuls: at batch 64 that copy is about half of a decode step on
-this CPU. The kernel walks each (sequence, kv head)'s blocks once with an online softmax
-instead, threads over those pairs, and writes its rows of the output in place. Everything
-else (the cache layout, the K/V write, fresh prefills by SDPA, long chunks on a prefix) is
-the torch backend's, unchanged.
+Decodes and verifications (query_len <= SMALL_QUERY_LEN) go to
+kernels/csrc/paged_attention_cpu.cpp: the torch backend gathers every short-query
+sequence's context into a padded buffer per layer, which at batch 64 is about half of a
+decode step on this CPU; the kernel walks each (sequence, kv head)'s blocks once with an
+online softmax instead, threads over those pairs, and writes its rows of the output in
+place.
 
-The kernel is compiled the first time it is needed (kernels/cpu_build.py). Where no C++
-compiler is found the build fails once, `available()` says why, and `select_backend` keeps
-the torch one.
+Prefills and chunks on a cached prefix go to kernels/csrc/prefill_attention_cpu.cpp: a
+flash-style kernel over (sequence, kv head, query block) items whose register-blocked
+micro-kernels run near the GEMM peak, where torch's CPU SDPA (flash) kernel reaches about
+half of it at head size 64, and where a chunk on a prefix needs no gather or mask.
+`prefill_kernel=False` keeps the torch backend's path for them (SDPA per fresh prefill,
+gather + masked SDPA per chunk on a prefix); `select_backend(..., "cpu-sdpa")` picks it.
+
+The kernels are compiled the first time they are needed (kernels/cpu_build.py). Where no
+C++ compiler is found the build fails once, `available()` says why, and `select_backend`
+keeps the torch backend.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from kernels import cpu_build
-from kernels.attention import AttentionBatch, TorchAttentionMetadata, TorchPagedAttention
+from kernels.attention import (
+    SMALL_QUERY_LEN,
+    AttentionBatch,
+    TorchAttentionMetadata,
+    TorchPagedAttention,
+)
 
 
 def available() -> str | None:
-    """None when the kernel is built and loaded; otherwise the reason it is not."""
+    """None when the decode kernel is built and loaded; otherwise the reason it is not."""
     return cpu_build.load("paged_attention_cpu")
+
+
+def prefill_available() -> str | None:
+    """None when the prefill kernel is built and loaded; otherwise the reason it is not."""
+    return cpu_build.load("prefill_attention_cpu")
 
 
 @dataclass
 class PagedRows:
-    """The short-query sequences, for the kernel: int32 on the host."""
+    """Sequences for one kernel: int32 on the host."""
 
     block_tables: torch.Tensor  # [S, max_blocks]
     query_starts: torch.Tensor  # [S] first flat token index
@@ -39,38 +57,68 @@ class PagedRows:
     block_size: int
 
 
+def paged_rows(batch: AttentionBatch, starts: list[int], members: list[int]) -> PagedRows | None:
+    """The kernel inputs of the sequences `members` (None when there are none)."""
+    if not members:
+        return None
+    width = max(len(batch.block_tables[i]) for i in members)
+    # One tensor from padded lists: a tensor per sequence costs ~10 us each.
+    padded = [t + [0] * (width - len(t)) for t in (batch.block_tables[i] for i in members)]
+    return PagedRows(
+        torch.tensor(padded, dtype=torch.int32),
+        torch.tensor([starts[i] for i in members], dtype=torch.int32),
+        torch.tensor([batch.query_lens[i] for i in members], dtype=torch.int32),
+        torch.tensor([batch.context_lens[i] for i in members], dtype=torch.int32),
+        batch.block_size,
+    )
+
+
 @dataclass
 class CpuAttentionMetadata(TorchAttentionMetadata):
-    paged: PagedRows | None = None
+    paged: PagedRows | None = None  # decodes and verifications
+    prefill: PagedRows | None = None  # prefills and chunks on a prefix (prefill kernel)
 
 
 class CpuPagedAttention(TorchPagedAttention):
     name = "cpu"
 
+    def __init__(self, prefill_kernel: bool = True) -> None:
+        super().__init__()
+        why = prefill_available() if prefill_kernel else None
+        if why is not None:
+            raise ValueError(f"the CPU prefill attention kernel did not build: {why}")
+        self.prefill_kernel = prefill_kernel
+        self.name = "cpu" if prefill_kernel else "cpu-sdpa"
+
     def build_metadata(
         self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
     ) -> CpuAttentionMetadata:
-        meta, starts, small = self._split(batch, slot_mapping, device)
-        paged = None
-        if small:
-            width = max(len(batch.block_tables[i]) for i in small)
-            # One tensor from padded lists: a tensor per sequence costs ~10 us each.
-            padded = [t + [0] * (width - len(t)) for t in (batch.block_tables[i] for i in small)]
-            tables = torch.tensor(padded, dtype=torch.int32)
-            paged = PagedRows(
-                tables,
-                torch.tensor([starts[i] for i in small], dtype=torch.int32),
-                torch.tensor([batch.query_lens[i] for i in small], dtype=torch.int32),
-                torch.tensor([batch.context_lens[i] for i in small], dtype=torch.int32),
-                batch.block_size,
+        if not self.prefill_kernel:
+            meta, starts, small = self._split(batch, slot_mapping, device)
+            return CpuAttentionMetadata(
+                meta.slot_mapping, meta.groups, meta.fresh, paged_rows(batch, starts, small)
             )
-        return CpuAttentionMetadata(meta.slot_mapping, meta.groups, meta.fresh, paged)
+        starts = [0, *itertools.accumulate(batch.query_lens)][:-1]
+        small = [i for i, q in enumerate(batch.query_lens) if q <= SMALL_QUERY_LEN]
+        large = [i for i, q in enumerate(batch.query_lens) if q > SMALL_QUERY_LEN]
+        return CpuAttentionMetadata(
+            slot_mapping.to(device), [], [],
+            paged_rows(batch, starts, small), paged_rows(batch, starts, large),
+        )  # fmt: skip
 
     def _attend(self, out, q, k, v, kv_cache, metadata: CpuAttentionMetadata, scale) -> None:
         super()._attend(out, q, k, v, kv_cache, metadata, scale)
-        p = metadata.paged
-        if p is not None:
-            torch.ops.vlmserve.paged_attention(
-                out, q, kv_cache, p.block_tables, p.query_starts,
-                p.query_lens, p.context_lens, p.block_size, scale,
-            )  # fmt: skip
+        # Each op is looked up only when used: "cpu-sdpa" never loads the prefill kernel.
+        if metadata.paged is not None:
+            _run(torch.ops.vlmserve.paged_attention, out, q, kv_cache, metadata.paged, scale)
+        if metadata.prefill is not None:
+            kernel = torch.ops.vlmserve_prefill.prefill_attention
+            _run(kernel, out, q, kv_cache, metadata.prefill, scale)
+
+
+def _run(kernel, out, q, kv_cache, p: PagedRows, scale: float) -> None:
+    """Either kernel, writing its sequences' rows of `out` in place."""
+    kernel(
+        out, q, kv_cache, p.block_tables, p.query_starts,
+        p.query_lens, p.context_lens, p.block_size, scale,
+    )  # fmt: skip

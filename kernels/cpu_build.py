@@ -6,6 +6,9 @@ torch build, so checkouts
 of the same code share one build, a changed kernel never reuses a stale one, and two
 checkouts of different code never rebuild over each other in turn (torch's default keys
 the directory by the extension's name alone and rebuilds whenever the source path changes).
+The sources are compiled from copies inside that directory: ninja's build file names the
+source path, so checkouts at different paths would otherwise still rebuild each other's
+shared build (about a minute each time on a loaded machine).
 Where no compiler is found the build fails once and the caller keeps its torch path.
 """
 
@@ -34,6 +37,12 @@ def build_directory(name: str, source: Path) -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     path = Path(root) / "vlmserve" / f"{name}-{digest.hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)
+    for file in [source, *CSRC.glob("*.h")]:
+        copy = path / file.name
+        if not copy.exists():  # never rewritten: a newer mtime would make ninja rebuild
+            tmp = path / f".{file.name}.{os.getpid()}"
+            tmp.write_bytes(file.read_bytes())
+            os.replace(tmp, copy)
     return path
 
 
@@ -45,12 +54,13 @@ def load(name: str) -> str | None:
     try:
         from torch.utils.cpp_extension import load as cpp_load
 
+        directory = build_directory(name, source)
         cpp_load(
             name=f"vlmserve_{name}",
-            sources=[str(source)],
+            sources=[str(directory / source.name)],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
-            build_directory=str(build_directory(name, source)),
+            build_directory=str(directory),
             is_python_module=False,
         )
         return None

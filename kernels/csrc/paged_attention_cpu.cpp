@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_inputs.h"
 #include "vec_avx512.h"
 
 namespace {
@@ -251,20 +252,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      const at::Tensor& block_tables, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, const at::Tensor& context_lens,
                      int64_t block_size, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors expected");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out: [num_tokens, heads, dim]");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows must be dense");
-  TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be dense");
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache: contiguous [2, kv_heads, slots, dim]");
-  TORCH_CHECK(kv_cache.size(3) == q.size(2) && q.size(1) % kv_cache.size(1) == 0,
-              "head dims or head counts do not match");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "q, kv_cache and out must share a dtype");
-  for (const auto* t : {&block_tables, &query_starts, &query_lens, &context_lens}) {
-    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "int32 metadata expected");
-  }
-  TORCH_CHECK(block_tables.size(0) == query_starts.size(0), "one block-table row per sequence");
+  vlmserve_paged::check_inputs(out, q, kv_cache, block_tables, query_starts, query_lens,
+                               context_lens);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
                                   [&] {
                                     attend<scalar_t>(out, q, kv_cache, block_tables,

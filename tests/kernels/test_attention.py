@@ -32,13 +32,15 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
 
 def cpu_backend():
-    why = cpu_attention.available()
+    why = cpu_attention.available() or cpu_attention.prefill_available()
     if why is not None:
         pytest.skip(f"the C++ CPU kernel did not build here: {why}")
     return cpu_attention.CpuPagedAttention()
 
 
 BACKENDS = {"torch": TorchPagedAttention, "cpu": cpu_backend}
+# The C++ decode kernel with the torch path (SDPA) for prefills: the opt-out of the kernel.
+WITH_SDPA = {**BACKENDS, "cpu-sdpa": lambda: select_backend(torch.device("cpu"), "cpu-sdpa")}
 
 
 def run_step(
@@ -93,11 +95,11 @@ def check_paged_attention(
     run_step(backend, cache, tables, [(c, c + n) for c, n in shapes], qkv, block)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", WITH_SDPA)
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])  # GQA and MHA
 def test_block_sizes_gqa_and_mha_match_sdpa(heads, kv_heads, block, backend):
-    check_paged_attention(torch.device("cpu"), heads, kv_heads, block, BACKENDS[backend]())
+    check_paged_attention(torch.device("cpu"), heads, kv_heads, block, WITH_SDPA[backend]())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -121,6 +123,7 @@ def test_cpu_kernel_is_the_cpu_default_and_torch_stays_selectable():
     cpu_backend()
     assert select_backend(torch.device("cpu")).name == "cpu"
     assert select_backend(torch.device("cpu"), "torch").name == "torch"
+    assert select_backend(torch.device("cpu"), "cpu-sdpa").name == "cpu-sdpa"
     with pytest.raises(ValueError, match="not one of"):
         select_backend(torch.device("cpu"), "flash")
     with pytest.raises(ValueError, match="flashinfer"):
