@@ -99,8 +99,9 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         default="auto",
         choices=BACKENDS,
         help="auto (default): FlashInfer on a GPU where installed, else Triton there; the "
-        "C++ kernel on a CPU. torch: the plain-torch reference anywhere. triton runs on a "
-        "CPU only under TRITON_INTERPRET=1",
+        "C++ decode and prefill kernels on a CPU (cpu-sdpa: torch's SDPA for prefills). "
+        "torch: the plain-torch reference anywhere. triton runs on a CPU only under "
+        "TRITON_INTERPRET=1",
     )
 
 
