@@ -327,6 +327,7 @@ def timed_prepare(
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `caption` command."""
+    from vlmserve.caption_ray import add_ray_args
     from vlmserve.engine_args import add_engine_args
 
     p = subparsers.add_parser(
@@ -344,6 +345,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--retry-errors", action="store_true", help="rerun items that failed")
     p.add_argument("--no-progress", action="store_true")
     add_engine_args(p)
+    add_ray_args(p)
     p.set_defaults(func=cmd_caption)
 
 
@@ -356,6 +358,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
+    if args.ray is not None:
+        return _cmd_caption_ray(args, items, sampling)
     engine = Engine(engine_config_from_args(args))
     summary = run_caption(
         engine, items, Path(args.output), sampling, max_in_flight=args.max_in_flight,
@@ -364,4 +368,24 @@ def cmd_caption(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(summary.render(), file=sys.stderr)
     print(render_engine_stats(engine.stats()), file=sys.stderr)
+    return 130 if summary.interrupted else 0
+
+
+def _cmd_caption_ray(
+    args: argparse.Namespace, items: list[CaptionItem], sampling: SamplingParams
+) -> int:
+    from vlmserve.caption_ray import ray_config_from_args, run_caption_ray
+    from vlmserve.engine_args import engine_config_from_args
+
+    ray_config = ray_config_from_args(args)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install -e '.[ray]'") from None
+    summary = run_caption_ray(
+        engine_config_from_args(args), items, Path(args.output), sampling, ray_config,
+        max_in_flight=args.max_in_flight, num_workers=args.workers, limit=args.limit,
+        retry_errors=args.retry_errors, progress=not args.no_progress,
+    )  # fmt: skip
+    print(summary.render(), file=sys.stderr)
     return 130 if summary.interrupted else 0
