@@ -15,6 +15,10 @@ files of its own, while resume needs one JSONL where a line is on disk exactly w
 item is done. A record reaches the driver when its whole batch is done, so a kill loses
 at most the batches in flight; their items run again on the rerun, and the sink drops a
 record whose id is already written (a task Ray retried).
+
+On a cluster of several nodes every node reads the inputs and loads the model itself: the
+folder or JSONL's paths must be on a filesystem they share (or be URLs), and `--model` a
+path each node has (the default model ships inside the package).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ LOCAL = "local"  # `--ray` without an address: start a cluster on this machine f
 class RayConfig:
     """Where the job runs and how wide: the cluster, the engine actor pool, its batches."""
 
-    address: str = LOCAL  # a running cluster's address ("auto", "HOST:6379", "ray://...")
+    address: str = LOCAL  # a running cluster's address ("auto", "HEAD_IP:6379")
     min_actors: int = 1
     max_actors: int | None = None  # None: as many as the cluster's CPUs hold
     cpus_per_actor: float = 1.0  # Ray's accounting; also the actor's torch threads
@@ -140,8 +144,11 @@ class CaptionActor:
 
         threads = max(1, int(cpus))
         torch.set_num_threads(threads)  # Ray's accounting, not the node's core count
-        if config.encoder.num_workers is None:  # "one per core": the actor's cores
-            encoder = dataclasses.replace(config.encoder, num_workers=threads)
+        if config.encoder.num_workers is None:
+            # Decode on the prepare threads, in this process: Ray's workers are the unit of
+            # CPU parallelism, and a process pool nested in an actor dies with it, noisily
+            # (`--preprocess-workers N` still asks for one).
+            encoder = dataclasses.replace(config.encoder, num_workers=0)
             config = dataclasses.replace(config, encoder=encoder)
         self.engine = Engine(config)
         self.sampling, self.max_in_flight = sampling, max_in_flight
@@ -169,6 +176,9 @@ class CaptionActor:
             caption_stream(self.engine, todo, prepare, self.pool, {}, self.max_in_flight)
         )
         return {"record": [json.dumps(r) for r in records]}
+
+    def __del__(self) -> None:  # Ray Data calls it when the pool shuts down gracefully
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def run_caption_ray(
@@ -252,7 +262,7 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ray", nargs="?", const=LOCAL, default=None, metavar="ADDRESS",
         help="run on Ray Data: on a cluster started here for the run, or on the running "
-        "cluster at ADDRESS ('auto', HOST:6379, ray://HOST:10001)",
+        "cluster at ADDRESS ('auto' or HEAD_IP:6379; run it on one of the cluster's nodes)",
     )  # fmt: skip
     group.add_argument(
         "--ray-actors", default=None, metavar="MIN[,MAX]",

@@ -138,8 +138,8 @@ def test_ray_job_matches_the_single_process_job_and_resumes_after_a_kill(scenes,
     assert len(expected) == NUM_SCENES + 1 and expected["broken.jpg"]["caption"] is None
 
     out = tmp_path / "ray.jsonl"
-    ray_args = [*JOB_ARGS, "--ray", cluster, "--ray-actors", "2", "--ray-batch-size", "1"]
-    job = ["caption", str(scenes), "-o", str(out), *ray_args]
+    ray_args = [*JOB_ARGS, "--ray", cluster, "--ray-batch-size", "1", "--ray-actors"]
+    job = ["caption", str(scenes), "-o", str(out), *ray_args, "1"]
     with (tmp_path / "job.log").open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vlmserve.cli", *job], cwd=ROOT, stdout=log, stderr=log
@@ -158,7 +158,8 @@ def test_ray_job_matches_the_single_process_job_and_resumes_after_a_kill(scenes,
     assert 2 <= len(killed) < len(expected), "killed halfway"
     print(f"killed with {len(killed)} of {len(expected)} lines on disk")
 
-    assert main(["caption", str(scenes), "-o", str(out), *ray_args]) == 0  # the rerun
+    # The rerun, on both workers: the killed job's lines stay, the rest are appended.
+    assert main(["caption", str(scenes), "-o", str(out), *ray_args, "2"]) == 0
     records = whole_lines(out)
     ids = [r["id"] for r in records]
     assert len(ids) == len(set(ids)), "no item twice"
