@@ -3,13 +3,14 @@ interleaved rounds on this machine, and what that says about N nodes.
 
 The workload: --images generated scenes (the embedded default model's held-out scenes,
 48-px single-tile PNGs) captioned greedily (--max-tokens 40; the captions end at EOS after
-5-25 tokens). Three modes, the order rotating per round:
+5-25 tokens). Every engine gets one CPU: one torch thread, images decoded on its prepare
+threads (`--preprocess-workers 0`, an actor's default). One thread is also what this
+shared machine allows: with 2 torch threads under other helpers' load a step took 30-100x
+longer (the OpenMP threads wait on each other). Three modes, the order rotating per round:
 
-    single  `run_caption` on one Engine in this process (torch on every core, the
-            default preprocessing pool): `vlmserve caption DIR -o OUT`; an actor decodes
-            on its prepare threads instead (the `--ray` default)
-    ray1    `run_caption_ray`, 1 actor holding 2 CPUs (the same threads as single)
-    ray2    `run_caption_ray`, 2 actors holding 1 CPU each
+    single  `run_caption` on one Engine in this process: the single-process job
+    ray1    `run_caption_ray`, 1 engine actor (1 CPU)
+    ray2    `run_caption_ray`, 2 engine actors (1 CPU each)
 
 All modes keep --max-in-flight requests in each engine; Ray hands an actor --batch-size
 items per call. A local Ray cluster (3 logical CPUs, a 200 MB object store, no dashboard)
@@ -26,7 +27,7 @@ end). The driver's own CPU per image (it parses and appends every line) bounds h
 one driver scales. Captions must agree across the modes (the run stops if not).
 
     .venv/bin/python -m benchmarks.caption_scale             # ~8 minutes here
-    .venv/bin/python -m benchmarks.caption_scale --quick     # 24 images, one round
+    .venv/bin/python -m benchmarks.caption_scale --quick     # 96 images, one round
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import environment, table, write_result
+from encoders.config import EncoderConfig
 from vlmserve.caption import CaptionSummary, discover, run_caption
 from vlmserve.caption_ray import RayConfig, ray_init_kwargs, run_caption_ray
 from vlmserve.config import EngineConfig, ModelConfig
@@ -52,14 +54,14 @@ from vlmserve.engine import Engine
 from vlmserve.sampling import SamplingParams
 
 MODES = ("single", "ray1", "ray2")
-RAY_POOLS = {"ray1": (1, 2.0), "ray2": (2, 1.0)}  # actors, CPUs each
+RAY_POOLS = {"ray1": 1, "ray2": 2}  # engine actors, one CPU each
 NODES = (1, 2, 4, 8, 16, 64)
 
 
 class LinePoller:
     """(seconds since start, lines on disk) every `interval` s, on a thread."""
 
-    def __init__(self, path: Path, interval: float = 0.02) -> None:
+    def __init__(self, path: Path, interval: float = 0.05) -> None:
         self.path, self.interval = path, interval
         self.samples: list[tuple[float, int, float]] = []  # (s, lines, process CPU s)
         self._stop = threading.Event()
@@ -110,14 +112,13 @@ def timed(path: Path, job: Callable[[], CaptionSummary], num_images: int) -> dic
 def run_mode(mode: str, folder: Path, out: Path, args: argparse.Namespace) -> dict:
     items = discover(folder, "Describe the image.")
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    config = EngineConfig(ModelConfig(str(DEFAULT_MODEL_DIR)))
+    config = EngineConfig(ModelConfig(str(DEFAULT_MODEL_DIR)), encoder=EncoderConfig(num_workers=0))
     common = {"max_in_flight": args.max_in_flight, "progress": False}
     if mode == "single":
         return timed(out, lambda: run_caption(Engine(config), items, out, sampling, **common),
                      len(items))  # fmt: skip
-    actors, cpus = RAY_POOLS[mode]
-    ray_config = RayConfig(max_actors=actors, min_actors=actors, cpus_per_actor=cpus,
-                           batch_size=args.batch_size)  # fmt: skip
+    actors = RAY_POOLS[mode]
+    ray_config = RayConfig(min_actors=actors, max_actors=actors, batch_size=args.batch_size)
     job = lambda: run_caption_ray(config, items, out, sampling, ray_config, **common)
     return timed(out, job, len(items))
 
@@ -143,21 +144,22 @@ def project(median: dict[str, dict]) -> list[dict]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--images", type=int, default=192)
+    p.add_argument("--images", type=int, default=960)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--max-in-flight", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=24, help="items per Ray actor call")
-    p.add_argument("--quick", action="store_true", help="24 images, one round")
+    p.add_argument("--batch-size", type=int, default=32, help="items per Ray actor call")
+    p.add_argument("--quick", action="store_true", help="96 images, one round")
     p.add_argument("--name", default="caption_scale")
     args = p.parse_args(argv)
     if args.quick:
-        args.images, args.rounds, args.batch_size = 24, 1, 8
+        args.images, args.rounds, args.batch_size = 96, 1, 16
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    torch.set_num_threads(1)  # the single-process engine's one CPU (module docstring)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 

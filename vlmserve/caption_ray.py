@@ -46,6 +46,7 @@ from vlmserve.caption import (
     write_records,
 )
 from vlmserve.config import EngineConfig
+from vlmserve.outputs import PreparedRequest
 from vlmserve.sampling import SamplingParams
 
 LOCAL = "local"  # `--ray` without an address: start a cluster on this machine for the run
@@ -167,7 +168,7 @@ class CaptionActor:
                 todo.append(item)
                 read[item.item_id] = (bytes(data), float(read_s))
 
-        def prepare(item: CaptionItem):
+        def prepare(item: CaptionItem) -> tuple[PreparedRequest, float]:
             data, read_s = read.pop(item.item_id)
             prepared, prepare_s = timed_prepare(self.engine, item, self.sampling, data)
             return prepared, read_s + prepare_s
@@ -178,7 +179,8 @@ class CaptionActor:
         return {"record": [json.dumps(r) for r in records]}
 
     def __del__(self) -> None:  # Ray Data calls it when the pool shuts down gracefully
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if pool := getattr(self, "pool", None):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def run_caption_ray(
