@@ -62,7 +62,9 @@ class StepRecorder:
 
         def recording_schedule():
             plan = schedule()
-            self._items = [(i.seq.num_computed_tokens, i.num_new_tokens, i.seq.num_prompt_tokens)
+            seqs = engine.scheduler.seqs
+            self._items = [(i.num_computed_tokens, i.num_new_tokens,
+                            seqs[i.request_id].num_prompt_tokens)
                            for i in plan.scheduled]  # fmt: skip
             return plan
 

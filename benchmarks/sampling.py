@@ -26,8 +26,7 @@ from functools import partial
 import torch
 
 from benchmarks.common import environment, table, write_result
-from scheduler.planner import ScheduledSeq
-from scheduler.sequence import Sequence
+from scheduler.step_plan import ScheduledSeq
 from vlmserve.sampling import SamplerState, SamplingParams, filtered_probs
 from vlmserve.spec_decode import sample_plan, verify_greedy
 
@@ -125,7 +124,7 @@ def make_case(
     logits = make_logits(num_requests * (1 + num_drafts), vocab, shape, device)
     likely = logits.argmax(-1).view(num_requests, 1 + num_drafts)[:, :num_drafts].tolist()
     scheduled = [
-        ScheduledSeq(Sequence(f"r{i}", [1, 2, 3]), 1 + num_drafts, True, tuple(likely[i]))
+        ScheduledSeq(f"r{i}", 2, 1 + num_drafts, True, (3,), tuple(likely[i]))
         for i in range(num_requests)
     ]
     seeded = [replace(params, seed=i) for i in range(num_requests)]

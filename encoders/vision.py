@@ -13,7 +13,7 @@ padding (a `pixel_attention_mask` that is not all ones) are not supported.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -248,7 +248,7 @@ class VisionEncoder(torch.nn.Module):
                         f"(or 1 in a multi-image prompt), got {shape[0]}"
                     )
 
-    def _tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[num_tiles, 3, H, W] -> [num_tiles, tokens_per_tile, text_hidden]"""
         if self.config.family == "idefics3":
             return self.connector(self.tower(pixel_values))
@@ -259,8 +259,14 @@ class VisionEncoder(torch.nn.Module):
         return self.projector(features)
 
     @torch.no_grad()
-    def encode(self, images: list[VisionInput]) -> list[torch.Tensor]:
-        """Per image: [num_image_tokens, text_hidden], in prompt placeholder order."""
+    def encode(
+        self,
+        images: list[VisionInput],
+        tile_features: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """Per image: [num_image_tokens, text_hidden], in prompt placeholder order.
+        `tile_features`: runs the tower + projection over the step's tiles in place of
+        `self.tile_features` (tensor parallelism spreads the tiles over the ranks)."""
         if not images:
             return []
         for image in images:
@@ -268,7 +274,7 @@ class VisionEncoder(torch.nn.Module):
         param = self.tower.vit.pos_embed
         # [total_tiles, 3, H, W]: one batched tower call over all tiles of all images
         pixel_values = torch.cat([image.pixel_values for image in images])
-        features = self._tile_features(pixel_values.to(param.device, param.dtype))
+        features = (tile_features or self.tile_features)(pixel_values.to(param.device, param.dtype))
         per_image = features.split([image.pixel_values.shape[0] for image in images])
         if self.config.family == "idefics3":
             return [tiles.reshape(-1, tiles.shape[-1]) for tiles in per_image]

@@ -11,7 +11,7 @@ What must stay true:
   the planner never hashes or admits a sequence with an unknown token (a sequence
   preempted meanwhile waits, not ready, until its token is back);
 - a block is registered in the prefix cache only once the step that wrote its KV has
-  come back (`ends`): a forward that fails never leaves its KV findable;
+  come back (each item's `end`): a forward that fails never leaves its KV findable;
 - a sequence that finished meanwhile (stop token, stop string, abort, failure) is left
   alone: its blocks are already free. Its extra token from a later in-flight step is
   computed for nothing and never emitted. Freeing blocks that an in-flight step still
@@ -22,39 +22,44 @@ Speculating steps are never advanced: which KV they keep depends on the accepted
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from scheduler.kv_blocks import BlockManager
-from scheduler.planner import StepPlan
 from scheduler.prefix_hash import extend_block_hashes
+from scheduler.sequence import Sequence
+from scheduler.step_plan import StepPlan
 
 
 @dataclass(frozen=True)
 class LaunchedStep:
-    """A plan whose step is in flight. `ends[i]`: where item i's KV ends once it lands."""
+    """A plan whose step is in flight."""
 
     plan: StepPlan
-    ends: tuple[int, ...]
 
 
-def advance(plan: StepPlan) -> LaunchedStep:
-    """Count `plan`'s rows as computed and its samples as pending, before its step runs."""
-    ends = []
+def advance(plan: StepPlan, seqs: Mapping[str, Sequence]) -> LaunchedStep:
+    """Count `plan`'s rows as computed and its samples as pending, before its step runs.
+    `seqs`: the scheduler's sequences by request id."""
     for item in plan.scheduled:
         assert not item.draft_token_ids, "a speculating step is never advanced"
-        seq = item.seq
+        seq = seqs[item.request_id]
         seq.num_computed_tokens += item.num_new_tokens
         seq.num_pending_tokens += int(item.sample)
-        ends.append(seq.num_computed_tokens)
-    return LaunchedStep(plan, tuple(ends))
+    return LaunchedStep(plan)
 
 
-def resolve(step: LaunchedStep, sampled: list[list[int]], block_manager: BlockManager) -> None:
+def resolve(
+    step: LaunchedStep,
+    sampled: list[list[int]],
+    seqs: Mapping[str, Sequence],
+    block_manager: BlockManager,
+) -> None:
     """`step` came back: `sampled[i]` is the token item i emitted ([] for a chunk that
     does not sample, and for a sequence that finished meanwhile)."""
-    for item, end, tokens in zip(step.plan.scheduled, step.ends, sampled, strict=True):
-        seq = item.seq
-        if seq.status == "finished":
+    for item, tokens in zip(step.plan.scheduled, sampled, strict=True):
+        seq = seqs.get(item.request_id)
+        if seq is None:  # finished meanwhile
             continue
         if item.sample:
             assert len(tokens) == 1, f"{seq.request_id}: one token per sampled row, got {tokens}"
@@ -62,5 +67,5 @@ def resolve(step: LaunchedStep, sampled: list[list[int]], block_manager: BlockMa
             seq.num_pending_tokens -= 1
             seq.token_ids.extend(tokens)
         if seq.status == "running":  # preempted meanwhile: its blocks went with it
-            hashes = extend_block_hashes(seq, end, block_manager.block_size)
+            hashes = extend_block_hashes(seq, item.end, block_manager.block_size)
             block_manager.register(hashes, seq.block_table)

@@ -80,6 +80,7 @@ class BlockManager:
         for block_id in matched:
             self._ref(block_id)
         seq.block_table = list(matched)
+        seq.num_synced_blocks = 0
         self._tables[seq.request_id] = seq.block_table
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -101,11 +102,13 @@ class BlockManager:
     def shrink(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the blocks beyond `num_tokens` (rolling back rejected draft slots)."""
         keep = self.blocks_for(num_tokens)
+        seq.num_synced_blocks = min(seq.num_synced_blocks, keep)
         while len(seq.block_table) > keep:
             self._unref(seq.block_table.pop())
 
     def free(self, seq: Sequence) -> None:
         table = self._tables.pop(seq.request_id, None)
+        seq.num_synced_blocks = 0
         if table is None:
             return
         # Tail first: the end of a prompt is the least likely to be shared later.

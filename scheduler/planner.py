@@ -38,16 +38,7 @@ from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spec_policy import SpecPolicy
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # query rows this step: tokens [num_computed, num_computed + n)
-    sample: bool  # the chunk reaches the last token, so a next token is sampled
-    # Guessed tokens after the last one: they fill the last len(drafts) query rows and
-    # join seq.token_ids only once accepted. Non-empty only for a sampling decode.
-    draft_token_ids: tuple[int, ...] = ()
+from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
 
 
 @dataclass
@@ -58,20 +49,6 @@ class _Room:
     tokens: int
     tiles_used: int
     lump_tokens: int | None
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    scheduled: list[ScheduledSeq]
-    preempted: list[Sequence]
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> AdmissionPolicy:
@@ -104,6 +81,8 @@ class Scheduler:
         self.encoder_cached = encoder_cached or (lambda _: False)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Every unfinished sequence by request id: a StepPlan names them by id.
+        self.seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed KV thrown away by preemption
         self.proposer: NgramProposer | None = None
@@ -160,6 +139,7 @@ class Scheduler:
         seq.status = "waiting"
         seq.num_waiting_steps = 0
         self.waiting.append(seq)
+        self.seqs[seq.request_id] = seq
         if max_num_tokens is not None:
             self._max_num_tokens[seq.request_id] = max_num_tokens
 
@@ -174,6 +154,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = "finished"
+        self.seqs.pop(seq.request_id, None)
         self._max_num_tokens.pop(seq.request_id, None)
         self._admitted_at.pop(seq.request_id, None)
         self._quick_ids.discard(seq.request_id)
@@ -229,7 +210,8 @@ class Scheduler:
             if not preempted:
                 scheduled += self._admit(room, quick_only=True)
             first_tokens = any(
-                item.seq.request_id in self._quick_ids and item.seq.num_output_tokens == 0
+                item.request_id in self._quick_ids
+                and self.seqs[item.request_id].num_output_tokens == 0
                 for item in scheduled
             )
             yielded = first_tokens and (
@@ -243,7 +225,7 @@ class Scheduler:
         for seq in self.waiting:
             if seq.ready:
                 seq.num_waiting_steps += 1
-        return StepPlan(scheduled, preempted)
+        return StepPlan(scheduled, tuple(seq.request_id for seq in preempted))
 
     def _is_lump(self, seq: Sequence) -> bool:
         """A running prefill not admitted as quick (its chunks share the lump cap)."""
@@ -304,7 +286,7 @@ class Scheduler:
             if seq.status != "running":
                 continue
             self.block_manager.grow(seq, total)
-            scheduled.append(ScheduledSeq(seq, num_new, sample, drafts))
+            scheduled.append(schedule_item(seq, num_new, sample, drafts))
             room.tokens -= num_new
             if lump and room.lump_tokens is not None:
                 room.lump_tokens -= num_new
@@ -376,7 +358,7 @@ class Scheduler:
             num_new, tiles = chunk
             room.tiles_used += tiles
             self._start(seq, matched, num_cached, num_new, cand.quick)
-            scheduled.append(ScheduledSeq(seq, num_new, num_cached + num_new == seq.num_tokens))
+            scheduled.append(schedule_item(seq, num_new, num_cached + num_new == seq.num_tokens))
             room.tokens -= num_new
             available -= cost
             if cand.quick:
@@ -428,7 +410,7 @@ class Scheduler:
         """Advance after the runner executed `plan`: `sampled[i]` are the tokens accepted
         for `plan.scheduled[i]` (empty for a prefill chunk that does not sample)."""
         for item, tokens in zip(plan.scheduled, sampled, strict=True):
-            seq, drafts = item.seq, item.draft_token_ids
+            seq, drafts = self.seqs[item.request_id], item.draft_token_ids
             if drafts:
                 assert tokens, f"{seq.request_id}: a speculating decode must emit a token"
                 # `tokens` = accepted drafts + one more, so the KV of the last real token

@@ -40,6 +40,9 @@ class Sequence:
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at admission
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Leading entries of block_table the runner holds (StepPlan sends the rest as a delta);
+    # the block manager lowers it when it drops blocks.
+    num_synced_blocks: int = 0
     # Chained hashes of the full blocks so far (prefix cache); extended lazily.
     block_hashes: list[bytes] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))

@@ -39,6 +39,11 @@ class KvReport:
     device_fraction_used: float
     max_concurrency: int
     kv_bytes_read_per_step: float
+    # Tensor parallelism (§16): what one device holds. The cache splits min(n, n_kv) ways;
+    # past n_kv every KV head is on n/n_kv devices.
+    tp: int = 1
+    kv_bytes_per_token_per_device: float = 0.0
+    kv_replicas: int = 1
 
 
 def kv_report(
@@ -49,14 +54,19 @@ def kv_report(
     weight: Precision,
     cache: Precision,
     workspace_bytes: float = 0.0,
+    tp: int = 1,
 ) -> KvReport:
-    """Lab 1: capacity only; no allocator overhead, so max concurrency is a ceiling."""
+    """Lab 1: capacity only; no allocator overhead, so max concurrency is a ceiling. With
+    `tp` > 1 the device figures (used, fraction, concurrency, per-device KV per token)
+    are one device's: weights / n, cache / min(n, n_kv) (§16)."""
     _require(context_len >= 1, f"context length must be >= 1, got {context_len}")
     _require(batch >= 1, f"concurrent sequences must be >= 1, got {batch}")
+    _check_parallel(model, tp)
     s_w, s_c = weight.bytes_per_element, cache.bytes_per_element
     weights = cm.weight_bytes_total(model, s_w)
     total = cm.kv_cache_bytes(model, context_len, batch, s_c)
-    used = weights + total + workspace_bytes
+    shards = cm.cache_shards(model, tp)
+    used = weights / tp + total / shards + workspace_bytes
     return KvReport(
         kv_bytes_per_token=cm.kv_bytes_per_token(model, s_c),
         kv_bytes_per_sequence=cm.kv_bytes_per_sequence(model, context_len, s_c),
@@ -64,9 +74,12 @@ def kv_report(
         weight_bytes=weights,
         device_bytes_used=used,
         device_fraction_used=used / accel.memory_bytes,
-        max_concurrency=cm.b_max(model, accel, context_len, s_w, s_c, workspace_bytes),
+        max_concurrency=cm.b_max(model, accel, context_len, s_w, s_c, workspace_bytes, tp),
         # Every resident cache is read in full on each decode step (§10).
         kv_bytes_read_per_step=total,
+        tp=tp,
+        kv_bytes_per_token_per_device=cm.kv_bytes_per_token(model, s_c) / shards,
+        kv_replicas=tp // shards,
     )
 
 

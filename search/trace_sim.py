@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.planner import Scheduler, StepPlan
+from scheduler.planner import Scheduler
 from scheduler.sequence import ImagePlaceholder, Sequence
+from scheduler.step_plan import StepPlan
 from search.image_budget import visual_tokens
 from search.step_time import (
     StepHardware,
@@ -289,8 +290,8 @@ class _Sim:
     def price(self, plan: StepPlan) -> StepWork:
         prefill = decode = pairs = kv = tiles = 0
         for item in plan.scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
+            seq, n = self.scheduler.seqs[item.request_id], item.num_new_tokens
+            start = item.num_computed_tokens
             if n == 1 and start >= seq.num_prompt_tokens:
                 decode += 1
             else:
@@ -315,8 +316,8 @@ class _Sim:
         return max(1, math.floor(img.num_tokens / per_tile))
 
     def step(self, plan: StepPlan) -> None:
-        for seq in plan.preempted:
-            self.encoded[seq.request_id].clear()
+        for request_id in plan.preempted:
+            self.encoded[request_id].clear()
         work = self.price(plan)
         self.now += step_time(work, self.hw).total_s
         self.num_tiles += work.num_tiles_encoded
@@ -326,7 +327,7 @@ class _Sim:
         for item, tokens in zip(plan.scheduled, sampled, strict=True):
             if not tokens:
                 continue
-            seq = item.seq
+            seq = self.scheduler.seqs[item.request_id]
             rec = self.records[seq.request_id]
             if rec.first_token_s is None:
                 rec.first_token_s = self.now + self.config.egress_s
@@ -354,7 +355,7 @@ class _Sim:
                     break
                 self.now = max(self.now, nxt)
                 continue
-            self.num_recomputed += sum(running.get(s.request_id, 0) for s in plan.preempted)
+            self.num_recomputed += sum(running.get(request_id, 0) for request_id in plan.preempted)
             self.step(plan)
             self.sample_timeline()
         counted = getattr(self.scheduler, "num_recomputed_tokens", None)

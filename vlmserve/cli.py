@@ -16,7 +16,7 @@ from vlmserve.server import serve_cli
 def cmd_info(args: argparse.Namespace) -> int:
     from vlmserve import info
 
-    data = info.collect()
+    data = info.collect(args.model, args.tensor_parallel_size)
     print(json.dumps(data, indent=2) if args.json else info.render(data))
     return 0
 
@@ -32,7 +32,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     request = Request(messages=[{"role": "user", "content": content}], sampling=params)
     start = time.perf_counter()
-    [out] = engine.generate([request])
+    try:
+        [out] = engine.generate([request])
+    finally:
+        engine.close()  # tensor-parallel workers end with the command
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
         return 2
@@ -58,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="versions, PIL build, device, attention backend")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--model", help="checkpoint folder: also how --tensor-parallel-size splits it")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="one offline multimodal generation")

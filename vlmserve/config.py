@@ -52,9 +52,22 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (vlmserve/parallel): the decoder's heads and MLP rows split over
+    this many ranks, one process each; 1 runs in the engine's process alone."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off
     encoder: EncoderConfig = field(default_factory=EncoderConfig)  # preprocessing, cache
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP 1

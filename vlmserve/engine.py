@@ -24,23 +24,23 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterable
 from concurrent import futures
 from dataclasses import dataclass
 
 from encoders.errors import PromptTooLongError, RequestError
 from scheduler.in_flight import LaunchedStep, advance, resolve
-from scheduler.planner import ScheduledSeq, Scheduler, StepPlan
+from scheduler.planner import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecMetrics
+from scheduler.step_plan import ScheduledSeq, StepPlan
 from vlmserve.config import EngineConfig
 from vlmserve.detokenizer import IncrementalDetokenizer
 from vlmserve.engine_summary import engine_stats
 from vlmserve.forward_thread import ForwardThread, Sampled, StepTimes, run_step
 from vlmserve.image_wait import pending_images, poll_images, wait_for_images
 from vlmserve.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
+from vlmserve.parallel.executor import make_runner
 from vlmserve.processing import Request, check_prompt_chars, eos_token_ids, make_prompt_processor
-from vlmserve.runner import ModelRunner
 from vlmserve.sampling import SamplerState, SamplingParams
 from vlmserve.spec_decode import ridge_batch_for
 
@@ -72,7 +72,7 @@ class _InFlight:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = make_runner(config)  # tensor parallel: starts the other ranks
         model = self.runner.model
         self.processor = make_prompt_processor(
             config.model.path, model, config.model.max_images_per_request,
@@ -187,7 +187,7 @@ class Engine:
         plan, failed = self._plan(idle_wait=True)
         if plan.is_empty:
             return failed
-        states = [self._states[item.seq.request_id] for item in plan.scheduled]
+        states = [self._states[item.request_id] for item in plan.scheduled]
         try:
             inputs = self.runner.prepare(plan)
             samplers = _samplers(plan, states)
@@ -196,10 +196,9 @@ class Engine:
             return failed + self._fail_step(states, e)
         accepted, failed_now = self._take(states, sampled)
         plan = self._without(plan, {out.request_id for out in failed_now})
-        ends = [item.seq.num_computed_tokens + item.num_new_tokens for item in plan.scheduled]
-        self._count_prompt_work(plan.scheduled, ends)
+        self._count_prompt_work(plan.scheduled)
         self.scheduler.update(
-            plan, [accepted.get(item.seq.request_id, ([], None))[0] for item in plan.scheduled]
+            plan, [accepted.get(item.request_id, ([], None))[0] for item in plan.scheduled]
         )
         self.num_steps += 1
         return failed + failed_now + self._emit(accepted)
@@ -218,8 +217,8 @@ class Engine:
         failed). `idle_wait`: with nothing to run, wait briefly for a decoding image."""
         failed = self._poll_images()
         plan = self.scheduler.schedule()
-        for seq in plan.preempted:
-            self.runner.preempt(seq)
+        for request_id in plan.preempted:
+            self.runner.preempt(request_id)
         if plan.is_empty:
             if idle_wait and not failed:
                 wait_for_images(self.scheduler.waiting)
@@ -235,11 +234,11 @@ class Engine:
         thread. Its decodes of tokens `previous` is still sampling take them from its
         output there."""
         assert self._forward is not None
-        states = [self._states[item.seq.request_id] for item in plan.scheduled]
+        states = [self._states[item.request_id] for item in plan.scheduled]
         in_flight = None
         if previous is not None:
             scheduled = previous.step.plan.scheduled
-            in_flight = {item.seq: i for i, item in enumerate(scheduled) if item.sample}
+            in_flight = {item.request_id: i for i, item in enumerate(scheduled) if item.sample}
         future: futures.Future[Sampled] = futures.Future()
         try:
             inputs = self.runner.prepare(plan, in_flight)
@@ -247,7 +246,7 @@ class Engine:
             future = self._forward.submit(inputs, plan.scheduled, samplers, before)
         except Exception as e:  # noqa: BLE001 - as the forward raising: fails when taken
             future.set_exception(e)
-        return _InFlight(advance(plan), states, future)
+        return _InFlight(advance(plan, self.scheduler.seqs), states, future)
 
     def _collect(self, flight: _InFlight | None) -> list[RequestOutput]:
         """Wait for `flight`'s output and take it like a synchronous step's. Requests that
@@ -263,9 +262,9 @@ class Engine:
             self.times.wait_s += time.perf_counter() - start
         accepted, failed = self._take(flight.states, sampled)
         step = flight.step
-        tokens = [accepted.get(item.seq.request_id, ([], None))[0] for item in step.plan.scheduled]
-        self._count_prompt_work(step.plan.scheduled, step.ends)
-        resolve(step, tokens, self.scheduler.block_manager)
+        tokens = [accepted.get(item.request_id, ([], None))[0] for item in step.plan.scheduled]
+        self._count_prompt_work(step.plan.scheduled)
+        resolve(step, tokens, self.scheduler.seqs, self.scheduler.block_manager)
         self.num_steps += 1
         return failed + self._emit(accepted)
 
@@ -311,16 +310,16 @@ class Engine:
 
     @staticmethod
     def _without(plan: StepPlan, request_ids: set[str]) -> StepPlan:
-        kept = [item for item in plan.scheduled if item.seq.request_id not in request_ids]
+        kept = [item for item in plan.scheduled if item.request_id not in request_ids]
         return StepPlan(kept, plan.preempted) if request_ids else plan
 
-    def _count_prompt_work(self, scheduled: list[ScheduledSeq], ends: Iterable[int]) -> None:
-        """Prompt tokens the items (each computing up to its end) computed, failed ones
-        left out."""
-        for item, end in zip(scheduled, ends, strict=True):
-            if item.seq.status != "finished":
-                start, prompt_end = end - item.num_new_tokens, item.seq.num_prompt_tokens
-                self.num_computed_prompt_tokens += max(0, min(end, prompt_end) - start)
+    def _count_prompt_work(self, scheduled: list[ScheduledSeq]) -> None:
+        """Prompt tokens the items computed, failed ones left out."""
+        for item in scheduled:
+            seq = self.scheduler.seqs.get(item.request_id)
+            if seq is not None:
+                prompt_end = min(item.end, seq.num_prompt_tokens)
+                self.num_computed_prompt_tokens += max(0, prompt_end - item.num_computed_tokens)
 
     def _accept(self, state: _State, new: list[int]) -> tuple[list[int], FinishReason | None]:
         """`new` up to and including the first token that ends the request (a stop id, a
@@ -361,6 +360,11 @@ class Engine:
         self.scheduler.finish(state.seq)
         self.runner.release(state.seq.request_id)
         del self._states[state.seq.request_id]
+
+    def close(self) -> None:
+        """Stop what the engine started outside this process (tensor-parallel workers).
+        Also done when the engine is garbage-collected or the interpreter exits."""
+        self.runner.close()
 
     def stats(self) -> dict[str, float]:
         """Engine-side gauges and counters for metrics: queue, KV pool, prefix and encoder

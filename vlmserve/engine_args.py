@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from encoders.config import EncoderConfig
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from vlmserve.config import EngineConfig, ModelConfig
+from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 
 # Speculation is off unless asked for: benchmarks/spec_decode.py did not show adaptive γ
@@ -78,6 +78,15 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         "--max-model-len", type=_int_at_least(2), default=None, help="default: the checkpoint's"
     )
     group.add_argument("--max-images-per-request", type=_int_at_least(0), default=16)
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=_int_at_least(1),
+        default=1,
+        metavar="N",
+        help="split the decoder's heads and MLP over N ranks, one process each (gloo on "
+        "CPU, NCCL on GPUs); the vision tower runs data-parallel over them. N must divide "
+        "the attention heads; past the KV heads they are replicated (default: 1)",
+    )
     group.add_argument(
         "--eager",
         action="store_true",
@@ -323,7 +332,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         jpeg_draft=args.jpeg_draft,
         use_pool=not args.hf_image_processor,
     )
-    return EngineConfig(model, cache, scheduler, speculative, encoder)
+    parallel = _with_flags(
+        "--tensor-parallel-size", ParallelConfig, tensor_parallel_size=args.tensor_parallel_size
+    )
+    config = EngineConfig(model, cache, scheduler, speculative, encoder, parallel)
+    if parallel.tensor_parallel_size > 1:
+        from vlmserve.parallel.executor import check_config
+
+        check_config(config)  # heads vs ranks, from config.json: before any start-up
+    return config
 
 
 def _with_flags(flags: str, cls: type, **kwargs: object):

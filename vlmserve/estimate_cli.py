@@ -143,6 +143,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("kv", parents=[_common("llama-3-8b", 0.0)], help="KV cache (Lab 1)")
     _weight_arg(p)
+    _tp_arg(p)
     p.add_argument("--context", type=int, default=8192, help="tokens (default: 8192)")
     p.add_argument("--batch", type=int, default=8, help="concurrent sequences (default: 8)")
     p.set_defaults(func=lambda args: _run(args, _kv))
@@ -327,7 +328,7 @@ def _kv(args: argparse.Namespace) -> Outcome:
     model, accel = _setup(args)
     weight, cache = get_weight_precision(args.weight_dtype), get_cache_precision(args.kv_dtype)
     ws = args.workspace_gb * 1e9
-    r = kv_report(model, accel, args.context, args.batch, weight, cache, ws)
+    r = kv_report(model, accel, args.context, args.batch, weight, cache, ws, args.tp)
     rows: list[Row] = [
         ("attention", f"{model.attention_kind} (g = {model.group_size})"),
         ("KV per token", f"{r.kv_bytes_per_token / 1024:,.0f} KiB"),
@@ -338,9 +339,29 @@ def _kv(args: argparse.Namespace) -> Outcome:
         ("max concurrency", f"{r.max_concurrency:,} sequences"),
         ("KV read / decode step", _bytes(r.kv_bytes_read_per_step)),
     ]
+    if args.tp > 1:
+        copies = f"{r.kv_replicas} copies of each KV head" if r.kv_replicas > 1 else "no copies"
+        rows[4:6] = [
+            ("weights per GPU", _bytes(r.weight_bytes / args.tp)),
+            (
+                "device used, per GPU",
+                f"{_bytes(r.device_bytes_used)} ({r.device_fraction_used:.0%})",
+            ),
+        ]
+        rows[2:2] = [
+            ("KV per token per GPU", f"{r.kv_bytes_per_token_per_device / 1024:,.0f} KiB"),
+            (
+                "KV heads per GPU",
+                f"{max(1, model.num_kv_heads // args.tp)} of {model.num_kv_heads} ({copies})",
+            ),
+        ]
+        if r.kv_replicas > 1:
+            held = r.kv_bytes_total * r.kv_replicas
+            rows.insert(6, ("KV held, all GPUs", f"{_bytes(held)} ({r.kv_replicas} copies)"))
+            rows.append(("warning", f"tp={args.tp} > n_kv={model.num_kv_heads}: cache replicated"))
     title = (
         f"KV cache: {model.name}, {args.context:,} tokens, {args.weight_dtype} weights, "
-        f"{args.kv_dtype} cache, {accel.name}"
+        f"{args.kv_dtype} cache, tp {args.tp}, {accel.name}"
     )
     payload = _payload(title, args, model, accel, r)
 

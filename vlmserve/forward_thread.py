@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.planner import ScheduledSeq
+from scheduler.step_plan import ScheduledSeq
 from vlmserve.runner import ModelRunner, StepInputs
 from vlmserve.sampling import SamplerState
 from vlmserve.spec_decode import sample_plan

@@ -44,7 +44,35 @@ def pil_variant() -> dict[str, object]:
     }
 
 
-def collect() -> dict[str, object]:
+def tensor_parallel(model_path: str, size: int) -> dict[str, object]:
+    """How `size` ranks would split the checkpoint at `model_path`: heads and KV heads per
+    rank, and the KV heads' replication past n_kv (article §16), with the KV bytes per
+    token each rank holds in the dtype the engine would use here."""
+    from encoders.weights import read_config
+    from vlmserve.config import ModelConfig
+    from vlmserve.models.loader import decoder_config
+    from vlmserve.parallel.sharding import check_tensor_parallel, kv_heads_per_rank, kv_replicas
+
+    cfg = decoder_config(read_config(model_path))
+    check_tensor_parallel(cfg, size)
+    elem = torch.finfo(ModelConfig(model_path).torch_dtype).bits // 8
+    local_kv = kv_heads_per_rank(cfg.num_kv_heads, size)
+    replicas = kv_replicas(cfg.num_kv_heads, size)
+    return {
+        "size": size,
+        "heads_per_rank": cfg.num_heads // size,
+        "kv_heads": cfg.num_kv_heads,
+        "kv_heads_per_rank": local_kv,
+        "kv_replicas": replicas,
+        "kv_bytes_per_token_per_rank": 2 * cfg.num_layers * local_kv * cfg.head_dim * elem,
+        "kv_bytes_per_token_all_ranks": 2 * cfg.num_layers * local_kv * cfg.head_dim * elem * size,
+        "kv": f"replicated {replicas}x (tp {size} > {cfg.num_kv_heads} KV heads)"
+        if replicas > 1
+        else "sharded by KV head",
+    }
+
+
+def collect(model_path: str | None = None, tp: int = 1) -> dict[str, object]:
     device = default_device()
     info: dict[str, object] = {
         "python": platform.python_version(),
@@ -56,6 +84,8 @@ def collect() -> dict[str, object]:
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)
+    if model_path is not None:
+        info["tensor_parallel"] = tensor_parallel(model_path, tp)
     return info
 
 

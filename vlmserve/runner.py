@@ -15,7 +15,8 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,10 +26,14 @@ from encoders.stage import EncoderStage, ImageWork
 from kernels.attention import AttentionBatch, select_backend
 from kernels.packed_linear import pack_linears
 from scheduler.config import kv_pool_num_blocks
-from scheduler.planner import StepPlan
-from scheduler.sequence import ImagePlaceholder, Sequence
+from scheduler.step_plan import ImageChunk, StepPlan
 from vlmserve.config import EngineConfig
 from vlmserve.models.loader import LoadedModel, load_model
+from vlmserve.parallel.layers import shard_decoder
+from vlmserve.parallel.sharding import TPShard
+
+if TYPE_CHECKING:
+    from vlmserve.parallel.comm import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +61,15 @@ def keep_activations_in_heap() -> bool:
         return False
 
 
+@dataclass
+class _RequestState:
+    """What the runner keeps of a request between steps: its block table (the plans'
+    deltas applied) and the encoder records of the images its chunks reached."""
+
+    block_table: list[int] = field(default_factory=list)
+    images: dict[int, object] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """One forward's inputs, self-contained: no scheduler object inside. Host tensors:
@@ -75,15 +89,20 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, group: TPGroup | None = None) -> None:
+        """`group`: this process is one rank of a tensor-parallel group (vlmserve/parallel)
+        and holds that rank's shard of the decoder and of the KV cache."""
         self.device = torch.device(config.model.device)
         if self.device.type == "cpu":
             keep_activations_in_heap()
         self.dtype = config.model.torch_dtype
         self.backend = select_backend(self.device, config.model.attention_backend)
+        shard = None if group is None else TPShard(group.rank, group.size)
         self.model: LoadedModel = load_model(
-            config.model.path, self.dtype, self.device, self.backend
+            config.model.path, self.dtype, self.device, self.backend, shard
         )
+        if group is not None:
+            shard_decoder(self.model.decoder, group)
         if config.model.pack_weights and self.device.type == "cpu":
             pack_linears(self.model.decoder)
             if self.model.vision is not None:
@@ -92,6 +111,8 @@ class ModelRunner:
         self.model.decoder.fused = config.model.fused_ops
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit(config)
+        if group is not None:  # every rank's pool holds the same blocks
+            self.num_blocks = group.min_int(self.num_blocks)
         cfg = self.model.decoder.cfg
         # Per layer, in the backend's layout (torch: [2, num_kv_heads, num_slots, head_dim]);
         # slot = block * size + offset.
@@ -101,6 +122,8 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
         ]
+        # Per request id: the block table and images, from the plans (StepPlan deltas).
+        self._requests: dict[str, _RequestState] = {}
         # Pooled image embeddings of prompts still in prefill, by (request id, image index).
         self._image_embeds: dict[tuple[str, int], torch.Tensor] = {}
         self.num_encoded_images = 0
@@ -135,61 +158,64 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (finished, aborted or preempted)."""
+        self._requests.pop(request_id, None)
         for key in [k for k in self._image_embeds if k[0] == request_id]:
             del self._image_embeds[key]
 
-    def preempt(self, seq: Sequence) -> None:
-        """`seq` lost its KV: pin its images' encoder-cache entries to it (as a hit at
-        arrival is pinned), so its recompute never runs the tower again, then forget it."""
-        for image in seq.images:
-            work = image.data
+    def preempt(self, request_id: str) -> None:
+        """The request lost its KV: pin the encoder-cache entries of the images it reached
+        to it (as a hit at arrival is pinned), so its recompute never runs the tower again,
+        then forget it."""
+        state = self._requests.get(request_id)
+        for work in state.images.values() if state is not None else ():
             if isinstance(work, ImageWork) and work.embedding is None:
                 work.embedding = self.encoder_cache.peek(work.cache_key)
-        self.release(seq.request_id)
+        self.release(request_id)
 
     @torch.inference_mode()
-    def prepare(
-        self, plan: StepPlan, in_flight: Mapping[Sequence, int] | None = None
-    ) -> StepInputs:
-        """The tensors of `plan`'s forward (its images already encoded by `encode_images`),
-        read from its sequences now: the engine thread may change them while `run` goes on
-        another thread. `in_flight` (async scheduling): the item index, in the step still
-        running, of each sequence whose last token that step is sampling; its row is
-        filled from that step's output in `run`."""
+    def prepare(self, plan: StepPlan, in_flight: Mapping[str, int] | None = None) -> StepInputs:
+        """The tensors of `plan`'s forward (its images already encoded by `encode_images`);
+        applies the plan's block-table deltas. `in_flight` (async scheduling): the item
+        index, in the step still running, of each request whose last token that step is
+        sampling; its row is filled from that step's output in `run`."""
         token_ids, positions, slots, sample_rows = [], [], [], []
         query_lens, context_lens, block_tables = [], [], []
         image_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         pending_rows: list[tuple[int, int]] = []
         row = 0
         for item in plan.scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            known = seq.token_ids[start:end]  # drafts and pending tokens lie past the end
-            token_ids += known
-            if len(known) + len(item.draft_token_ids) < n:
-                assert in_flight is not None and seq in in_flight, f"{seq.request_id}: no token"
-                assert len(known) + 1 == n, f"{seq.request_id}: more than one pending token"
-                pending_rows.append((row + len(known), in_flight[seq]))
+            state = self._requests.setdefault(item.request_id, _RequestState())
+            table, delta = state.block_table, item.block_table
+            del table[delta.num_kept :]
+            table.extend(delta.new_block_ids)
+            n, start, end = item.num_new_tokens, item.num_computed_tokens, item.end
+            token_ids += item.token_ids
+            if len(item.token_ids) + len(item.draft_token_ids) < n:
+                assert in_flight is not None and item.request_id in in_flight, (
+                    f"{item.request_id}: no token"
+                )
+                assert len(item.token_ids) + 1 == n, f"{item.request_id}: more than one pending"
+                pending_rows.append((row + len(item.token_ids), in_flight[item.request_id]))
                 token_ids.append(0)  # a stand-in until `run`
             token_ids += item.draft_token_ids
             positions.extend(range(start, end))
-            slots.extend(_slots(seq.block_table, start, end, self.block_size))
+            slots.extend(_slots(table, start, end, self.block_size))
             query_lens.append(n)
             context_lens.append(end)
-            block_tables.append(seq.block_table)
-            for index, image in enumerate(seq.images):
-                where = _rows_in_chunk(image, start, end)
-                if where is not None:
-                    offsets, chunk_pos = where
-                    embeds = self._image_embeds[(seq.request_id, index)]
-                    image_rows.append((chunk_pos - start + row, embeds, offsets))
+            block_tables.append(table)
+            for chunk in item.images:
+                embeds = self._image_embeds[(item.request_id, chunk.index)]
+                rows = torch.tensor(chunk.positions, dtype=torch.long) - start + row
+                offsets = torch.arange(chunk.offset_start, chunk.offset_start + len(rows))
+                image_rows.append((rows, embeds, offsets))
+                if chunk.is_last:  # the tensors above hold on to the embeddings
+                    del self._image_embeds[(item.request_id, chunk.index)]
             row += n
             if item.sample:
                 sample_rows.extend(range(row - 1 - len(item.draft_token_ids), row))
         batch = AttentionBatch(query_lens, context_lens, block_tables, self.block_size)
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         metadata = self.backend.build_metadata(batch, slot_mapping, torch.device("cpu"))
-        self._drop_finished_images(plan)
         return StepInputs(
             torch.tensor(token_ids, dtype=torch.long), pending_rows,
             torch.tensor(positions, dtype=torch.long), metadata, image_rows,
@@ -204,36 +230,47 @@ class ModelRunner:
         in plan order: one row per sampling item, 1 + len(draft_token_ids) rows for a
         speculating one. `previous`: the tokens the step before emitted, per item (None
         when it failed), for the pending rows."""
-        ids = inputs.token_ids
-        if inputs.pending_rows:
-            rows, filled = [], []
-            for row, index in inputs.pending_rows:
-                tokens = previous[index] if previous is not None else None
-                # No token (that step or this request's sampling failed): the request is
-                # failed when the engine takes that step's output; this row is dropped.
-                rows.append(row)
-                filled.append(tokens[0] if isinstance(tokens, list) and tokens else 0)
-            ids[rows] = torch.tensor(filled, dtype=torch.long)
+        self._fill_pending_rows(inputs, previous)
         device, decoder = self.device, self.model.decoder
-        embeds = decoder.embed(ids.to(device))  # [num_tokens, hidden]
+        embeds = decoder.embed(inputs.token_ids.to(device))  # [num_tokens, hidden]
         for rows, values, offsets in inputs.image_rows:
             embeds[rows.to(device)] = values[offsets.to(device)]
         metadata = inputs.metadata if device.type == "cpu" else _to_device(inputs.metadata, device)
         hidden = decoder(embeds, inputs.positions.to(device), metadata, self.kv_caches)
         return decoder.compute_logits(hidden[inputs.sample_rows.to(device)])
 
+    @staticmethod
+    def _fill_pending_rows(
+        inputs: StepInputs, previous: list[list[int] | Exception] | None
+    ) -> None:
+        """Write the tokens the step before sampled into `inputs`' pending rows, in place
+        (async scheduling); none left pending after."""
+        if not inputs.pending_rows:
+            return
+        rows, filled = [], []
+        for row, index in inputs.pending_rows:
+            tokens = previous[index] if previous is not None else None
+            # No token (that step or this request's sampling failed): the request is
+            # failed when the engine takes that step's output; this row is dropped.
+            rows.append(row)
+            filled.append(tokens[0] if isinstance(tokens, list) and tokens else 0)
+        inputs.token_ids[rows] = torch.tensor(filled, dtype=torch.long)
+
+    def close(self) -> None:
+        """Release what outlives the object (tensor-parallel worker processes); no-op here."""
+
     def encode_images(self, plan: StepPlan) -> dict[str, Exception]:
         """Run the vision tower once over every image this step's chunks need. Returns
         the requests whose images failed (decode error, tower error, wrong embedding
         count) by id: the engine fails those alone and runs the step without them."""
-        wanted: list[tuple[tuple[str, int], ImagePlaceholder]] = []
+        wanted: list[tuple[tuple[str, int], ImageChunk]] = []
         for item in plan.scheduled:
-            seq = item.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
-            for index, image in enumerate(seq.images):
-                key = (seq.request_id, index)
-                if key not in self._image_embeds and _rows_in_chunk(image, start, end):
-                    wanted.append((key, image))
+            for chunk in item.images:
+                key = (item.request_id, chunk.index)
+                if key not in self._image_embeds:
+                    wanted.append((key, chunk))
+                    state = self._requests.setdefault(item.request_id, _RequestState())
+                    state.images[chunk.index] = chunk.work
         if not wanted:
             return {}
         try:
@@ -244,31 +281,23 @@ class ModelRunner:
         failures: dict[str, Exception] = {}
         for request_id in dict.fromkeys(key[0] for key, _ in wanted):
             try:
-                self._encode([(key, image) for key, image in wanted if key[0] == request_id])
+                self._encode([(key, chunk) for key, chunk in wanted if key[0] == request_id])
             except Exception as e:  # noqa: BLE001 - this request's failure alone
                 failures[request_id] = e
         return failures
 
-    def _encode(self, wanted: list[tuple[tuple[str, int], ImagePlaceholder]]) -> None:
+    def _encode(self, wanted: list[tuple[tuple[str, int], ImageChunk]]) -> None:
         if self.encoder_stage is None:
             raise RequestError("this model is text-only and cannot take images")
-        embeds = self.encoder_stage.encode([image.data for _, image in wanted])  # cache + tower
-        for (_, image), emb in zip(wanted, embeds, strict=True):
-            if emb.shape[0] != image.num_tokens:
+        embeds = self.encoder_stage.encode([chunk.work for _, chunk in wanted])  # cache + tower
+        for (_, chunk), emb in zip(wanted, embeds, strict=True):
+            if emb.shape[0] != chunk.num_tokens:
                 raise RuntimeError(
-                    f"image gave {emb.shape[0]} embeddings for {image.num_tokens} placeholders"
+                    f"image gave {emb.shape[0]} embeddings for {chunk.num_tokens} placeholders"
                 )
         for (key, _), emb in zip(wanted, embeds, strict=True):
             self._image_embeds[key] = emb.to(self.dtype)
         self.num_encoded_images += len(wanted)
-
-    def _drop_finished_images(self, plan: StepPlan) -> None:
-        for item in plan.scheduled:
-            seq = item.seq
-            end = seq.num_computed_tokens + item.num_new_tokens
-            for index, image in enumerate(seq.images):
-                if image.positions and image.positions[-1] < end:
-                    self._image_embeds.pop((seq.request_id, index), None)
 
 
 def _to_device(value: object, device: torch.device) -> object:
@@ -298,17 +327,3 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> lis
         slots.extend(range(base, base + take))
         pos += take
     return slots
-
-
-def _rows_in_chunk(
-    image: ImagePlaceholder, start: int, end: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(offsets into the image's embeddings, prompt positions) of its placeholders inside
-    [start, end), or None when the chunk holds none of them."""
-    if not image.positions or image.positions[-1] < start or image.positions[0] >= end:
-        return None
-    positions = torch.tensor(image.positions, dtype=torch.long)
-    inside = (positions >= start) & (positions < end)
-    if not inside.any():
-        return None
-    return inside.nonzero().squeeze(1), positions[inside]

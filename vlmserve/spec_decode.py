@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.planner import ScheduledSeq
+from scheduler.step_plan import ScheduledSeq
 from search.cost_model import b_star
 from search.presets import Precision, get_accelerator, measure_cpu
 from vlmserve.batch_sampler import GroupResult, RowGroup, sample_rows

@@ -6,8 +6,9 @@ import itertools
 
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.encoder_budget import image_tiles, needs_tower
-from scheduler.planner import Scheduler, StepPlan
+from scheduler.planner import Scheduler
 from scheduler.sequence import ImagePlaceholder, Sequence
+from scheduler.step_plan import StepPlan
 
 _tokens = itertools.count(1000)
 
@@ -41,8 +42,9 @@ def run_step(scheduler: Scheduler, limits: dict[str, int]) -> StepPlan:
     plan = scheduler.schedule()
     scheduler.update(plan, [[7] if item.sample else [] for item in plan.scheduled])
     for item in plan.scheduled:
-        if item.seq.num_tokens >= limits[item.seq.request_id]:
-            scheduler.finish(item.seq)
+        seq = scheduler.seqs[item.request_id]
+        if seq.num_tokens >= limits[seq.request_id]:
+            scheduler.finish(seq)
     scheduler.block_manager.check_integrity()
     return plan
 
@@ -52,8 +54,8 @@ def tiles_encoded(scheduler: Scheduler, plan: StepPlan) -> int:
     for the first time since their sequence's admission, not in the encoder cache."""
     total = 0
     for item in plan.scheduled:
-        seq = item.seq
-        start = seq.num_computed_tokens
+        seq = scheduler.seqs[item.request_id]
+        start = item.num_computed_tokens
         since = scheduler._admitted_at[seq.request_id]
         for image in seq.images:
             cached = scheduler.encoder_cached(image.content_hash)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from sched_testing import make_request, make_scheduler, run_step, tiles_encoded
 
 from scheduler.encoder_budget import cut_chunk
-from scheduler.planner import StepPlan
+from scheduler.step_plan import StepPlan
 
 
 def test_not_ready_sequence_is_never_scheduled():
@@ -17,11 +17,11 @@ def test_not_ready_sequence_is_never_scheduled():
     scheduler.add(text, 8)
     for _ in range(3):
         plan = run_step(scheduler, {"img": 14, "text": 8})
-        assert all(item.seq is not waiting for item in plan.scheduled)
+        assert all(item.request_id != "img" for item in plan.scheduled)
     assert waiting.status == "waiting" and waiting.num_waiting_steps == 0  # not aging
     waiting.ready = True
     [item] = scheduler.schedule().scheduled
-    assert item.seq is waiting and item.num_new_tokens == 12
+    assert item.request_id == "img" and item.num_new_tokens == 12
 
 
 def test_encoder_budget_caps_the_tiles_of_every_step():
@@ -38,8 +38,9 @@ def test_encoder_budget_caps_the_tiles_of_every_step():
         per_step.append(tiles_encoded(scheduler, plan))
         scheduler.update(plan, [[7] if item.sample else [] for item in plan.scheduled])
         for item in plan.scheduled:
-            if item.seq.num_tokens >= limits[item.seq.request_id]:
-                scheduler.finish(item.seq)
+            seq = scheduler.seqs[item.request_id]
+            if seq.num_tokens >= limits[seq.request_id]:
+                scheduler.finish(seq)
     # a (3) + c (2) = 5 first (b's chunk stops before its image: quick-first does not
     # apply, none is cached), then b (3) + d (1), then the huge one alone.
     assert [t for t in per_step if t] == [5, 4, 9]
@@ -74,7 +75,7 @@ def test_aging_bound_holds_against_an_endless_stream_of_small_requests():
             scheduler.add(small, 7)
             limits[small.request_id] = 7
             plan = run_step(scheduler, limits)
-            if any(item.seq is big for item in plan.scheduled):
+            if any(item.request_id == big.request_id for item in plan.scheduled):
                 return step
         return None
 
@@ -97,9 +98,9 @@ def test_preemption_takes_the_cheapest_victim_not_the_newest():
         for s in seqs:
             scheduler.add(s, 20)
         first = run_step(scheduler, limits)
-        assert [item.seq.request_id for item in first.scheduled] == ["A", "B", "C"]
+        assert [item.request_id for item in first.scheduled] == ["A", "B", "C"]
         plan = run_step(scheduler, limits)
-        return [s.request_id for s in plan.preempted], scheduler.num_recomputed_tokens
+        return list(plan.preempted), scheduler.num_recomputed_tokens
 
     assert preempt("fcfs") == (["C"], 11)
     assert preempt("lumpy") == (["B"], 4)
@@ -168,11 +169,11 @@ def test_lumps_leave_the_headroom_free_for_quick_requests():
     scheduler = make_scheduler(num_blocks=20, lump_headroom=0.25, **options)
     lumps_and_text(scheduler, {"t": 8})
     plan = scheduler.schedule()
-    assert [item.seq.request_id for item in plan.scheduled] == ["t", "l1", "l2"]
+    assert [item.request_id for item in plan.scheduled] == ["t", "l1", "l2"]
     assert [s.request_id for s in scheduler.waiting] == ["l3"]
     unbounded = make_scheduler(num_blocks=20, lump_headroom=0.0, **options)
     lumps_and_text(unbounded, {"t": 8})
-    assert [item.seq.request_id for item in unbounded.schedule().scheduled] == [
+    assert [item.request_id for item in unbounded.schedule().scheduled] == [
         "t", "l1", "l2", "l3",
     ]  # fmt: skip
 
@@ -189,7 +190,7 @@ def test_quick_requests_pass_an_aged_lump_only_inside_the_headroom():
     )  # fmt: skip
     lumps_and_text(scheduler, {"t1": 8, "t2": 16})
     plan = scheduler.schedule()
-    assert [item.seq.request_id for item in plan.scheduled] == ["l1", "l2", "t1"]
+    assert [item.request_id for item in plan.scheduled] == ["l1", "l2", "t1"]
     assert [s.request_id for s in scheduler.waiting] == ["l3", "t2"]
 
 
@@ -204,7 +205,7 @@ def test_lump_prefill_is_capped_per_step_and_quick_prefill_is_not():
     steps = []
     while scheduler.has_unfinished():
         plan = run_step(scheduler, limits)
-        steps.append({item.seq.request_id: item.num_new_tokens for item in plan.scheduled})
+        steps.append({item.request_id: item.num_new_tokens for item in plan.scheduled})
     assert steps[0] == {"text": 20, "lump": 8}
     assert [step["lump"] for step in steps[:4]] == [8, 8, 8, 6]  # then it decodes
     assert all(step.get("lump", 1) == 1 for step in steps[4:])
@@ -225,15 +226,15 @@ def lump_with_texts(text_at: set[int], **options) -> list[dict[str, tuple[int, i
             limits[f"t{step}"] = 8
         plan = scheduler.schedule()
         tiles = {
-            item.seq.request_id: tiles_encoded(scheduler, StepPlan([item], []))
-            for item in plan.scheduled
+            item.request_id: tiles_encoded(scheduler, StepPlan([item])) for item in plan.scheduled
         }
-        steps.append({item.seq.request_id: (item.num_new_tokens, tiles[item.seq.request_id])
+        steps.append({item.request_id: (item.num_new_tokens, tiles[item.request_id])
                       for item in plan.scheduled})  # fmt: skip
         scheduler.update(plan, [[7] if item.sample else [] for item in plan.scheduled])
         for item in plan.scheduled:
-            if item.seq.num_tokens >= limits[item.seq.request_id]:
-                scheduler.finish(item.seq)
+            seq = scheduler.seqs[item.request_id]
+            if seq.num_tokens >= limits[seq.request_id]:
+                scheduler.finish(seq)
         scheduler.block_manager.check_integrity()
         if not scheduler.has_unfinished():
             break

@@ -44,6 +44,15 @@ def test_info_reports_versions_pil_device_and_backend():
     assert info["attention_backend"] == ("cpu" if cpu_kernel else "torch")
 
 
+def test_info_reports_how_tensor_parallelism_splits_a_model(llava_ov_path, capsys):
+    # LLaVA-OV random: 2 layers, 4 heads over 2 KV heads, head_dim 16, float32 on CPU.
+    # 4 ranks: one query head each, each KV head on two ranks (article §16).
+    assert main(["info", "--json", "--model", str(llava_ov_path), "--tp", "4"]) == 0
+    tp = json.loads(capsys.readouterr().out)["tensor_parallel"]
+    assert (tp["heads_per_rank"], tp["kv_heads_per_rank"], tp["kv_replicas"]) == (1, 1, 2)
+    assert tp["kv_bytes_per_token_per_rank"] == 2 * 2 * 1 * 16 * 4
+
+
 @pytest.fixture(scope="module")
 def jpeg(tmp_path_factory, random_image):
     path = tmp_path_factory.mktemp("img") / "scene.jpg"

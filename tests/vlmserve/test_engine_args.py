@@ -56,6 +56,7 @@ FLAGS = [
     (["--max-decode-pixels", "99000000"], "encoder.max_decode_pixels", 99_000_000),
     (["--jpeg-draft"], "encoder.jpeg_draft", True),
     (["--hf-image-processor"], "encoder.use_pool", False),
+    (["--tensor-parallel-size", "2"], "parallel.tensor_parallel_size", 2),
 ]
 
 
@@ -113,6 +114,8 @@ def test_a_bad_value_is_an_argparse_error_naming_the_flag(flags, message, capsys
         (["--speculative-ngram-min", "5"], "--speculative-ngram-min / --speculative-ngram-max:"),
         (["--block-size", "12"], "--block-size / --num-kv-blocks: block_size=12 must be a power"),
         (["--max-decode-pixels", "10", "--max-image-pixels", "20"], "--max-decode-pixels: max_"),
+        # The default model has 6 attention heads.
+        (["--tensor-parallel-size", "4"], "--tensor-parallel-size: tensor_parallel_size=4 does"),
     ],
 )
 def test_a_bad_combination_is_a_message_naming_the_flags(flags, message, capsys):

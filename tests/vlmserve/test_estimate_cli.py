@@ -285,3 +285,29 @@ def test_capacity_find_max_rate(capsys):
 def test_capacity_bad_input_exits_2(capsys, argv, message):
     code, _, err = run_cli(capsys, "capacity", *argv)
     assert code == 2 and message in err
+
+
+# --- kv --tp (article §16: the cache shards min(n, n_kv) ways, then replicates) ---------
+
+
+def test_kv_tp_per_gpu_bytes_and_replication(capsys):
+    # llama-3-8b: L = 32, n_kv = 8, d_head = 128, bf16 cache: 2·32·8·128·2 = 131,072 B a
+    # token (128 KiB). Per GPU: / min(n, 8). "A GQA-8 model on 16-way tensor parallelism
+    # holds two copies of every cache" (§16).
+    per_token = {}
+    for tp in (1, 4, 8, 16):
+        code, out, _ = run_cli(capsys, "kv", "--tp", str(tp), "--json")
+        assert code == 0
+        results = json.loads(out)["results"]
+        per_token[tp] = results["kv_bytes_per_token_per_device"]
+        assert results["kv_replicas"] == (2 if tp == 16 else 1)
+        assert results["kv_bytes_per_token"] == 131_072
+    assert per_token == {1: 131_072, 4: 32_768, 8: 16_384, 16: 16_384}
+    code, out, _ = run_cli(capsys, "kv", "--tp", "16")
+    assert code == 0
+    assert "KV per token per GPU   16 KiB" in out
+    assert "1 of 8 (2 copies of each KV head)" in out
+    assert "17.2 GB (2 copies)" in out  # 8 sequences x 8,192 tokens x 128 KiB, twice
+    assert "tp=16 > n_kv=8: cache replicated" in out
+    code, _, err = run_cli(capsys, "kv", "--tp", "3")
+    assert code == 2 and "does not divide the 32 attention heads" in err

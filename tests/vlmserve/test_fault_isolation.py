@@ -14,8 +14,7 @@ from test_engine import chat, make_engine
 
 from encoders.errors import ImageDecodeError, PromptTooLongError
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from scheduler.planner import ScheduledSeq
-from scheduler.sequence import Sequence
+from scheduler.step_plan import ScheduledSeq
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine import Engine
 from vlmserve.processing import MAX_CHARS_PER_TOKEN, PerThread, Request
@@ -153,7 +152,7 @@ def test_temperatures_and_top_p_that_underflow_sample_like_greedy(llama_path):
 
 def test_sampling_that_raises_fails_only_its_row():
     def item(rid: str) -> ScheduledSeq:
-        return ScheduledSeq(Sequence(rid, [1, 2, 3]), 1, True)
+        return ScheduledSeq(rid, 2, 1, True, (3,))
 
     logits = torch.randn(3, 11)
     logits[1] = float("nan")  # a broken row: multinomial refuses it

@@ -14,6 +14,7 @@ import torch
 from encoders.weights import CheckpointError, load_tensors, read_config
 from kernels.attention import AttentionBackend
 from vlmserve.models.decoder import Decoder, DecoderConfig
+from vlmserve.parallel.sharding import ShardedWeights, TPShard
 
 Family = Literal["llava_onevision", "idefics3", "llama", "qwen2"]
 
@@ -71,24 +72,41 @@ def _pick(tensors: dict, candidates: tuple[str, ...], what: str) -> str:
     raise CheckpointError(f"missing weight for {what}: none of {list(candidates)} found")
 
 
-def load_model(
-    path: str, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
-) -> LoadedModel:
-    config = read_config(path)
+def decoder_config(config: dict) -> DecoderConfig:
+    """The decoder's shape from a checkpoint's config.json (no weights read)."""
     spec = family_of(config)
     text_config = config.get("text_config", config) if spec.multimodal else config
     tie = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
-    decoder_cfg = DecoderConfig.from_hf(
+    return DecoderConfig.from_hf(
         text_config, qkv_bias=text_config.get("model_type") == "qwen2", tie=tie
     )
+
+
+def load_model(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    shard: TPShard | None = None,
+) -> LoadedModel:
+    """`shard`: a tensor-parallel rank's slice of the decoder (its heads and MLP rows);
+    the vision tower and the embeddings are whole on every rank."""
+    config = read_config(path)
+    spec = family_of(config)
+    text_config = config.get("text_config", config) if spec.multimodal else config
+    decoder_cfg = decoder_config(config)
     tensors = load_tensors(path)
     embed = _pick(tensors, tuple(p + "embed_tokens.weight" for p in spec.decoder_prefixes), "")
     prefix = embed[: -len("embed_tokens.weight")]
     lm_head = next((n for n in spec.lm_head_names if n in tensors), spec.lm_head_names[0])
+    decoder_tensors = tensors
+    if shard is not None:
+        decoder_tensors = ShardedWeights(tensors, prefix, decoder_cfg, shard)
+        decoder_cfg = shard.local_config(decoder_cfg)
     with torch.device("meta"):
         decoder = Decoder(decoder_cfg, backend)
     decoder = decoder.to_empty(device="cpu").to(dtype)
-    decoder.load(tensors, prefix, lm_head)
+    decoder.load(decoder_tensors, prefix, lm_head)
     decoder = decoder.to(device).eval()
 
     vision, image_token_id = None, None

@@ -1,0 +1,110 @@
+"""The StepPlan: the one record that crosses from the scheduler to the runner each step.
+
+Self-contained, like vLLM v1's `SchedulerOutput`: request ids, the tokens and positions to
+compute, the block-table change since the runner last saw the request, the image
+placeholders the chunk fills (the encoder work of the step), drafts, and whether a row
+samples. The runner keeps its own block tables and applies the deltas; it never reads a
+`Sequence`. The scheduler keeps the live sequences and looks them up by request id when
+the step comes back (`Scheduler.seqs`).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+from scheduler.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class BlockTableDelta:
+    """The runner's copy of a block table becomes `table[:num_kept] + new_block_ids`."""
+
+    num_kept: int
+    new_block_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ImageChunk:
+    """The placeholders of one image that a chunk covers: embeddings
+    [offset_start, offset_start + len(positions)) of the image go to `positions`."""
+
+    index: int  # the image's index in its request
+    work: object  # the encoder's record of the image (ImagePlaceholder.data)
+    num_tokens: int  # embeddings the whole image yields
+    offset_start: int
+    positions: tuple[int, ...]  # absolute prompt positions, inside the chunk
+    is_last: bool  # the chunk holds the image's last placeholder
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step: query rows for positions
+    [num_computed_tokens, num_computed_tokens + num_new_tokens)."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    sample: bool  # the chunk reaches the last token, so a next token is sampled
+    # Known ids of the rows, in order. Async scheduling: a decode whose input token is
+    # still being sampled by the step in flight has one row fewer here; the runner takes
+    # that token from the step's output. Drafts fill the last rows and are not here.
+    token_ids: tuple[int, ...] = ()
+    # Guessed tokens after the last one: they fill the last len(drafts) query rows and
+    # join the sequence only once accepted. Non-empty only for a sampling decode.
+    draft_token_ids: tuple[int, ...] = ()
+    block_table: BlockTableDelta = BlockTableDelta(0)
+    images: tuple[ImageChunk, ...] = ()
+
+    @property
+    def end(self) -> int:
+        """Where the request's KV ends once the step has run (drafts included)."""
+        return self.num_computed_tokens + self.num_new_tokens
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    scheduled: list[ScheduledSeq]
+    preempted: tuple[str, ...] = ()  # request ids that lost their KV this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def schedule_item(
+    seq: Sequence, num_new: int, sample: bool, drafts: tuple[int, ...] = ()
+) -> ScheduledSeq:
+    """The record of `seq`'s rows this step (its blocks already grown). Marks the block
+    table synced: the runner holds it once it has applied this delta."""
+    start = seq.num_computed_tokens
+    end = start + num_new
+    synced = seq.num_synced_blocks
+    delta = BlockTableDelta(synced, tuple(seq.block_table[synced:]))
+    seq.num_synced_blocks = len(seq.block_table)
+    return ScheduledSeq(
+        seq.request_id, start, num_new, sample, tuple(seq.token_ids[start:end]), drafts, delta,
+        image_chunks(seq, start, end),
+    )  # fmt: skip
+
+
+def image_chunks(seq: Sequence, start: int, end: int) -> tuple[ImageChunk, ...]:
+    """The images whose placeholders fall in positions [start, end)."""
+    chunks = []
+    for index, image in enumerate(seq.images):
+        positions = image.positions
+        if not positions or positions[-1] < start or positions[0] >= end:
+            continue
+        lo, hi = bisect_left(positions, start), bisect_left(positions, end)
+        if lo < hi:
+            chunks.append(
+                ImageChunk(
+                    index, image.data, image.num_tokens, lo, tuple(positions[lo:hi]),
+                    hi == len(positions),
+                )
+            )  # fmt: skip
+    return tuple(chunks)
