@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +136,7 @@ def read_done(output: Path, retry_errors: bool = False) -> set[str]:
 # --- the job --------------------------------------------------------------------------
 
 
-def _load(item: CaptionItem, max_pixels: int) -> bytes:
+def load_image_bytes(item: CaptionItem, max_pixels: int) -> bytes:
     """Read one image's bytes (in a worker thread) and check its header, so a file that is
     not a supported image fails alone and early. The bytes, never a decoded image, go to
     the engine: its image path (header token count, preprocessing pool, encoder cache
@@ -155,30 +156,76 @@ def _load(item: CaptionItem, max_pixels: int) -> bytes:
     return data
 
 
-class _Writer:
-    def __init__(self, file: IO[str], summary: CaptionSummary) -> None:
-        self.file, self.summary = file, summary
+def error_record(item: CaptionItem, message: str, error_type: str) -> dict:
+    """An item's output line when it failed (read, header, prepare or generation)."""
+    return {"id": item.item_id, "path": item.source, "caption": None, "error": message,
+            "error_type": error_type}  # fmt: skip
 
-    def write(self, record: dict) -> None:
-        # One write of a whole line, flushed: an interrupt never leaves half a line.
+
+def caption_record(item: CaptionItem, out: RequestOutput, load_s: float, gen_s: float) -> dict:
+    """An item's output line when it was captioned."""
+    return {
+        "id": item.item_id, "path": item.source, "caption": out.text,
+        "finish_reason": out.finish_reason, "num_prompt_tokens": out.num_prompt_tokens,
+        "num_image_tokens": out.num_image_tokens, "num_cached_tokens": out.num_cached_tokens,
+        "num_output_tokens": len(out.token_ids), "load_s": round(load_s, 4),
+        "generate_s": round(gen_s, 4), "error": None,
+    }  # fmt: skip
+
+
+class JsonlSink:
+    """Appends records to the output JSONL. An item is done only when its whole line is
+    on disk: one write per line, flushed, so a kill leaves at most a partial last line
+    (`read_done` cuts it). A record whose id is already written is dropped, so a retried
+    task (Ray) never writes an item twice."""
+
+    def __init__(self, file: IO[str], summary: CaptionSummary, done: set[str]) -> None:
+        self.file, self.summary, self.done = file, summary, set(done)
+
+    def write(self, record: dict) -> bool:
+        if record["id"] in self.done:
+            return False
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        self.done.add(record["id"])
+        if record["error"]:
+            self.summary.num_failed += 1
+        else:
+            self.summary.num_captioned += 1
+            self.summary.num_output_tokens += record["num_output_tokens"]
+        return True
 
-    def error(self, item: CaptionItem, message: str, error_type: str) -> None:
-        self.summary.num_failed += 1
-        self.write({"id": item.item_id, "path": item.source, "caption": None,
-                    "error": message, "error_type": error_type})  # fmt: skip
 
-    def caption(self, item: CaptionItem, out: RequestOutput, load_s: float, gen_s: float) -> None:
-        self.summary.num_captioned += 1
-        self.summary.num_output_tokens += len(out.token_ids)
-        self.write({
-            "id": item.item_id, "path": item.source, "caption": out.text,
-            "finish_reason": out.finish_reason, "num_prompt_tokens": out.num_prompt_tokens,
-            "num_image_tokens": out.num_image_tokens, "num_cached_tokens": out.num_cached_tokens,
-            "num_output_tokens": len(out.token_ids), "load_s": round(load_s, 4),
-            "generate_s": round(gen_s, 4), "error": None,
-        })  # fmt: skip
+def todo_items(
+    items: list[CaptionItem], output: Path, limit: int | None, retry_errors: bool
+) -> tuple[list[CaptionItem], CaptionSummary, set[str]]:
+    """The items not yet in `output` (at most `limit`), the run's summary so far and the
+    ids already done."""
+    done = read_done(output, retry_errors)
+    todo = [item for item in items if item.item_id not in done]
+    summary = CaptionSummary(num_items=len(items), num_skipped=len(items) - len(todo))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    return (todo[:limit] if limit is not None else todo), summary, done
+
+
+def write_records(
+    records: Iterator[dict], output: Path, summary: CaptionSummary, done: set[str],
+    num_todo: int, progress: bool,
+) -> None:  # fmt: skip
+    """Drain `records` into `output` (appending) with a progress bar."""
+    from tqdm import tqdm
+
+    start = time.perf_counter()
+    with (
+        output.open("a") as file,
+        tqdm(total=num_todo, unit="img", disable=not progress, file=sys.stderr) as bar,
+    ):
+        sink = JsonlSink(file, summary, done)
+        for record in records:
+            sink.write(record)
+            bar.update(1)
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(tok_s=f"{summary.num_output_tokens / elapsed:.1f}")
 
 
 def run_caption(
@@ -194,23 +241,14 @@ def run_caption(
     progress: bool = True,
 ) -> CaptionSummary:
     """Caption `items` not yet in `output`, appending a line per item."""
-    from tqdm import tqdm
-
     start = time.perf_counter()
-    done = read_done(output, retry_errors)
-    todo = [item for item in items if item.item_id not in done]
-    summary = CaptionSummary(num_items=len(items), num_skipped=len(items) - len(todo))
-    todo = todo[:limit] if limit is not None else todo
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with (
-        output.open("a") as file,
-        ThreadPoolExecutor(num_workers, thread_name_prefix="caption-load") as pool,
-        tqdm(total=len(todo), unit="img", disable=not progress, file=sys.stderr) as bar,
-    ):
-        writer = _Writer(file, summary)
-        in_flight: dict[str, tuple[CaptionItem, float, float]] = {}
+    todo, summary, done = todo_items(items, output, limit, retry_errors)
+    prepare = functools.partial(timed_prepare, engine, sampling=sampling)
+    in_flight: dict[str, tuple[CaptionItem, float, float]] = {}
+    with ThreadPoolExecutor(num_workers, thread_name_prefix="caption-load") as pool:
         try:
-            _drive(engine, todo, sampling, pool, writer, bar, in_flight, max_in_flight)
+            records = caption_stream(engine, todo, prepare, pool, in_flight, max_in_flight)
+            write_records(records, output, summary, done, len(todo), progress)
         except KeyboardInterrupt:
             summary.interrupted = True
             pool.shutdown(wait=False, cancel_futures=True)
@@ -220,18 +258,20 @@ def run_caption(
     return summary
 
 
-def _drive(
+Prepare = Callable[[CaptionItem], tuple[PreparedRequest, float]]
+
+
+def caption_stream(
     engine: Engine,
     todo: list[CaptionItem],
-    sampling: SamplingParams,
+    prepare: Prepare,
     pool: ThreadPoolExecutor,
-    writer: _Writer,
-    bar,
     in_flight: dict[str, tuple[CaptionItem, float, float]],
     max_in_flight: int,
-) -> None:
-    """The job's loop; `in_flight` maps request id -> (item, load_s, time added)."""
-    start = time.perf_counter()
+) -> Iterator[dict]:
+    """The job's loop on one engine: yields each item's record as it finishes. `prepare`
+    runs on `pool`; `in_flight` maps request id -> (item, load_s, time added), so a caller
+    that stops early can abort what is left."""
     queue = iter(todo)
     loading: deque[tuple[CaptionItem, Future]] = deque()
 
@@ -240,7 +280,7 @@ def _drive(
             item = next(queue, None)
             if item is None:
                 return
-            loading.append((item, pool.submit(_timed_prepare, engine, item, sampling)))
+            loading.append((item, pool.submit(prepare, item)))
 
     refill()
     while loading or in_flight:
@@ -254,8 +294,7 @@ def _drive(
                 prepared, load_s = future.result()
                 in_flight[engine.add_request(prepared)] = (item, load_s, time.perf_counter())
             except (ValueError, OSError) as e:  # RequestError is a ValueError
-                writer.error(item, str(e), type(e).__name__)
-                bar.update(1)
+                yield error_record(item, str(e), type(e).__name__)
             refill()
         if not engine.has_unfinished():
             continue
@@ -263,21 +302,21 @@ def _drive(
             if out.finished:
                 item, load_s, t_add = in_flight.pop(out.request_id)
                 if out.finish_reason == "error":  # e.g. an image that failed in the pool
-                    writer.error(item, out.error or "failed", out.error_type or "RequestError")
+                    error_type = out.error_type or "RequestError"
+                    yield error_record(item, out.error or "failed", error_type)
                 else:
-                    writer.caption(item, out, load_s, time.perf_counter() - t_add)
-                bar.update(1)
-                elapsed = time.perf_counter() - start
-                bar.set_postfix(tok_s=f"{writer.summary.num_output_tokens / elapsed:.1f}")
+                    yield caption_record(item, out, load_s, time.perf_counter() - t_add)
 
 
-def _timed_prepare(
-    engine: Engine, item: CaptionItem, sampling: SamplingParams
+def timed_prepare(
+    engine: Engine, item: CaptionItem, sampling: SamplingParams, data: bytes | None = None
 ) -> tuple[PreparedRequest, float]:
-    """On a loader thread: read the image and prepare its request (template, tokens, tiles),
-    so the engine's thread only steps."""
+    """On a loader thread: read the image (unless its bytes are given: Ray's read map has
+    them) and prepare its request (template, tokens, tiles), so the engine's thread only
+    steps."""
     start = time.perf_counter()
-    data = _load(item, engine.config.encoder.max_pixels)
+    if data is None:
+        data = load_image_bytes(item, engine.config.encoder.max_pixels)
     content = [{"type": "image", "image": data}, {"type": "text", "text": item.prompt}]
     request = Request([{"role": "user", "content": content}], sampling=sampling)
     return engine.prepare(request), time.perf_counter() - start
@@ -288,6 +327,7 @@ def _timed_prepare(
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `caption` command."""
+    from vlmserve.caption_ray import add_ray_args
     from vlmserve.engine_args import add_engine_args
 
     p = subparsers.add_parser(
@@ -305,6 +345,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--retry-errors", action="store_true", help="rerun items that failed")
     p.add_argument("--no-progress", action="store_true")
     add_engine_args(p)
+    add_ray_args(p)
     p.set_defaults(func=cmd_caption)
 
 
@@ -317,6 +358,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
+    if args.ray is not None:
+        return _cmd_caption_ray(args, items, sampling)
     engine = Engine(engine_config_from_args(args))
     summary = run_caption(
         engine, items, Path(args.output), sampling, max_in_flight=args.max_in_flight,
@@ -325,4 +368,24 @@ def cmd_caption(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(summary.render(), file=sys.stderr)
     print(render_engine_stats(engine.stats()), file=sys.stderr)
+    return 130 if summary.interrupted else 0
+
+
+def _cmd_caption_ray(
+    args: argparse.Namespace, items: list[CaptionItem], sampling: SamplingParams
+) -> int:
+    from vlmserve.caption_ray import ray_config_from_args, run_caption_ray
+    from vlmserve.engine_args import engine_config_from_args
+
+    ray_config = ray_config_from_args(args)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ValueError("--ray needs Ray: pip install -e '.[ray]'") from None
+    summary = run_caption_ray(
+        engine_config_from_args(args), items, Path(args.output), sampling, ray_config,
+        max_in_flight=args.max_in_flight, num_workers=args.workers, limit=args.limit,
+        retry_errors=args.retry_errors, progress=not args.no_progress,
+    )  # fmt: skip
+    print(summary.render(), file=sys.stderr)
     return 130 if summary.interrupted else 0
