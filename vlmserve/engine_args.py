@@ -84,6 +84,13 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         help="CPU: run the decoder's plain torch ops (unpacked linear weights, unfused "
         "RMSNorm / RoPE / SiLU-mul): the reference path, slower",
     )
+    group.add_argument(
+        "--nano-batch",
+        default="off",
+        metavar="off|PATH",
+        help="nano-batched layers (NanoFlow): a schedule JSON or a folder of them (one per "
+        "dense batch size); steps where the schedule does not pay run unsplit (default: off)",
+    )
 
 
 def _add_cache_args(group: argparse._ArgumentGroup) -> None:
@@ -278,6 +285,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_images_per_request=args.max_images_per_request,
         pack_weights=not args.eager,
         fused_ops=not args.eager,
+        nano_batch=args.nano_batch,
         **({"device": args.device} if args.device else {}),
     )
     scheduler = _with_flags(
