@@ -55,10 +55,12 @@ from vlmserve.sampling import SamplingParams
 MODES = ("plain", "plain_1t", "nano")
 
 
-def roofline_us(args: argparse.Namespace, context: int, peak: float, bandwidth: float):
+def roofline_us(
+    args: argparse.Namespace, context: int, peak: float, bandwidth: float, elem: int = 4
+):
     """(op, rows) -> microseconds on a device of `peak` FLOP/s and `bandwidth` B/s:
-    max(FLOPs / peak, bytes / bandwidth) per op, float32, decode attention reading each
-    row's `context` tokens of K and V."""
+    max(FLOPs / peak, bytes / bandwidth) per op, `elem` bytes an element, decode
+    attention reading each row's `context` tokens of K and V."""
     h, i, d = args.hidden, args.intermediate, args.hidden // args.heads
     kv = args.kv_heads * d
     gemms = {"qkv": (h, h + 2 * kv), "o_proj": (h, h), "gate_up": (h, 2 * i), "down": (i, h)}
@@ -68,11 +70,11 @@ def roofline_us(args: argparse.Namespace, context: int, peak: float, bandwidth: 
     def duration(op: str, rows: int) -> float:
         if op in gemms:
             k, n = gemms[op]
-            flops, num_bytes = 2 * rows * k * n, 4 * (k * n + rows * (k + n))
+            flops, num_bytes = 2 * rows * k * n, elem * (k * n + rows * (k + n))
         elif op == "attention":
-            flops, num_bytes = 4 * rows * context * args.heads * d, 4 * rows * context * 2 * kv
+            flops, num_bytes = 4 * rows * context * args.heads * d, elem * rows * context * 2 * kv
         else:
-            flops, num_bytes = 0, 4 * rows * streamed[op]
+            flops, num_bytes = 0, elem * rows * streamed[op]
         return 1e6 * max(flops / peak, num_bytes / bandwidth)
 
     return duration
@@ -93,7 +95,9 @@ def run(path: str, schedule_path: Path, args: argparse.Namespace) -> dict:
     blocks = args.batch * (-(-(args.prompt + args.output) // 16)) + 64
     engine = Engine(
         EngineConfig(
-            ModelConfig(path, device="cpu", nano_batch=str(schedule_path)),
+            ModelConfig(
+                path, device=args.device, dtype=args.dtype, nano_batch=str(schedule_path)
+            ),  # fmt: skip
             CacheConfig(num_blocks=blocks, block_size=16),
             SchedulerConfig(max_num_batched_tokens=args.token_budget, max_num_seqs=args.batch),
         )
@@ -106,7 +110,8 @@ def run(path: str, schedule_path: Path, args: argparse.Namespace) -> dict:
     for _ in range(args.batch):
         ids = torch.randint(10, args.vocab, (args.prompt,), generator=gen).tolist()
         engine.add_request(Request(prompt_token_ids=ids, sampling=params))
-    rows = {mode: [] for mode in MODES}
+    modes = MODES if args.device == "cpu" else ("plain", "nano")
+    rows = {mode: [] for mode in modes}
     agree = checked = 0
     prepare, run_forward = runner.prepare, runner.run
     last: dict = {}
@@ -124,7 +129,7 @@ def run(path: str, schedule_path: Path, args: argparse.Namespace) -> dict:
         all_decode = len(running) == args.batch and all(
             s.num_uncomputed_tokens == 1 for s in running
         )
-        mode = MODES[step % len(MODES)] if all_decode else "plain"
+        mode = modes[step % len(modes)] if all_decode else "plain"
         runner.nano_batcher = batcher if mode == "nano" else None
         torch.set_num_threads(1 if mode == "plain_1t" else threads)
         forward, cpu = engine.times.forward_s, time.process_time()
@@ -158,6 +163,8 @@ def _same_tokens(runner, plan, batcher, run_forward) -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--batch", type=int, default=64, help="dense batch: decoding requests")
     p.add_argument("--prompt", type=int, default=192)
     p.add_argument("--output", type=int, default=41)
@@ -189,14 +196,21 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     threads = torch.get_num_threads()
     load_before = os.getloadavg()
-    device = torch.device("cpu")
-    torch.set_num_threads(1)
-    peak_1, bw_1 = matmul_peak(device, torch.float32, 1024), memory_bandwidth(device, 128 << 20)
-    torch.set_num_threads(threads)
-    peak, bw = matmul_peak(device, torch.float32, 1024), memory_bandwidth(device, 128 << 20)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    peak, bw = matmul_peak(device, dtype, 1024), memory_bandwidth(device, 128 << 20)
+    peak_1, bw_1 = peak, bw  # a GPU's nano-operations share the whole device
+    if device.type == "cpu":  # each nano stream has one core
+        torch.set_num_threads(1)
+        peak_1, bw_1 = matmul_peak(device, dtype, 1024), memory_bandwidth(device, 128 << 20)
+        torch.set_num_threads(threads)
     context = args.prompt + args.output // 2  # the decode steps' mean
+    elem = dtype.itemsize
     schedule = make_schedule(
-        args, roofline_us(args, context, peak_1, bw_1), roofline_us(args, context, peak, bw)
+        args,
+        roofline_us(args, context, peak_1, bw_1, elem),
+        roofline_us(args, context, peak, bw, elem),
     )
     with tempfile.TemporaryDirectory() as tmp:
         path = make_text_checkpoint(
@@ -209,19 +223,21 @@ def main(argv: list[str] | None = None) -> dict:
         result = run(str(path), schedule_path, args)
     load_after = os.getloadavg()
     medians = {
-        mode: {k: statistics.median(r[k] for r in result["rows"][mode]) for k in ("forward_ms",
-               "cpu_ms")} for mode in MODES
-    }  # fmt: skip
+        mode: {k: statistics.median(r[k] for r in rows) for k in ("forward_ms", "cpu_ms")}
+        for mode, rows in result["rows"].items()
+    }
     optimal = optimal_throughput(peak, decoder_params(args))
     table_rows = []
-    for mode in MODES:
+    for mode in medians:
         m = medians[mode]
         m["tok_per_s"] = args.batch / (m["forward_ms"] / 1e3)
         m["fraction_of_optimal"] = m["tok_per_s"] / optimal
         m["steps"] = len(result["rows"][mode])
         table_rows.append({"mode": mode, **m})
     ratio = medians["plain"]["forward_ms"] / medians["nano"]["forward_ms"]
-    ratio_1t = medians["plain_1t"]["forward_ms"] / medians["nano"]["forward_ms"]
+    ratio_1t = (
+        medians.get("plain_1t", medians["plain"])["forward_ms"] / medians["nano"]["forward_ms"]
+    )
     predicted = schedule.sequential_us / schedule.makespan_us
     print(table(table_rows, ["mode", "steps", "forward_ms", "cpu_ms", "tok_per_s",
                              "fraction_of_optimal"]))  # fmt: skip

@@ -232,10 +232,10 @@ def text_requests() -> list[Request]:
     return [
         Request(
             prompt_token_ids=torch.randint(3, 250, (4 + 5 * i,), generator=gen).tolist(),
-            sampling=SamplingParams(max_tokens=6 + i, temperature=0.0, ignore_eos=True),
+            sampling=SamplingParams(max_tokens=4 + i, temperature=0.0, ignore_eos=True),
             request_id=f"t{i}",
         )
-        for i in range(10)
+        for i in range(6)
     ]
 
 
