@@ -103,6 +103,13 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         "torch: the plain-torch reference anywhere. triton runs on a CPU only under "
         "TRITON_INTERPRET=1",
     )
+    group.add_argument(
+        "--nano-batch",
+        default="off",
+        metavar="off|PATH",
+        help="nano-batched layers (NanoFlow): a schedule JSON or a folder of them (one per "
+        "dense batch size); steps where the schedule does not pay run unsplit (default: off)",
+    )
 
 
 def _add_cache_args(group: argparse._ArgumentGroup) -> None:
@@ -299,6 +306,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         fused_ops=not args.eager,
         cuda_graphs=not args.eager,
         attention_backend=args.attention_backend,
+        nano_batch=args.nano_batch,
         **({"device": args.device} if args.device else {}),
     )
     scheduler = _with_flags(

@@ -34,6 +34,8 @@ from vlmserve.parallel.sharding import TPShard
 
 if TYPE_CHECKING:
     from vlmserve.parallel.comm import TPGroup
+from vlmserve.nano_batch import NanoBatcher, NanoStep, load_schedules
+from vlmserve.nano_exec import NanoExecutor
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class StepInputs:
     # (rows, the image's embeddings on the device, which of them go to those rows)
     image_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     sample_rows: torch.Tensor  # [num_sampling_rows]
+    nano: NanoStep | None = None  # the step's nano-batches (None: the plain path)
 
 
 class ModelRunner:
@@ -109,6 +112,14 @@ class ModelRunner:
                 self.model.vision.pack_weights()
         # The decoder takes its eager path wherever the kernels do not apply or build.
         self.model.decoder.fused = config.model.fused_ops
+        self.nano_batcher: NanoBatcher | None = None
+        self.num_nano_steps = 0
+        if config.model.nano_batch != "off":
+            self.nano_batcher = NanoBatcher(load_schedules(config.model.nano_batch), self.backend)
+            # On a CPU the streams share the cores torch was given (one each on 2 cores).
+            streams = self.nano_batcher.num_streams
+            threads = max(1, torch.get_num_threads() // streams)
+            self.nano_executor = NanoExecutor(streams, self.device, threads)
         self.block_size = config.cache.block_size
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit(config)
         if group is not None:  # every rank's pool holds the same blocks
@@ -228,10 +239,11 @@ class ModelRunner:
         batch = AttentionBatch(query_lens, context_lens, block_tables, self.block_size)
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         metadata = self.backend.build_metadata(batch, slot_mapping, torch.device("cpu"))
+        nano = self.nano_batcher.plan(batch, slot_mapping) if self.nano_batcher else None
         return StepInputs(
             torch.tensor(token_ids, dtype=torch.long), pending_rows,
             torch.tensor(positions, dtype=torch.long), metadata, image_rows,
-            torch.tensor(sample_rows, dtype=torch.long),
+            torch.tensor(sample_rows, dtype=torch.long), nano,
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -245,14 +257,24 @@ class ModelRunner:
         self._fill_pending_rows(inputs, previous)
         device, decoder = self.device, self.model.decoder
         ids = inputs.token_ids
-        if self.graphs is not None and not inputs.image_rows and self.graphs.fits(inputs.metadata):
+        if (
+            self.graphs is not None
+            and inputs.nano is None
+            and not inputs.image_rows
+            and self.graphs.fits(inputs.metadata)
+        ):
             hidden = self.graphs.run(ids, inputs.positions, inputs.metadata)
             return decoder.compute_logits(hidden[inputs.sample_rows.to(device)])
         embeds = decoder.embed(ids.to(device))  # [num_tokens, hidden]
         for rows, values, offsets in inputs.image_rows:
             embeds[rows.to(device)] = values[offsets.to(device)]
         metadata = inputs.metadata if device.type == "cpu" else _to_device(inputs.metadata, device)
-        hidden = decoder(embeds, inputs.positions.to(device), metadata, self.kv_caches)
+        nano = None
+        if inputs.nano is not None:
+            step = inputs.nano if device.type == "cpu" else _to_device(inputs.nano, device)
+            nano = functools.partial(self.nano_executor.run_layers, step=step)
+            self.num_nano_steps += 1
+        hidden = decoder(embeds, inputs.positions.to(device), metadata, self.kv_caches, nano)
         return decoder.compute_logits(hidden[inputs.sample_rows.to(device)])
 
     @staticmethod

@@ -7,7 +7,7 @@ for (article §8: computing logits for every prompt position is the prefill logi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +89,11 @@ class StepContext:
     attn_metadata: object
     kv_caches: list[torch.Tensor]  # per layer [2, num_kv_heads, num_slots, head_dim]
     fused: bool  # the fused elementwise kernels (kernels/fused_ops.py) where they apply
+
+
+# Runs every layer over the step's nano-batches: (layers, inputs_embeds, ctx) -> what the
+# last DecoderLayer.forward returns, (its MLP output, the residual before it).
+NanoLayers = Callable[[list["DecoderLayer"], torch.Tensor, StepContext], tuple]
 
 
 class Attention(nn.Module):
@@ -181,13 +186,17 @@ class Decoder(nn.Module):
         positions: torch.Tensor,
         attn_metadata: object,
         kv_caches: list[torch.Tensor],
+        nano: NanoLayers | None = None,
     ) -> torch.Tensor:
         # inputs_embeds: [num_tokens, hidden]; positions: [num_tokens]
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
         ctx = StepContext(cos, sin, attn_metadata, kv_caches, self.fused)
         x, residual = inputs_embeds, None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, ctx, i)
+        if nano is not None and len(self.layers):  # nano-batched (vlmserve/nano_exec.py)
+            x, residual = nano(list(self.layers), x, ctx)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, ctx, i)
         if residual is None:  # no layers
             return self.norm(x, self.fused)
         return self.norm.add_forward(x, residual, self.fused)[0]
