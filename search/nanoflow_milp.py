@@ -290,7 +290,10 @@ def solve_stage2(
     edges = set(fixed) | {p for p, v in before.items() if pulp.value(v) > 0.5}
     out = []
     for i, n in enumerate(nanos):
-        share = min(1.0, max(MIN_SHARE, pulp.value(r[i])))
+        # A share no constraint reads (its resource's P(R) is flat, as measured on a quiet
+        # CPU) has no value from CBC: it does not matter, so it is the whole device.
+        value = pulp.value(r[i])
+        share = 1.0 if value is None else min(1.0, max(MIN_SHARE, value))
         d = n.best_us / profiles.perf(n.resource, share)
         out.append(replace(n, share=share, duration_us=d, start_us=pulp.value(s[i])))
     out = asap(out, edges)

@@ -75,6 +75,18 @@ def test_stage2_with_no_interference_gain_does_not_beat_running_in_order():
     assert solve_stage2(stage1, profiles).makespan_us == pytest.approx(160.0, rel=1e-6)
 
 
+def test_stage2_with_no_interference_overlaps_for_free():
+    # P = 1 at every share for memory (no interference, as a quiet CPU measured): no
+    # constraint reads the memory ops' shares, and overlap still beats taking turns (160 us;
+    # the compute op beside attention keeps 1 - MIN_SHARE of the device).
+    flat = {"memory": ((0.0, 1.0), (1.0, 1.0))}
+    profiles = _profiles({"qkv": ("compute", 10.0), "attention": ("memory", 30.0)}, 4, flat)
+    stage1 = solve_stage1(profiles, 512, {"qkv": 2, "attention": 2})
+    stage2 = solve_stage2(stage1, profiles)
+    assert stage1.makespan_us <= stage2.makespan_us < 160.0
+    assert all(0 < n.share <= 1 for n in stage2.nanos)
+
+
 TINY = ModelShape("tiny-gqa", 2, 512, 8, 2, 64, 1024, 1000)
 
 
