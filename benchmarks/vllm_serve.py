@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+from pathlib import Path
 
+# This script's folder is first on sys.path: benchmarks/kernels.py would pass for the
+# `kernels` hub package vLLM probes for (see vllm_worker.py).
+_HERE = Path(__file__).resolve().parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 _version = importlib.metadata.version
 
 

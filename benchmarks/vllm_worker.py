@@ -15,6 +15,12 @@ import hashlib
 import json
 import sys
 import time
+from pathlib import Path
+
+# Python puts this script's folder first on sys.path, where benchmarks/kernels.py would be
+# taken for the `kernels` hub package that transformers and vLLM probe for.
+_HERE = Path(__file__).resolve().parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 
 def _prompt(request: dict) -> dict:
