@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -59,10 +60,28 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def machine() -> dict:
+    """The CPU a result was measured on: machines of one kind differ between sessions
+    (AVX-512 with AMX on one, AVX2 only on another), and the kernels with them."""
+    from kernels.cpu_build import cpu_features
+
+    pairs = (line.split(":", 1) for line in cpu_features().splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in pairs}
+    flags = set(fields.get("flags", "").split())
+    isa = next((name for name in ("avx512f", "avx2") if name in flags), "other")
+    return {
+        "cpu": fields.get("model name", platform.processor()),
+        "vector_isa": isa.removesuffix("f"),
+        "amx": "amx_tile" in flags,
+        "cores": os.cpu_count(),
+    }
+
+
 def write_result(name: str, data: dict) -> Path:
+    """benchmarks/results/`name`.json, with the machine it was measured on."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(json.dumps({"machine": machine(), **data}, indent=2) + "\n")
     return path
 
 

@@ -325,7 +325,9 @@ def select_backend(
             use_kernel = preferred != "cpu-sdpa" and prefill_why is None
             return cpu_attention.CpuPagedAttention(prefill_kernel=use_kernel)
         if preferred is not None:
-            raise ValueError(f"attention backend {preferred!r} did not build: {why or prefill_why}")
+            raise ValueError(
+                f"attention backend {preferred!r} cannot run here: {why or prefill_why}"
+            )
     elif preferred is not None:
         raise ValueError(f"attention backend {preferred!r} runs on a CPU device, not {device.type}")
     return TorchPagedAttention()

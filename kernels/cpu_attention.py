@@ -15,9 +15,11 @@ half of it at head size 64, and where a chunk on a prefix needs no gather or mas
 `prefill_kernel=False` keeps the torch backend's path for them (SDPA per fresh prefill,
 gather + masked SDPA per chunk on a prefix); `select_backend(..., "cpu-sdpa")` picks it.
 
-The kernels are compiled the first time they are needed (kernels/cpu_build.py). Where no
-C++ compiler is found the build fails once, `available()` says why, and `select_backend`
-keeps the torch backend.
+The kernels are compiled the first time they are needed (kernels/cpu_build.py), for the
+widest vectors the CPU has (AVX-512 or AVX2 + FMA, `csrc/vec.h`). Where no C++ compiler is
+found the build fails once, `available()` says why, and `select_backend` keeps the torch
+backend; where the CPU has neither vector set, `prefill_available()` says so and prefills
+keep SDPA.
 """
 
 from __future__ import annotations
@@ -42,8 +44,12 @@ def available() -> str | None:
 
 
 def prefill_available() -> str | None:
-    """None when the prefill kernel is built and loaded; otherwise the reason it is not."""
-    return cpu_build.load("prefill_attention_cpu")
+    """None when the prefill kernel is built, loaded and can run on this CPU (it needs
+    AVX-512 or AVX2 + FMA); otherwise the reason it is not."""
+    why = cpu_build.load("prefill_attention_cpu")
+    if why is None and torch.ops.vlmserve_prefill.vector_lanes() == 0:
+        return "this CPU has neither AVX-512 nor AVX2 + FMA"
+    return why
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Building the C++ CPU kernels (kernels/csrc/*.cpp) with torch.utils.cpp_extension.
 
 Each source is compiled the first time a process needs it (about 20 s) into a build
-directory named for the source's content (and the shared headers'), the flags and the
-torch build, so checkouts
+directory named for the source's content (and the shared headers'), the flags, the
+torch build and the CPU it compiles for (-march=native), so checkouts
 of the same code share one build, a changed kernel never reuses a stale one, and two
 checkouts of different code never rebuild over each other in turn (torch's default keys
 the directory by the extension's name alone and rebuilds whenever the source path changes).
@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -29,11 +30,26 @@ CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 
+@functools.cache
+def cpu_features() -> str:
+    """What -march=native compiles for: the CPU's model and instruction-set flags (a build
+    for one CPU may not run on another sharing the cache, e.g. AVX-512 code on an AVX2-only
+    machine)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("vendor_id", "cpu family", "model", "model name", "flags", "Features", "CPU part")
+    first = text.split("\n\n", 1)[0]  # one processor's entry
+    return "\n".join(line for line in first.splitlines() if line.split(":")[0].strip() in wanted)
+
+
 def build_directory(name: str, source: Path) -> Path:
     digest = hashlib.sha256(source.read_bytes())
     for header in sorted(CSRC.glob("*.h")):  # what the sources include
         digest.update(header.read_bytes())
     digest.update(" ".join([*CFLAGS, torch.__version__]).encode())
+    digest.update(cpu_features().encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     path = Path(root) / "vlmserve" / f"{name}-{digest.hexdigest()[:12]}"
     path.mkdir(parents=True, exist_ok=True)

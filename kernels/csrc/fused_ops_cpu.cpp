@@ -13,14 +13,11 @@
 #include <immintrin.h>
 #include <cmath>
 
-#include "vec_avx512.h"
+#include "vec.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-using vlmserve_vec::exp_ps;
-using vlmserve_vec::first_lanes;
-#endif
+namespace vec = vlmserve_vec;
 
 // A [rows, width] float32 CPU tensor whose rows are dense (any row stride).
 void check_rows(const at::Tensor& t, const char* name) {
@@ -131,14 +128,13 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
       const float* g = gp + r * gs;
       const float* u = g + n;
       float* o = op + r * os;
-#if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 lanes = first_lanes(n - i);
-        const __m512 x = _mm512_maskz_loadu_ps(lanes, g + i);
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
-        _mm512_mask_storeu_ps(o + i, lanes, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, u + i)));
+#if VLMSERVE_VEC_LANES
+      const vec::vfloat one = vec::set1(1.f);
+      for (int64_t i = 0; i < n; i += vec::kLanes) {
+        const vec::vmask lanes = vec::first_lanes(n - i);
+        const vec::vfloat x = vec::maskz_load(lanes, g + i);
+        const vec::vfloat silu = vec::div(x, vec::add(one, vec::exp_ps(vec::sub(vec::zero(), x))));
+        vec::mask_store(o + i, lanes, vec::mul(silu, vec::maskz_load(lanes, u + i)));
       }
 #else
       for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];

@@ -24,14 +24,12 @@
 #include <vector>
 
 #include "paged_inputs.h"
-#include "vec_avx512.h"
+#include "vec.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-using vlmserve_vec::exp_ps;
-using vlmserve_vec::first_lanes;
-#endif
+namespace vec = vlmserve_vec;
+using vec::kLanes;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kPrefetchAhead = 1;
@@ -40,16 +38,16 @@ constexpr int64_t kPrefetchAhead = 1;
 // `count` keys (p is [rows, block_size]; callers mask positions past `last`).
 inline void block_scores(const float* qs, const float* kb, float* p, int64_t rows, int64_t dim,
                          int64_t count, int64_t block_size) {
-#if defined(__AVX512F__)
-  if (dim % 16 == 0 && dim <= 256) {
+#if VLMSERVE_VEC_LANES
+  if (dim % kLanes == 0 && dim <= 256) {
     for (int64_t r = 0; r < rows; ++r) {
       const float* qr = qs + r * dim;
       for (int64_t j = 0; j < count; ++j) {
         const float* kj = kb + j * dim;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kj));
-        for (int64_t d = 16; d < dim; d += 16)
-          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + d), _mm512_loadu_ps(kj + d), acc);
-        p[r * block_size + j] = _mm512_reduce_add_ps(acc);
+        vec::vfloat acc = vec::mul(vec::load(qr), vec::load(kj));
+        for (int64_t d = kLanes; d < dim; d += kLanes)
+          acc = vec::fmadd(vec::load(qr + d), vec::load(kj + d), acc);
+        p[r * block_size + j] = vec::reduce_add(acc);
       }
     }
     return;
@@ -69,21 +67,23 @@ inline void block_scores(const float* qs, const float* kb, float* p, int64_t row
 // `l` and the factor its accumulator must be rescaled by (`correction`) advance.
 inline void softmax_block_row(float* p, int64_t count, int64_t visible, float& m, float& l,
                               float& correction) {
-#if defined(__AVX512F__)
-  __m512 vmax = _mm512_set1_ps(kNegInf);
-  for (int64_t j = 0; j < visible; j += 16)
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, first_lanes(visible - j), p + j));
-  const float new_max = std::max(m, _mm512_reduce_max_ps(vmax));
-  const __m512 shift = _mm512_set1_ps(new_max);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < count; j += 16) {
-    const __mmask16 seen = first_lanes(std::max<int64_t>(0, visible - j));
-    const __m512 e = _mm512_maskz_mov_ps(
-        seen, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, p + j), shift)));
-    _mm512_mask_storeu_ps(p + j, first_lanes(count - j), e);
-    sum = _mm512_add_ps(sum, e);
+#if VLMSERVE_VEC_LANES
+  vec::vfloat vmax = vec::set1(kNegInf);
+  for (int64_t j = 0; j < visible; j += kLanes) {
+    const vec::vmask in = vec::first_lanes(visible - j);
+    vmax = vec::mask_max(vmax, in, vec::maskz_load(in, p + j));
   }
-  const float total = _mm512_reduce_add_ps(sum);
+  const float new_max = std::max(m, vec::reduce_max(vmax));
+  const vec::vfloat shift = vec::set1(new_max);
+  vec::vfloat sum = vec::zero();
+  for (int64_t j = 0; j < count; j += kLanes) {
+    const vec::vmask seen = vec::first_lanes(visible - j);
+    const vec::vfloat e =
+        vec::maskz(seen, vec::exp_ps(vec::sub(vec::maskz_load(seen, p + j), shift)));
+    vec::mask_store(p + j, vec::first_lanes(count - j), e);
+    sum = vec::add(sum, e);
+  }
+  const float total = vec::reduce_add(sum);
 #else
   float block_max = kNegInf;
   for (int64_t j = 0; j < visible; ++j) block_max = std::max(block_max, p[j]);
@@ -102,16 +102,15 @@ inline void softmax_block_row(float* p, int64_t count, int64_t visible, float& m
 // acc[r] = acc[r] * correction[r] + sum_j p[r, j] v[j] over the block's first `count` rows.
 inline void block_values(const float* p, const float* vb, const float* correction, float* acc,
                          int64_t rows, int64_t dim, int64_t count, int64_t block_size) {
-#if defined(__AVX512F__)
-  if (dim % 16 == 0) {
-    for (int64_t d = 0; d < dim; d += 16)
+#if VLMSERVE_VEC_LANES
+  if (dim % kLanes == 0) {
+    for (int64_t d = 0; d < dim; d += kLanes)
       for (int64_t r = 0; r < rows; ++r) {
         const float* pr = p + r * block_size;
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + d),
-                                 _mm512_set1_ps(correction[r]));
+        vec::vfloat a = vec::mul(vec::load(acc + r * dim + d), vec::set1(correction[r]));
         for (int64_t j = 0; j < count; ++j)
-          a = _mm512_fmadd_ps(_mm512_set1_ps(pr[j]), _mm512_loadu_ps(vb + j * dim + d), a);
-        _mm512_storeu_ps(acc + r * dim + d, a);
+          a = vec::fmadd(vec::set1(pr[j]), vec::load(vb + j * dim + d), a);
+        vec::store(acc + r * dim + d, a);
       }
     return;
   }

@@ -1,6 +1,6 @@
-// Prefill and extend attention on the CPU (float32, AVX-512), reading K/V straight from the
-// paged cache through the block table: a fresh prompt and a chunk on a cached prefix are
-// the same case (the step's own K/V are written to the cache before attention runs).
+// Prefill and extend attention on the CPU (float32 math; AVX-512 or AVX2 + FMA), reading
+// K/V straight from the paged cache through the block table: a fresh prompt and a chunk on
+// a cached prefix are the same case (the step's own K/V are written to the cache before attention runs).
 //
 // Registered as torch.ops.vlmserve_prefill.prefill_attention; kernels/cpu_attention.py
 // builds this file with torch.utils.cpp_extension on first use. Layout as
@@ -9,10 +9,10 @@
 // One work item is (sequence, kv head, block of consecutive query tokens). Its rows are
 // the block's tokens times the group's query heads (GQA: every K/V row loaded serves them
 // all), held transposed (qt[d][row], pre-scaled), so that the scores of a tile of keys come
-// out as st[key][row] and the online softmax runs down the keys with rows across the 16
-// lanes: no horizontal reductions. Two register-blocked micro-kernels do the FLOPs:
-// scores (4 keys x 96 rows of accumulators, a broadcast key element times a row of qt) and
-// values (6 rows x 64 dims, a broadcast probability times a row of V). Tiles past a row
+// out as st[key][row] and the online softmax runs down the keys with rows across the
+// vector lanes: no horizontal reductions. Two register-blocked micro-kernels do the FLOPs:
+// scores (keys x rows of accumulators, a broadcast key element times a row of qt) and
+// values (rows x dims, a broadcast probability times a row of V), sized to the registers. Tiles past a row
 // block's last position are never visited; only the tiles that straddle the diagonal are
 // masked.
 
@@ -28,156 +28,114 @@
 #include <vector>
 
 #include "paged_inputs.h"
-#include "vec_avx512.h"
+#include "vec.h"
 
 namespace {
 
-#if defined(__AVX512F__)
-using vlmserve_vec::exp_ps;
+#if VLMSERVE_VEC_LANES
+namespace vec = vlmserve_vec;
+using vec::kLanes;
+using vec::vfloat;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kTargetRows = 96;  // query rows per item: 6 vectors, the scores tile width
-constexpr int64_t kTileKeys = 64;    // keys per tile (the score tile is kTileKeys x rows)
-constexpr int kKeysPerStep = 4;      // scores micro-kernel: keys x row vectors accumulators
-constexpr int kMaxRowVecs = 6;
-constexpr int kRowsPerStep = 6;  // values micro-kernel: rows x dim vectors accumulators
-constexpr int kMaxDimVecs = 4;
+constexpr int64_t kTileKeys = 64;  // keys per tile (the score tile is kTileKeys x rows)
+// Register blocking: the scores micro-kernel holds kKeysPerStep x kMaxRowVecs accumulators
+// plus kMaxRowVecs query vectors and a broadcast key element; the values micro-kernel
+// kRowsPerStep x kMaxDimVecs accumulators plus kMaxDimVecs value vectors and a broadcast
+// probability: 31 and 29 of AVX-512's 32 registers, 15 of AVX2's 16.
+#if defined(__AVX512F__)
+constexpr int kKeysPerStep = 4, kMaxRowVecs = 6, kRowsPerStep = 6, kMaxDimVecs = 4;
+#else
+constexpr int kKeysPerStep = 6, kMaxRowVecs = 2, kRowsPerStep = 6, kMaxDimVecs = 2;
+#endif
+constexpr int64_t kTargetRows = 96;  // query rows per item, a multiple of both widths
 
-// st[j][r0 + 16v + lane] = sum_d keys[j][d] * qt[d][r0 + 16v + lane] for JB keys, NV vectors.
+// st[j][r0 + L v + lane] = sum_d keys[j][d] * qt[d][r0 + L v + lane] for JB keys, NV vectors.
 template <int JB, int NV>
 inline void scores_tile(const float* const* keys, const float* qt, int64_t ldq, float* st,
                         int64_t lds, int64_t dim) {
-  __m512 acc[JB][NV];
+  vfloat acc[JB][NV];
 #pragma GCC unroll 8
   for (int j = 0; j < JB; ++j)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[j][v] = vec::zero();
   for (int64_t d = 0; d < dim; ++d) {
-    __m512 q[NV];
+    vfloat q[NV];
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_ps(qt + d * ldq + 16 * v);
+    for (int v = 0; v < NV; ++v) q[v] = vec::load(qt + d * ldq + kLanes * v);
 #pragma GCC unroll 8
     for (int j = 0; j < JB; ++j) {
-      const __m512 k = _mm512_set1_ps(keys[j][d]);
+      const vfloat k = vec::set1(keys[j][d]);
 #pragma GCC unroll 8
-      for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_fmadd_ps(k, q[v], acc[j][v]);
+      for (int v = 0; v < NV; ++v) acc[j][v] = vec::fmadd(k, q[v], acc[j][v]);
     }
   }
 #pragma GCC unroll 8
   for (int j = 0; j < JB; ++j)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(st + j * lds + 16 * v, acc[j][v]);
+    for (int v = 0; v < NV; ++v) vec::store(st + j * lds + kLanes * v, acc[j][v]);
 }
 
-template <int JB>
-inline void scores_rows(const float* const* keys, const float* qt, int64_t ldq, float* st,
-                        int64_t lds, int64_t dim, int64_t vecs) {
-  for (int64_t v = 0; v < vecs; v += kMaxRowVecs) {
-    const float* q = qt + 16 * v;
-    float* s = st + 16 * v;
-    switch (std::min<int64_t>(kMaxRowVecs, vecs - v)) {
-      case 1: scores_tile<JB, 1>(keys, q, ldq, s, lds, dim); break;
-      case 2: scores_tile<JB, 2>(keys, q, ldq, s, lds, dim); break;
-      case 3: scores_tile<JB, 3>(keys, q, ldq, s, lds, dim); break;
-      case 4: scores_tile<JB, 4>(keys, q, ldq, s, lds, dim); break;
-      case 5: scores_tile<JB, 5>(keys, q, ldq, s, lds, dim); break;
-      default: scores_tile<JB, 6>(keys, q, ldq, s, lds, dim); break;
-    }
-  }
-}
-
-// The scores of `count` keys against every row: st[j][r] for j < count, r < 16 * vecs.
+// The scores of `count` keys against every row: st[j][r] for j < count, r < L * vecs.
 inline void scores(const float* const* keys, int64_t count, const float* qt, int64_t vecs,
                    float* st, int64_t dim) {
-  const int64_t ld = 16 * vecs;
-  int64_t j = 0;
-  for (; j + kKeysPerStep <= count; j += kKeysPerStep)
-    scores_rows<kKeysPerStep>(keys + j, qt, ld, st + j * ld, ld, dim, vecs);
-  switch (count - j) {
-    case 1: scores_rows<1>(keys + j, qt, ld, st + j * ld, ld, dim, vecs); break;
-    case 2: scores_rows<2>(keys + j, qt, ld, st + j * ld, ld, dim, vecs); break;
-    case 3: scores_rows<3>(keys + j, qt, ld, st + j * ld, ld, dim, vecs); break;
-    default: break;
+  const int64_t ld = kLanes * vecs;
+  for (int64_t j = 0; j < count; j += kKeysPerStep) {
+    vec::with_size<kKeysPerStep>(std::min<int64_t>(kKeysPerStep, count - j), [&](auto jb) {
+      for (int64_t v = 0; v < vecs; v += kMaxRowVecs) {
+        vec::with_size<kMaxRowVecs>(std::min<int64_t>(kMaxRowVecs, vecs - v), [&](auto nv) {
+          scores_tile<decltype(jb)::value, decltype(nv)::value>(keys + j, qt + kLanes * v, ld, st + j * ld + kLanes * v, ld, dim);
+        });
+      }
+    });
   }
 }
 
-// o[r0 + i][16w + lane] = o[..] * correction[r0 + i] + sum_j p[j][r0 + i] * vals[j][16w + lane]
+// o[r0 + i][L w + lane] = o[..] * correction[r0 + i] + sum_j p[j][r0 + i] * vals[j][L w + lane]
 // for RB rows and DV dim vectors (o rows are `ldo` apart, p rows `ldp`).
 template <int RB, int DV>
 inline void values_tile(const float* const* vals, int64_t count, const float* p, int64_t ldp,
                         const float* correction, float* o, int64_t ldo) {
-  __m512 acc[RB][DV];
+  vfloat acc[RB][DV];
 #pragma GCC unroll 8
   for (int i = 0; i < RB; ++i) {
-    const __m512 c = _mm512_set1_ps(correction[i]);
+    const vfloat c = vec::set1(correction[i]);
 #pragma GCC unroll 8
-    for (int w = 0; w < DV; ++w) acc[i][w] = _mm512_mul_ps(_mm512_loadu_ps(o + i * ldo + 16 * w), c);
+    for (int w = 0; w < DV; ++w) acc[i][w] = vec::mul(vec::load(o + i * ldo + kLanes * w), c);
   }
   for (int64_t j = 0; j < count; ++j) {
-    __m512 v[DV];
+    vfloat v[DV];
 #pragma GCC unroll 8
-    for (int w = 0; w < DV; ++w) v[w] = _mm512_loadu_ps(vals[j] + 16 * w);
+    for (int w = 0; w < DV; ++w) v[w] = vec::load(vals[j] + kLanes * w);
 #pragma GCC unroll 8
     for (int i = 0; i < RB; ++i) {
-      const __m512 pb = _mm512_set1_ps(p[j * ldp + i]);
+      const vfloat pb = vec::set1(p[j * ldp + i]);
 #pragma GCC unroll 8
-      for (int w = 0; w < DV; ++w) acc[i][w] = _mm512_fmadd_ps(pb, v[w], acc[i][w]);
+      for (int w = 0; w < DV; ++w) acc[i][w] = vec::fmadd(pb, v[w], acc[i][w]);
     }
   }
 #pragma GCC unroll 8
   for (int i = 0; i < RB; ++i)
 #pragma GCC unroll 8
-    for (int w = 0; w < DV; ++w) _mm512_storeu_ps(o + i * ldo + 16 * w, acc[i][w]);
+    for (int w = 0; w < DV; ++w) vec::store(o + i * ldo + kLanes * w, acc[i][w]);
 }
 
-template <int DV>
-inline void values_rows(const float* const* vals, int64_t count, const float* p, int64_t rows,
-                        const float* correction, float* o, int64_t ldo) {
-  for (int64_t r = 0; r < rows; r += kRowsPerStep) {
-    const float* pr = p + r;
-    float* orow = o + r * ldo;
-    const float* c = correction + r;
-    switch (std::min<int64_t>(kRowsPerStep, rows - r)) {
-      case 1: values_tile<1, DV>(vals, count, pr, rows, c, orow, ldo); break;
-      case 2: values_tile<2, DV>(vals, count, pr, rows, c, orow, ldo); break;
-      case 3: values_tile<3, DV>(vals, count, pr, rows, c, orow, ldo); break;
-      case 4: values_tile<4, DV>(vals, count, pr, rows, c, orow, ldo); break;
-      case 5: values_tile<5, DV>(vals, count, pr, rows, c, orow, ldo); break;
-      default: values_tile<6, DV>(vals, count, pr, rows, c, orow, ldo); break;
-    }
-  }
-}
-
-// o = o * correction + p^T V over `count` keys, in slices of up to 64 dims (4 vectors).
+// o = o * correction + p^T V over `count` keys, in slices of up to kMaxDimVecs vectors of
+// dims (o rows are `dim` long, a multiple of the lanes).
 inline void values(const float* const* vals, int64_t count, const float* p, int64_t rows,
                    const float* correction, float* o, int64_t dim, const float** shifted) {
-  for (int64_t w = 0; w < dim / 16; w += kMaxDimVecs) {
-    for (int64_t j = 0; j < count; ++j) shifted[j] = vals[j] + 16 * w;
-    float* ow = o + 16 * w;
-    switch (std::min<int64_t>(kMaxDimVecs, dim / 16 - w)) {
-      case 1: values_rows<1>(shifted, count, p, rows, correction, ow, dim); break;
-      case 2: values_rows<2>(shifted, count, p, rows, correction, ow, dim); break;
-      case 3: values_rows<3>(shifted, count, p, rows, correction, ow, dim); break;
-      default: values_rows<4>(shifted, count, p, rows, correction, ow, dim); break;
-    }
+  const int64_t dim_vecs = dim / kLanes;
+  for (int64_t w = 0; w < dim_vecs; w += kMaxDimVecs) {
+    for (int64_t j = 0; j < count; ++j) shifted[j] = vals[j] + kLanes * w;
+    vec::with_size<kMaxDimVecs>(std::min<int64_t>(kMaxDimVecs, dim_vecs - w), [&](auto dv) {
+      for (int64_t r = 0; r < rows; r += kRowsPerStep) {
+        vec::with_size<kRowsPerStep>(std::min<int64_t>(kRowsPerStep, rows - r), [&](auto rb) {
+          values_tile<decltype(rb)::value, decltype(dv)::value>(shifted, count, p + r, rows, correction + r,
+                              o + r * dim + kLanes * w, dim);
+        });
+      }
+    });
   }
-}
-
-// 2^x for 16 lanes with x <= 0 (scores minus their running max, in base-2 units): x = n + f,
-// |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error ~1e-7), scaled by 2^n.
-// Cheaper than a natural exp: the log2(e) factor is folded into the query scale.
-inline __m512 exp2_neg_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));  // e^-87: the smallest normal float
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y = _mm512_set1_ps(1.5403530393e-4f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558147e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108665e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650696e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718056e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
 }
 
 // Online softmax over one tile of scores st[j][r] (keys first..first+count, base-2 units),
@@ -187,33 +145,32 @@ inline __m512 exp2_neg_ps(__m512 x) {
 template <bool Masked>
 inline void softmax_tile(float* st, int64_t count, int64_t vecs, int64_t first,
                          const int32_t* positions, float* m, float* l, float* correction) {
-  const int64_t ld = 16 * vecs;
+  const int64_t ld = kLanes * vecs;
   for (int64_t v = 0; v < vecs; ++v) {
-    const __m512i pos = _mm512_loadu_si512(positions + 16 * v);
-    auto seen = [&](int64_t j) -> __mmask16 {
-      if constexpr (!Masked) return 0xFFFF;
-      return _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(first + j)), pos);
+    const int32_t* pos = positions + kLanes * v;
+    auto seen = [&](int64_t j) {
+      if constexpr (!Masked) return vec::all_lanes();
+      return vec::le(static_cast<int32_t>(first + j), pos);
     };
-    const __m512 old_max = _mm512_loadu_ps(m + 16 * v);
-    __m512 new_max = old_max;
+    const vfloat old_max = vec::load(m + kLanes * v);
+    vfloat new_max = old_max;
     for (int64_t j = 0; j < count; ++j) {
-      const __m512 s = _mm512_loadu_ps(st + j * ld + 16 * v);
-      new_max = Masked ? _mm512_mask_max_ps(new_max, seen(j), new_max, s)
-                       : _mm512_max_ps(new_max, s);
+      const vfloat s = vec::load(st + j * ld + kLanes * v);
+      new_max = Masked ? vec::mask_max(new_max, seen(j), s) : vec::max(new_max, s);
     }
-    __m512 sum = _mm512_setzero_ps();
+    vfloat sum = vec::zero();
     for (int64_t j = 0; j < count; ++j) {
-      float* s = st + j * ld + 16 * v;
-      __m512 e = exp2_neg_ps(_mm512_sub_ps(_mm512_loadu_ps(s), new_max));
-      if constexpr (Masked) e = _mm512_maskz_mov_ps(seen(j), e);
-      _mm512_storeu_ps(s, e);
-      sum = _mm512_add_ps(sum, e);
+      float* s = st + j * ld + kLanes * v;
+      vfloat e = vec::exp2_neg_ps(vec::sub(vec::load(s), new_max));
+      if constexpr (Masked) e = vec::maskz(seen(j), e);
+      vec::store(s, e);
+      sum = vec::add(sum, e);
     }
     // Before the first tile m = -inf: the factor is ~0 and multiplies zeros.
-    const __m512 c = exp2_neg_ps(_mm512_sub_ps(old_max, new_max));
-    _mm512_storeu_ps(correction + 16 * v, c);
-    _mm512_storeu_ps(l + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * v), c, sum));
-    _mm512_storeu_ps(m + 16 * v, new_max);
+    const vfloat c = vec::exp2_neg_ps(vec::sub(old_max, new_max));
+    vec::store(correction + kLanes * v, c);
+    vec::store(l + kLanes * v, vec::fmadd(vec::load(l + kLanes * v), c, sum));
+    vec::store(m + kLanes * v, new_max);
   }
 }
 
@@ -241,16 +198,16 @@ struct Scratch {
 };
 
 // Rows r of one item: query token i = r / group, head kv_head * group + r % group. float32
-// K/V with 16-aligned head dims are read in place; other dtypes and head dims are copied
-// tile by tile into float buffers padded to 16 lanes.
+// K/V with head dims a multiple of the lanes are read in place; other dtypes and head dims
+// are copied tile by tile into float buffers padded to the vector width.
 template <typename scalar_t>
 void attend_item(const Problem<scalar_t>& pb, const Item& item, Scratch& w) {
   constexpr bool kInPlace = std::is_same_v<scalar_t, float>;
   const int64_t dim = pb.dim, group = pb.group;
-  const bool in_place = kInPlace && dim % 16 == 0;
-  const int64_t width = (dim + 15) / 16 * 16;  // o's row length
+  const bool in_place = kInPlace && dim % kLanes == 0;
+  const int64_t width = (dim + kLanes - 1) / kLanes * kLanes;  // o's row length
   const int64_t rows_used = item.num_queries * group;
-  const int64_t vecs = (rows_used + 15) / 16, rows = 16 * vecs;
+  const int64_t vecs = (rows_used + kLanes - 1) / kLanes, rows = kLanes * vecs;
   w.qt.assign(dim * rows, 0.f);
   w.o.assign(rows * width, 0.f);
   w.st.resize(kTileKeys * rows);
@@ -366,7 +323,7 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
                        int64_t block_size, double scale) {
   vlmserve_paged::check_inputs(out, q, kv_cache, block_tables, query_starts, query_lens,
                                context_lens);
-#if defined(__AVX512F__)
+#if VLMSERVE_VEC_LANES
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
                                   "prefill_attention", [&] {
                                     attend<scalar_t>(out, q, kv_cache, block_tables,
@@ -374,13 +331,17 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
                                                      block_size, scale);
                                   });
 #else
-  TORCH_CHECK(false, "prefill_attention needs AVX-512");
+  TORCH_CHECK(false, "prefill_attention needs AVX2 + FMA or AVX-512");
 #endif
 }
 
 }  // namespace
 
+// The float lanes the kernel was built for; 0: it cannot run on this CPU.
+int64_t vector_lanes() { return vlmserve_vec::kLanes; }
+
 TORCH_LIBRARY(vlmserve_prefill, m) {
+  m.def("vector_lanes() -> int", &vector_lanes);
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor query_starts, Tensor query_lens, Tensor context_lens, int block_size, "
