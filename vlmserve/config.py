@@ -37,8 +37,10 @@ class ModelConfig:
     # CUDA: replay the decode step from CUDA graphs per batch-size bucket (Triton backend,
     # fused ops on; vlmserve/cuda_graphs.py).
     cuda_graphs: bool = True
-    # Nano-batched layers (NanoFlow §4.2, vlmserve/nano_batch.py): "off", or a schedule
-    # JSON (search/schedule.py) or a folder of them, one per dense batch size.
+    # Nano-batched layers (NanoFlow §4.2, vlmserve/nano_batch.py): "off"; "auto", the
+    # auto-search's schedules for this model and device (search/engine_schedules.py,
+    # cached); or a schedule JSON (search/schedule.py) or a folder of them, one per dense
+    # batch size.
     nano_batch: str = "off"
 
     def __post_init__(self) -> None:
@@ -48,8 +50,10 @@ class ModelConfig:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
-        if self.nano_batch != "off" and not Path(self.nano_batch).exists():
-            raise ValueError(f"nano_batch {self.nano_batch!r} is neither 'off' nor a schedule path")
+        if self.nano_batch not in ("off", "auto") and not Path(self.nano_batch).exists():
+            raise ValueError(
+                f"nano_batch {self.nano_batch!r} is neither 'off', 'auto' nor a schedule path"
+            )
         if self.max_images_per_request < 0:
             raise ValueError(f"max_images_per_request={self.max_images_per_request} must be >= 0")
 

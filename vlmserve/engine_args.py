@@ -106,9 +106,11 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--nano-batch",
         default="off",
-        metavar="off|PATH",
-        help="nano-batched layers (NanoFlow): a schedule JSON or a folder of them (one per "
-        "dense batch size); steps where the schedule does not pay run unsplit (default: off)",
+        metavar="off|auto|PATH",
+        help="nano-batched layers (NanoFlow): auto = the auto-search's schedules for this "
+        "model and device (profiled and searched on first use, then cached), or a schedule "
+        "JSON or a folder of them (one per dense batch size); steps where the schedule does "
+        "not pay run unsplit (default: off)",
     )
 
 

@@ -20,6 +20,7 @@ non-empty nano-batches for some op (one long prefill chunk).
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,6 +28,9 @@ import torch
 
 from kernels.attention import AttentionBackend, AttentionBatch
 from search.schedule import LAYER_OPS, NanoOp, Schedule, check, depends_on
+from vlmserve.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 # Ops with nothing to run on one device (tensor parallelism's collectives).
 _NO_OP = frozenset(op for op in LAYER_OPS if op.startswith("allreduce"))
@@ -93,6 +97,27 @@ def load_schedules(path: str | Path) -> list[Schedule]:
         validate(schedule)
         schedules.append(schedule)
     return schedules
+
+
+def nano_schedules(config: EngineConfig, device: torch.device) -> list[Schedule]:
+    """The schedules `config.model.nano_batch` names: none ("off"), the auto-search's for
+    this model and device ("auto"), or those of a file or folder."""
+    choice = config.model.nano_batch
+    if choice == "off":
+        return []
+    if choice != "auto":
+        return load_schedules(choice)
+    from search.engine_schedules import engine_schedules
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    max_rows = config.scheduler.max_num_batched_tokens
+    found = engine_schedules(config.model.path, device.type, max_rows, name)
+    log.info(
+        "nano-batch auto: %d schedule(s) %s in %.1f s; overlap pays at dense batch %s",
+        len(found.schedules), "from the cache" if found.cached else "searched",
+        found.seconds, found.paying_batches or "none (steps run unsplit)",
+    )  # fmt: skip
+    return found.schedules
 
 
 class NanoBatcher:

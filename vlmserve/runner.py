@@ -34,7 +34,7 @@ from vlmserve.parallel.sharding import TPShard
 
 if TYPE_CHECKING:
     from vlmserve.parallel.comm import TPGroup
-from vlmserve.nano_batch import NanoBatcher, NanoStep, load_schedules
+from vlmserve.nano_batch import NanoBatcher, NanoStep, nano_schedules
 from vlmserve.nano_exec import NanoExecutor
 
 log = logging.getLogger(__name__)
@@ -114,8 +114,9 @@ class ModelRunner:
         self.model.decoder.fused = config.model.fused_ops
         self.nano_batcher: NanoBatcher | None = None
         self.num_nano_steps = 0
-        if config.model.nano_batch != "off":
-            self.nano_batcher = NanoBatcher(load_schedules(config.model.nano_batch), self.backend)
+        schedules = nano_schedules(config, self.device)
+        if schedules:
+            self.nano_batcher = NanoBatcher(schedules, self.backend)
             # On a CPU the streams share the cores torch was given (one each on 2 cores).
             streams = self.nano_batcher.num_streams
             threads = max(1, torch.get_num_threads() // streams)

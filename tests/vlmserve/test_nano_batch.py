@@ -253,6 +253,22 @@ def test_engine_greedy_tokens_equal_the_unsplit_engine(heads, llama_path, mha_pa
     assert any(max(lens) > 1 and min(lens) == 1 for lens in split)
 
 
+def test_auto_runs_the_searched_schedules_and_keeps_the_tokens(llama_path, tmp_path, monkeypatch):
+    from search import profiles
+    from search.engine_schedules import engine_schedules
+
+    monkeypatch.setattr(profiles, "DEFAULT_CACHE_DIR", tmp_path)
+    # Searched here with a short time limit; the engine's start reads them from the cache.
+    searched = engine_schedules(str(llama_path), "cpu", 64, time_limit_s=1)
+    plain = run_checked(make_engine(llama_path, budget=64), text_requests())
+    engine = make_engine(llama_path, budget=64, nano_batch="auto")
+    assert engine.runner.nano_batcher.schedules == searched.schedules
+    nano = run_checked(engine, text_requests())
+    assert [o.token_ids for o in nano] == [o.token_ids for o in plain]
+    # Steps split exactly where the search said overlap pays.
+    assert (engine.runner.num_nano_steps > 0) == bool(searched.paying_batches)
+
+
 def test_nano_batch_flag_reaches_the_engine_from_each_door(schedule_dir):
     doors = [["generate", "--prompt", "x"], ["demo"], ["serve"],
              ["caption", "in", "--output", "o.jsonl"]]  # fmt: skip
@@ -260,6 +276,8 @@ def test_nano_batch_flag_reaches_the_engine_from_each_door(schedule_dir):
         args = build_parser().parse_args([*door, "--nano-batch", str(schedule_dir)])
         assert engine_config_from_args(args).model.nano_batch == str(schedule_dir)
         assert engine_config_from_args(build_parser().parse_args(door)).model.nano_batch == "off"
+        auto = build_parser().parse_args([*door, "--nano-batch", "auto"])
+        assert engine_config_from_args(auto).model.nano_batch == "auto"
     with pytest.raises(ValueError, match="nano_batch"):
         engine_config_from_args(build_parser().parse_args(["demo", "--nano-batch", "nope"]))
 
