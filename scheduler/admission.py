@@ -21,9 +21,11 @@ preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
   not already hold is still free. Quick requests may pass an aged lump that does not fit
   while they stay inside the share: that leaves the lump's own condition unchanged, so
   the aging bound still holds (a lump too big to leave the share free gets a smaller one).
-- prefill cap: at most `lump_prefill_tokens` prefill tokens a step go to non-quick
-  sequences, so a step that carries a lump stays short and a text request arriving
-  during it waits little (the planner applies it).
+- prefill cap: while a quick request is running or ready to start, at most
+  `lump_prefill_tokens` prefill tokens a step go to non-quick sequences, so a step that
+  carries a lump stays short for it (the planner applies it). With no quick request in
+  the system the lumps take the whole step budget, as an image-only batch wants: a text
+  request arriving then waits for at most the one step in flight.
 - yield: a step that carries a quick request's first-token work (it starts one, or
   continues one's prefill) gives non-quick sequences no prefill rows, no tower work and no
   start (`yields_to_quick`; the planner applies it), so the text request's first token does

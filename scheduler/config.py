@@ -75,8 +75,9 @@ class SchedulerConfig:
     # 0.1 still lets the burst fill the pool; 0.2 and 0.3 free it at 10 text req/s, and
     # only 0.3 at 20 req/s (text p99 TTFT 8.9x vs 2.4x unloaded).
     lump_headroom: float = 0.3
-    # Lumpy only, with chunked prefill. Prefill tokens a step gives non-quick sequences;
-    # None: the whole step budget. Prefill is compute-bound from a few hundred rows, so a
+    # Lumpy only, with chunked prefill. Prefill tokens a step gives non-quick sequences
+    # while a quick request is running or ready to start (with none, the whole budget);
+    # None: the whole step budget always. Prefill is compute-bound from a few hundred rows, so a
     # small cap costs the lump little throughput and keeps every step short. 192 rows
     # sit just above a 7B's ridge on an H100 (~150: 7 ms of compute vs 5.6 ms of weight
     # reads): in the benchmark 256 gives text p99 2.2x unloaded, 192 1.9x, and 128 (below

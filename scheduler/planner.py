@@ -12,7 +12,8 @@ queue and is recomputed later (article §19); a step that preempts admits no one
 
 Prefill chunks stop before an image that would take the step's vision-tower work past
 `encoder_tiles_per_step` (`scheduler.encoder_budget`). Under lumpy admission, sequences not
-admitted as quick share `lump_prefill_tokens_per_step` prefill tokens a step, quick
+admitted as quick share `lump_prefill_tokens_per_step` prefill tokens a step while a
+quick request is running or ready to start (with none, they take the whole budget), quick
 ones may use the KV headroom lumps must leave, and a step that carries a quick request's
 first token leaves the lumps out (`scheduler.admission`): it plans the running
 non-lumps, then starts quick requests, and only when none needs its first token does it
@@ -195,7 +196,10 @@ class Scheduler:
         )  # fmt: skip
 
     def schedule(self) -> StepPlan:
-        room = _Room(self.config.max_num_batched_tokens, 0, self.admission.lump_prefill_tokens)
+        # The lump cap keeps steps short for quick requests: with none in the system (an
+        # image-only batch), lumps take the whole step budget.
+        cap = self.admission.lump_prefill_tokens
+        room = _Room(self.config.max_num_batched_tokens, 0, cap if self._has_quick() else None)
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         queue = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
@@ -226,6 +230,12 @@ class Scheduler:
             if seq.ready:
                 seq.num_waiting_steps += 1
         return StepPlan(scheduled, tuple(seq.request_id for seq in preempted))
+
+    def _has_quick(self) -> bool:
+        """A quick request is running, or waits ready to start as one."""
+        if any(s.request_id in self._quick_ids for s in self.running):
+            return True
+        return any(c.quick for c, _ in self._candidates())
 
     def _is_lump(self, seq: Sequence) -> bool:
         """A running prefill not admitted as quick (its chunks share the lump cap)."""

@@ -11,6 +11,9 @@ op of the next layer after any op of this one on a shared row), and builds each
 attention nano-batch's backend metadata, all once per step on the host. `nano_exec.py`
 runs the result.
 
+`--nano-batch auto` takes the schedules the auto-search finds for the engine's own model
+and device (search/engine_schedules.py, cached by decoder shape); a path names them.
+
 The plain path runs instead (`NanoBatcher.plan` returns None) when no schedule's dense
 batch is at most N, when the chosen schedule does not pay (its makespan is not below
 its sequential time) or is not split, or when the step's sequences leave no two

@@ -200,8 +200,8 @@ def test_lump_prefill_is_capped_per_step_and_quick_prefill_is_not():
         max_num_batched_tokens=64, lump_yields_to_quick=False,
     )  # fmt: skip
     scheduler.add(make_request("lump", 30, images=[(2, 8, 1)]), 32)
-    scheduler.add(make_request("text", 20), 22)
-    limits = {"lump": 32, "text": 22}
+    scheduler.add(make_request("text", 20), 30)  # decodes while the lump prefills
+    limits = {"lump": 32, "text": 30}
     steps = []
     while scheduler.has_unfinished():
         plan = run_step(scheduler, limits)
@@ -209,6 +209,23 @@ def test_lump_prefill_is_capped_per_step_and_quick_prefill_is_not():
     assert steps[0] == {"text": 20, "lump": 8}
     assert [step["lump"] for step in steps[:4]] == [8, 8, 8, 6]  # then it decodes
     assert all(step.get("lump", 1) == 1 for step in steps[4:])
+
+
+def test_with_no_quick_request_lumps_take_the_whole_budget_until_one_arrives():
+    scheduler = make_scheduler(
+        num_blocks=64, admission="lumpy", lump_prefill_tokens_per_step=8,
+        max_num_batched_tokens=24, lump_yields_to_quick=False,
+    )  # fmt: skip
+    scheduler.add(make_request("a", 40, images=[(2, 8, 1)]), 42)
+    scheduler.add(make_request("b", 40, images=[(2, 8, 1)]), 42)
+    limits = {"a": 42, "b": 42}
+    first = run_step(scheduler, limits)
+    assert {i.request_id: i.num_new_tokens for i in first.scheduled} == {"a": 24}
+    # A text request ready to start brings the cap back for the lumps in its step.
+    scheduler.add(make_request("t", 4), 6)
+    limits["t"] = 6
+    second = run_step(scheduler, limits)
+    assert {i.request_id: i.num_new_tokens for i in second.scheduled} == {"a": 8, "t": 4}
 
 
 def lump_with_texts(text_at: set[int], **options) -> list[dict[str, tuple[int, int]]]:
