@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -130,7 +131,18 @@ def run_contender(system: System, spec: dict, args: argparse.Namespace, tag: str
     load_before = os.getloadavg()
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # Its own session, so that an interrupted benchmark takes the engine's children
+        # (vLLM's EngineCore and worker processes) down with it instead of leaving them on
+        # the cores, slowing whatever runs next.
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     run = {
         "system": system,
         "tag": tag,
@@ -399,6 +411,8 @@ def _rates(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
+    # A SIGTERM unwinds like Ctrl-C: the rounds' and servers' cleanup runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.worker:
         vlmserve_worker(*args.worker)
         return None
