@@ -69,7 +69,8 @@ def shape_key(model: ModelShape) -> str:
 
 
 def cpu_device_key() -> str:
-    """ "cpu" and a digest of what this CPU is: profiles of another CPU are not this one's."""
+    """The device key of this CPU, "cpu-" and a digest of its model and flags: profiles
+    measured on another CPU are not this one's."""
     from kernels.cpu_build import cpu_features
 
     return "cpu-" + hashlib.sha256(cpu_features().encode()).hexdigest()[:8]
