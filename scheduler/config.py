@@ -77,10 +77,10 @@ class SchedulerConfig:
     lump_headroom: float = 0.3
     # Lumpy only, with chunked prefill. Prefill tokens a step gives non-quick sequences
     # while a quick request is running or ready to start (with none, the whole budget);
-    # None: the whole step budget always. Prefill is compute-bound from a few hundred rows, so a
-    # small cap costs the lump little throughput and keeps every step short. 192 rows
-    # sit just above a 7B's ridge on an H100 (~150: 7 ms of compute vs 5.6 ms of weight
-    # reads): in the benchmark 256 gives text p99 2.2x unloaded, 192 1.9x, and 128 (below
+    # None: the whole step budget always. Prefill is compute-bound from a few hundred
+    # rows, so a small cap costs the lump little throughput and keeps every step short.
+    # 192 rows sit just above a 7B's ridge on an H100 (~150: 7 ms of compute vs 5.6 ms of
+    # weight reads): in the benchmark 256 gives text p99 2.2x unloaded, 192 1.9x, and 128 (below
     # the ridge) 1.55x but the burst's p99 TTFT grows from 20 s to 27 s.
     lump_prefill_tokens_per_step: int | None = 192
     # Lumpy only. A step that carries a quick request's first-token work gives lumps no

@@ -103,11 +103,11 @@ def engine_schedules(
             from search.cpu_profile import measure_cpu_profiles
 
             profiles = replace(measure_cpu_profiles(model, largest), device=device)
+            profile_store.save_profiles(profiles, cache_dir)
     else:
         accelerator = get_accelerator(accelerator_for(device_name))
         profiles = profile_store.synthetic_gpu_profiles(model, accelerator, largest)
-        cached = True  # computed, not measured: nothing to wait for
-    profile_store.save_profiles(profiles, cache_dir)
+        cached = True  # computed, not measured: nothing to wait for or to keep
     schedules = []
     for batch in batches:
         schedule, hit = cached_schedule(profiles, batch, cache_dir, time_limit_s)
