@@ -7,6 +7,16 @@ residual add fused into the GEMM's epilogue when the layer is packed (oneDNN pos
 pass), and as the plain ops otherwise (GPU, bf16, torch without oneDNN). The decoder and
 the SigLIP tower both use them; both stay float32 GEMMs (same oneDNN/MKL arithmetic, only
 the summation order differs), checked against the plain layers in tests.
+
+The decoder's layers can also keep the plain [out, in] weight (`pack_linears(plain=True)`,
+a second copy of each weight) for the batch sizes oneDNN's packed GEMM is not the fastest
+at on a CPU (measured on a Zen 3 with AVX2, `benchmarks/skinny_linear.py`):
+- up to SKINNY_MAX_ROWS rows (decode steps of a few sequences) the skinny kernel
+  (kernels/csrc/skinny_linear_cpu.cpp), which streams each weight once: 1.1-1.3x faster
+  than oneDNN over a decoder's linears at 1-16 rows;
+- from MKL_MIN_ROWS rows (prefill chunks) MKL on the plain weight: 1.14x faster than
+  oneDNN's packed GEMM at 2,048 rows. Between the two, oneDNN's packed GEMM is the fastest
+  (plain-weight oneDNN and MKL are 1.1-1.4x slower at 32-128 rows).
 """
 
 from __future__ import annotations
@@ -17,7 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Activation", "PackedLinear", "linear_act", "linear_add", "pack_linears"]
+from kernels import cpu_build
+
+__all__ = [
+    "Activation", "PackedLinear", "linear_act", "linear_add", "pack_linears", "skinny_linear",
+]  # fmt: skip
+
+SKINNY_MAX_ROWS = 16
+MKL_MIN_ROWS = 1024
 
 # The activations a packed layer can fuse: exact GELU (erf) and the tanh approximation.
 Activation = Literal["gelu", "gelu_tanh"]
@@ -31,14 +48,24 @@ class PackedLinear(nn.Module):
     on the plain weight, and the same at prefill sizes. Same results as the plain layer
     (float32 GEMM either way, checked in tests). Inputs may have any leading dims."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, plain: bool = False) -> None:
+        """`plain`: keep the plain weight too, for the skinny kernel and MKL (see the module
+        doc), where the skinny kernel builds and runs on this CPU."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        keep = plain and skinny_available() is None
+        self.plain = weight.contiguous() if keep else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None:
+            rows = x.numel() // self.in_features
+            if rows <= SKINNY_MAX_ROWS:
+                return skinny_linear(x, self.plain, self.bias)
+            if rows >= MKL_MIN_ROWS:
+                return F.linear(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def forward_act(self, x: torch.Tensor, act: Activation) -> torch.Tensor:
@@ -67,9 +94,30 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
     return layer(x).add_(residual)
 
 
-def pack_linears(module: nn.Module) -> int:
+def skinny_available() -> str | None:
+    """None when the skinny kernel is built, loaded and can run on this CPU (AVX-512 or
+    AVX2 + FMA); otherwise why not."""
+    why = cpu_build.load("skinny_linear_cpu")
+    if why is None and torch.ops.vlmserve_skinny.vector_lanes() == 0:
+        return "this CPU has neither AVX-512 nor AVX2 + FMA"
+    return why
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias with the skinny kernel (CPU float32, `weight` contiguous
+    [out, in]): for a few rows. Inputs may have any leading dims."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+    torch.ops.vlmserve_skinny.linear(out, rows, weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def pack_linears(module: nn.Module, plain: bool = False) -> int:
     """Replace every float32 CPU `nn.Linear` under `module` with a `PackedLinear` (where
-    torch has oneDNN); returns how many. The plain weights are dropped, not kept twice."""
+    torch has oneDNN); returns how many. `plain`: each keeps its plain weight too (a
+    second copy, see the module doc); otherwise the plain weights are dropped."""
     if not torch.backends.mkldnn.is_available():
         return 0
     count = 0
@@ -79,8 +127,8 @@ def pack_linears(module: nn.Module) -> int:
             and child.weight.device.type == "cpu"
             and child.weight.dtype == torch.float32
         ):
-            setattr(module, name, PackedLinear(child))
+            setattr(module, name, PackedLinear(child, plain))
             count += 1
         else:
-            count += pack_linears(child)
+            count += pack_linears(child, plain)
     return count

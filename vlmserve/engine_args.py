@@ -95,6 +95,13 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         "RMSNorm / RoPE / SiLU-mul; on a GPU no CUDA graphs): the reference path, slower",
     )
     group.add_argument(
+        "--single-weight-copy",
+        action="store_true",
+        help="CPU: hold the decoder's linear weights once (oneDNN-packed), not also plain "
+        "for the small-batch kernel and MKL: half the weight memory, slower decode at a few "
+        "sequences and slower prefill",
+    )
+    group.add_argument(
         "--attention-backend",
         default="auto",
         choices=BACKENDS,
@@ -305,6 +312,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_images_per_request=args.max_images_per_request,
         pack_weights=not args.eager,
+        plain_weights=not args.single_weight_copy,
         fused_ops=not args.eager,
         cuda_graphs=not args.eager,
         attention_backend=args.attention_backend,

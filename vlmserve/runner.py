@@ -107,7 +107,7 @@ class ModelRunner:
         if group is not None:
             shard_decoder(self.model.decoder, group)
         if config.model.pack_weights and self.device.type == "cpu":
-            pack_linears(self.model.decoder)
+            pack_linears(self.model.decoder, plain=config.model.plain_weights)
             if self.model.vision is not None:
                 self.model.vision.pack_weights()
         # The decoder takes its eager path wherever the kernels do not apply or build.

@@ -7,7 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.packed_linear import PackedLinear, linear_act, linear_add, pack_linears
+from kernels.packed_linear import (
+    MKL_MIN_ROWS,
+    SKINNY_MAX_ROWS,
+    PackedLinear,
+    linear_act,
+    linear_add,
+    pack_linears,
+    skinny_available,
+    skinny_linear,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
@@ -56,3 +65,71 @@ def test_linear_add_adds_the_residual_and_leaves_it_alone(packed):
     expected = residual + linear(x)
     torch.testing.assert_close(linear_add(layer, x, residual), expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(residual, before)
+
+
+# -- the skinny kernel and the plain-weight paths ---------------------------------------
+
+needs_skinny = pytest.mark.skipif(
+    skinny_available() is not None, reason=f"skinny kernel unavailable: {skinny_available()}"
+)
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16])
+@pytest.mark.parametrize(("in_features", "out_features"), [(768, 130), (13, 7), (100, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_a_float64_reference(rows, in_features, out_features, bias):
+    # Row counts across the 4-row tiles and their remainders; widths off the vector
+    # lanes (masked tails) and output counts off the weight-row groups.
+    torch.manual_seed(rows * 1000 + in_features + out_features)
+    weight = torch.randn(out_features, in_features)
+    b = torch.randn(out_features) if bias else None
+    x = torch.randn(rows, in_features)
+    expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    got = skinny_linear(x, weight, b)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    # float32 sums of in_features products: errors grow like sqrt(in_features) ulps
+    atol = 5e-6 * in_features**0.5
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=atol)
+
+
+@needs_skinny
+def test_skinny_linear_takes_strided_rows_and_leading_dims():
+    torch.manual_seed(2)
+    weight = torch.randn(40, 64)
+    wide = torch.randn(6, 100)
+    x = wide[:, 10:74]  # rows 100 floats apart
+    torch.testing.assert_close(skinny_linear(x, weight, None), x @ weight.T, rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 3, 64)
+    torch.testing.assert_close(skinny_linear(x3, weight, None), x3 @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_skinny
+def test_skinny_linear_refuses_what_it_cannot_read():
+    weight = torch.randn(8, 16)
+    out = torch.empty(2, 8)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.vlmserve_skinny.linear(out, torch.randn(2, 16), torch.randn(8, 20)[:, :16], None)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.vlmserve_skinny.linear(out, torch.randn(2, 16).double(), weight, None)
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 4, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, MKL_MIN_ROWS])
+def test_packed_linear_with_plain_weights_matches_linear_on_every_path(rows):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 200)
+    layer = PackedLinear(linear, plain=True)
+    assert layer.plain is not None and torch.equal(layer.plain, linear.weight)
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_linears_keeps_plain_weights_only_when_asked():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)))
+    assert pack_linears(model) == 2
+    assert model[0].plain is None and model[1][0].plain is None
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)))
+    pack_linears(model, plain=True)
+    kept = skinny_available() is None
+    assert (model[0].plain is not None) == kept and (model[1][0].plain is not None) == kept
