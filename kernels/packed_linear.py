@@ -14,9 +14,10 @@ at on a CPU (measured on a Zen 3 with AVX2, `benchmarks/skinny_linear.py`):
 - up to SKINNY_MAX_ROWS rows (decode steps of a few sequences) the skinny kernel
   (kernels/csrc/skinny_linear_cpu.cpp), which streams each weight once: 1.1-1.3x faster
   than oneDNN over a decoder's linears at 1-16 rows;
-- from MKL_MIN_ROWS rows (prefill chunks) MKL on the plain weight: 1.14x faster than
-  oneDNN's packed GEMM at 2,048 rows. Between the two, oneDNN's packed GEMM is the fastest
-  (plain-weight oneDNN and MKL are 1.1-1.4x slower at 32-128 rows).
+- from MKL_MIN_ROWS rows (large prefill chunks) MKL on the plain weight: 1.13x / 1.15x
+  faster than oneDNN's packed GEMM at 1,536 / 2,048 rows (0.9-1.05x at 1,024, 0.8x at
+  256). Between the two, oneDNN's packed GEMM is the fastest (plain-weight oneDNN and MKL
+  are 1.1-1.4x slower at 32-128 rows).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ __all__ = [
 ]  # fmt: skip
 
 SKINNY_MAX_ROWS = 16
-MKL_MIN_ROWS = 1024
+MKL_MIN_ROWS = 1536
 
 # The activations a packed layer can fuse: exact GELU (erf) and the tanh approximation.
 Activation = Literal["gelu", "gelu_tanh"]
