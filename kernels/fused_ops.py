@@ -106,8 +106,24 @@ def op_backends(device: torch.device, attention: str, fused: bool = True) -> dic
         "rope": "triton, fused into the K/V cache write" if triton_rope else _impl(cpu, False),
         "add_rms_norm": _impl(cpu, gpu),
         "silu_and_mul": _impl(cpu, False),
+        "linear": _linear_impl(device, fused),
         "cuda_graphs": "decode, per batch-size bucket" if gpu and attention == "triton" else "off",
     }
+
+
+def _linear_impl(device: torch.device, packed: bool) -> str:
+    """The decoder's linears (ModelConfig.pack_weights and plain_weights at their defaults,
+    float32 on a CPU; `packed`: not --eager)."""
+    from kernels import packed_linear
+
+    if device.type != "cpu":
+        return "torch"
+    if not (packed and torch.backends.mkldnn.is_available()):
+        return "torch eager"
+    if packed_linear.skinny_available() is not None:
+        return "onednn packed"
+    rows = f"<= {packed_linear.SKINNY_MAX_ROWS} / >= {packed_linear.MKL_MIN_ROWS} rows"
+    return f"onednn packed; skinny C++ / MKL at {rows}"
 
 
 def _impl(cpu_fused: bool, triton: bool) -> str:

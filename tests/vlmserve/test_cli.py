@@ -46,11 +46,14 @@ def test_info_reports_versions_pil_device_and_backend():
         assert info["attention_backend"] in ("triton", "flashinfer")
     ops = info["ops"]
     assert ops["attention"] == info["attention_backend"]
-    assert set(ops) == {"attention", "rope", "add_rms_norm", "silu_and_mul", "cuda_graphs"}
-    from kernels import fused_ops
+    keys = {"attention", "rope", "add_rms_norm", "silu_and_mul", "linear", "cuda_graphs"}
+    assert set(ops) == keys
+    from kernels import fused_ops, packed_linear
 
     if info["device"] == "cpu" and fused_ops.available() is None:
         assert ops["add_rms_norm"] == "cpu C++ (fused)" and ops["cuda_graphs"] == "off"
+    if info["device"] == "cpu" and packed_linear.skinny_available() is None:
+        assert ops["linear"].startswith("onednn packed; skinny C++")
 
 
 def test_info_reports_how_tensor_parallelism_splits_a_model(llava_ov_path, capsys):
