@@ -4,8 +4,8 @@ which takes the skinny kernel up to SKINNY_MAX_ROWS rows and MKL from MKL_MIN_RO
 
 One pass = every linear of the offline-throughput decoder in layer order (12 layers of
 fused qkv, o, gate/up and down, then the LM head at decode sizes): 0.4 GB of weights, far
-more than the caches, read from memory as in a real step. The two contenders alternate pass by pass;
-medians over --rounds passes; the outputs are checked equal first. The achieved weight
+more than the caches, read from memory as in a real step. The two contenders alternate
+pass by pass; medians over --rounds passes; the outputs are checked equal first. The achieved weight
 bandwidth is set against a plain read of 0.4 GB (`torch.sum`).
 
     .venv/bin/python -m benchmarks.skinny_linear
@@ -38,12 +38,15 @@ def decoder_linears(args: argparse.Namespace, plain: bool) -> list[PackedLinear]
     return [PackedLinear(layer, plain=plain) for layer in layers]
 
 
+def pass_layers(layers: list[PackedLinear], rows: int) -> list[PackedLinear]:
+    """The layers a pass at `rows` runs: the LM head only at decode sizes (a prefill
+    chunk's head sees one row a sequence)."""
+    return layers if rows < 256 else layers[:-1]
+
+
 def one_pass(layers: list[PackedLinear], inputs: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-    """Every layer on `inputs`; the LM head only at decode sizes (a prefill chunk's head
-    sees one row a sequence)."""
     rows = next(iter(inputs.values())).shape[0]
-    body = layers if rows < 256 else layers[:-1]
-    return [layer(inputs[layer.in_features]) for layer in body]
+    return [layer(inputs[layer.in_features]) for layer in pass_layers(layers, rows)]
 
 
 def main() -> None:
@@ -73,13 +76,14 @@ def main() -> None:
             times["onednn_packed"].append(_timed(one_pass, baseline, inputs))
             times["vlmserve"].append(_timed(one_pass, plain, inputs))
         base, ours = (statistics.median(times[k]) for k in ("onednn_packed", "vlmserve"))
+        params = sum(layer.plain.numel() for layer in pass_layers(plain, rows))
         path = "onednn"
         path = "skinny" if rows <= SKINNY_MAX_ROWS else "mkl" if rows >= MKL_MIN_ROWS else path
         rows_out.append({
             "rows": rows, "path": path, "onednn_ms": base * 1e3, "vlmserve_ms": ours * 1e3,
             "speedup": base / ours, "onednn_gb_s": weight_bytes / base / 1e9,
             "vlmserve_gb_s": weight_bytes / ours / 1e9,
-            "vlmserve_gflop_s": 2 * rows * _params(plain, rows) / ours / 1e9,
+            "vlmserve_gflop_s": 2 * rows * params / ours / 1e9,
         })  # fmt: skip
     print(table(rows_out, ["rows", "path", "onednn_ms", "vlmserve_ms", "speedup",
                            "onednn_gb_s", "vlmserve_gb_s", "vlmserve_gflop_s"]))  # fmt: skip
@@ -89,11 +93,6 @@ def main() -> None:
         "skinny_max_rows": SKINNY_MAX_ROWS, "mkl_min_rows": MKL_MIN_ROWS, "rows": rows_out,
     })  # fmt: skip
     print(f"wrote {path}")
-
-
-def _params(layers: list[PackedLinear], rows: int) -> int:
-    """The weights one pass at `rows` multiplies."""
-    return sum(layer.plain.numel() for layer in (layers if rows < 256 else layers[:-1]))
 
 
 def _timed(fn, *args) -> float:

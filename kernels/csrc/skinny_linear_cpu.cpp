@@ -97,9 +97,9 @@ inline void rows(const float* x, int64_t xs, int64_t M, const float* w, int64_t 
 
 #endif
 
-void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
             const c10::optional<at::Tensor>& bias) {
-  for (const at::Tensor* t : {&static_cast<const at::Tensor&>(out), &x, &weight})
+  for (const at::Tensor* t : {&out, &x, &weight})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
                     t->stride(1) == 1,
                 "skinny linear: CPU float32 [rows, width] tensors with dense rows");
