@@ -247,13 +247,33 @@ def _main_module_hidden() -> Iterator[None]:
             main.__spec__ = saved_spec
 
 
+@contextlib.contextmanager
+def _workers_wait_passively() -> Iterator[None]:
+    """Workers (and the forkserver they fork from) start with passive OpenMP waiting where
+    only the server's own threads are to spin (VLMSERVE_SPIN_SERVER_ONLY, set by
+    vlmserve/__init__.py for `vlmserve serve`): a worker runs a parallel region now and
+    then, and a thread spinning after it would take a core from the engine. Called with
+    _start_lock held."""
+    if os.environ.get("VLMSERVE_SPIN_SERVER_ONLY") != "1":
+        yield
+        return
+    saved = os.environ.pop("GOMP_SPINCOUNT", None)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
+        if saved is not None:
+            os.environ["GOMP_SPINCOUNT"] = saved
+
+
 class _Worker:
     def __init__(self, ctx: Any, process_fn: Callable) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
         self.prefix = f"vlm{os.getpid():x}_{next(_worker_ids)}_"  # its blocks' names
         self.process = ctx.Process(target=_worker_main, args=(child, process_fn, self.prefix),
                                    daemon=True)  # fmt: skip
-        with _main_module_hidden():
+        with _main_module_hidden(), _workers_wait_passively():
             self.process.start()
         child.close()
         self.arena: SharedMemory | None = None  # our mapping of the worker's arena

@@ -34,13 +34,18 @@ class Bubble:
         return self.end_us - self.start_us
 
 
-def compute_bubbles(nanos: tuple[Nano, ...]) -> list[Bubble]:
+def compute_bubbles(nanos: tuple[Nano, ...], period: float | None = None) -> list[Bubble]:
     """Idle intervals of the compute stream between its first and last nano-operation,
     longest first: where a compute op waits on another resource. (Before the first and
-    after the last no compute op is left that could run: those are not bubbles.)"""
+    after the last no compute op is left that could run: those are not bubbles.) With a
+    `period` (a cyclic schedule) the compute stream is a circle: its nano-operations
+    taken modulo the period, and the gap across the period's end is one too."""
     busy = sorted(
         (n.start_us, n.start_us + n.duration_us) for n in nanos if n.resource == "compute"
     )
+    if period is not None and busy:
+        busy = sorted((a % period, a % period + b - a) for a, b in busy)
+        busy.append((busy[0][0] + period, busy[0][1] + period))
     gaps, edge = [], busy[0][1] if busy else 0.0
     for a, b in busy[1:]:
         if a > edge + 1e-6:
@@ -49,17 +54,21 @@ def compute_bubbles(nanos: tuple[Nano, ...]) -> list[Bubble]:
     return sorted(gaps, key=lambda g: -g.length_us)
 
 
-def ops_near(bubble: Bubble, nanos: tuple[Nano, ...]) -> set[str]:
-    """Ops running during `bubble`, and the compute ops ending or starting at its edges."""
+def ops_near(bubble: Bubble, nanos: tuple[Nano, ...], period: float | None = None) -> set[str]:
+    """Ops running during `bubble`, and the compute ops ending or starting at its edges
+    (with a `period`: any layer's copy of them)."""
     near = set()
+    shifts = (0.0,) if period is None else (-period, 0.0, period, 2 * period)
     for n in nanos:
-        end = n.start_us + n.duration_us
-        if n.start_us < bubble.end_us - 1e-9 and end > bubble.start_us + 1e-9:
-            near.add(n.op)
-        elif n.resource == "compute" and (
-            abs(end - bubble.start_us) < 1e-6 or abs(n.start_us - bubble.end_us) < 1e-6
-        ):
-            near.add(n.op)
+        base = n.start_us if period is None else n.start_us % period
+        for start in (base + shift for shift in shifts):
+            end = start + n.duration_us
+            if start < bubble.end_us - 1e-9 and end > bubble.start_us + 1e-9:
+                near.add(n.op)
+            elif n.resource == "compute" and (
+                abs(end - bubble.start_us) < 1e-6 or abs(start - bubble.end_us) < 1e-6
+            ):
+                near.add(n.op)
     return near
 
 
@@ -69,19 +78,21 @@ def stage1_search(
     time_limit_s: float = 20.0,
     max_rounds: int = 8,
     bubbles_per_round: int = 2,
+    cyclic: bool = False,
 ) -> tuple[StageResult, dict[str, int], list[dict]]:
     """Iterative splitting; returns the best Stage I result, its counts and the rounds.
-    Each round tries the largest bubbles in turn and keeps the first split that helps."""
+    Each round tries the largest bubbles in turn and keeps the first split that helps.
+    `cyclic`: the period of the layer pipeline is what a split must shorten."""
     group = split_groups(p.op for p in profiles.ops)
     order = {p.op: i for i, p in enumerate(profiles.ops)}
     granules = dense_batch // profiles.granularity
     counts = {g: min(2, granules) for g in sorted(set(group.values()))}
-    best = solve_stage1(profiles, dense_batch, counts, time_limit_s)
+    best = solve_stage1(profiles, dense_batch, counts, time_limit_s, cyclic=cyclic)
     rounds = [_round(counts, best, kept=True)]
     for _ in range(max_rounds):
         improved = False
-        for bubble in compute_bubbles(best.nanos)[:bubbles_per_round]:
-            near = {group[o] for o in ops_near(bubble, best.nanos)}
+        for bubble in compute_bubbles(best.nanos, best.period_us)[:bubbles_per_round]:
+            near = {group[o] for o in ops_near(bubble, best.nanos, best.period_us)}
             trial_counts = {g: n + (g in near) for g, n in counts.items()}
             incumbent: tuple[Nano, ...] | None = best.nanos
             for g in sorted(near):
@@ -92,8 +103,10 @@ def stage1_search(
                     )
             if incumbent is None:  # a nano-batch would fall under the granularity
                 continue
-            trial = solve_stage1(profiles, dense_batch, trial_counts, time_limit_s, incumbent)
-            kept = trial.makespan_us < best.makespan_us * (1 - MIN_GAIN)
+            trial = solve_stage1(
+                profiles, dense_batch, trial_counts, time_limit_s, incumbent, cyclic
+            )
+            kept = trial.cost_us < best.cost_us * (1 - MIN_GAIN)
             rounds.append(_round(trial_counts, trial, kept))
             if kept:
                 best, counts, improved = trial, trial_counts, True
@@ -107,6 +120,7 @@ def _round(counts: dict[str, int], result: StageResult, kept: bool) -> dict:
     return {
         "counts": dict(counts),
         "makespan_us": round(result.makespan_us, 3),
+        "period_us": None if result.period_us is None else round(result.period_us, 3),
         "status": result.status,
         "solve_s": round(result.solve_s, 3),
         "kept": kept,
@@ -119,15 +133,20 @@ def search_schedule(
     time_limit_s: float = 20.0,
     max_rounds: int = 8,
     interference: bool = True,
+    cyclic: bool = False,
 ) -> Schedule:
-    """Stage I (iterated) then, with `interference`, Stage II; checked before returning."""
+    """Stage I (iterated) then, with `interference`, Stage II; checked before returning.
+    `cyclic`: both stages minimise the period of the layer pipeline (layer l + 1's head
+    may run beside layer l's tail; notes["period_us"]) instead of one layer's makespan."""
     t0 = time.perf_counter()
-    stage1, counts, rounds = stage1_search(profiles, dense_batch, time_limit_s, max_rounds)
+    stage1, counts, rounds = stage1_search(
+        profiles, dense_batch, time_limit_s, max_rounds, cyclic=cyclic
+    )
     final = solve_stage2(stage1, profiles, time_limit_s) if interference else stage1
     sequential = sum(profiles.time_us(p.op, dense_batch) for p in profiles.ops)
     # Overlap that does not beat the unsplit layer run op after op is not worth its
     # weight re-reads: emit that layer instead (is_split False: the runner goes in order).
-    pays = final.makespan_us < sequential * (1 - MIN_GAIN)
+    pays = final.cost_us < sequential * (1 - MIN_GAIN)
     nanos = final.nanos if pays else _unsplit(profiles, dense_batch)
     schedule = Schedule(
         model=profiles.model,
@@ -149,6 +168,10 @@ def search_schedule(
         sequential_us=sequential,
         notes={
             "overlap_pays": pays,
+            "cyclic": cyclic,
+            "period_us": final.period_us if pays else None,
+            "stage1_period_us": stage1.period_us,
+            "stage2_period_us": final.period_us if interference else None,
             "searched_makespan_us": final.makespan_us,
             "counts": counts,
             "rounds": rounds,
@@ -175,22 +198,29 @@ def _unsplit(profiles: Profiles, dense_batch: int) -> tuple[Nano, ...]:
     return tuple(nanos)
 
 
-def schedule_path(cache_dir: Path, model: str, device: str, dense_batch: int) -> Path:
-    return cache_dir / f"schedule-{_slug(model)}-{_slug(device)}-b{dense_batch}.json"
+def schedule_path(
+    cache_dir: Path, model: str, device: str, dense_batch: int, cyclic: bool = False
+) -> Path:
+    kind = "-cyclic" if cyclic else ""
+    return cache_dir / f"schedule-{_slug(model)}-{_slug(device)}-b{dense_batch}{kind}.json"
 
 
 def cached_schedule(
-    profiles: Profiles, dense_batch: int, cache_dir: Path, time_limit_s: float = 20.0
+    profiles: Profiles,
+    dense_batch: int,
+    cache_dir: Path,
+    time_limit_s: float = 20.0,
+    cyclic: bool = False,
 ) -> tuple[Schedule, bool]:
     """The cached schedule for these profiles and batch, or a fresh search saved there;
     the flag says whether it came from the cache. A cached schedule whose profiles differ
     from `profiles` (re-profiled since) is searched again."""
-    path = schedule_path(cache_dir, profiles.model, profiles.device, dense_batch)
+    path = schedule_path(cache_dir, profiles.model, profiles.device, dense_batch, cyclic)
     if path.is_file():
         cached = Schedule.load(path)
         if cached.notes.get("profile_digest") == _digest(profiles):
             return cached, True
-    schedule = search_schedule(profiles, dense_batch, time_limit_s)
+    schedule = search_schedule(profiles, dense_batch, time_limit_s, cyclic=cyclic)
     schedule.notes["profile_digest"] = _digest(profiles)
     schedule.save(path)
     return schedule, False

@@ -122,4 +122,38 @@ def check(schedule: Schedule, eps_us: float = 1e-6) -> list[str]:
         for a, b in zip(members, members[1:], strict=False):
             if b.start_us + eps_us < a.start_us + a.duration_us:
                 problems.append(f"stream {stream}: {a.op} and {b.op} overlap in time")
+    period = schedule.notes.get("period_us")
+    if period is not None:
+        problems += _check_periodic(known, by_stream, period, eps_us)
+    return problems
+
+
+def _check_periodic(ops: list[NanoOp], by_stream: dict, period: float, eps_us: float) -> list[str]:
+    """A cyclic schedule (layer l + 1 starts `period` after layer l): the next layer's
+    first op waits for this layer's last op on the rows both touch, and no two
+    nano-operations of one stream overlap in any pair of layers (modulo the period)."""
+    problems = []
+    present = [o for o in LAYER_OPS if any(n.op == o for n in ops)]
+    for a in (n for n in ops if n.op == present[-1]):
+        for b in (n for n in ops if n.op == present[0]):
+            rows = a.row_start < b.row_end and b.row_start < a.row_end
+            if rows and b.start_us + period + eps_us < a.start_us + a.duration_us:
+                problems.append(
+                    f"next layer's {b.op}[{b.row_start}:{b.row_end}] starts before "
+                    f"{a.op}[{a.row_start}:{a.row_end}] ends"
+                )
+    for stream, members in by_stream.items():
+        for i, a in enumerate(members):
+            for b in members[i:]:
+                # b's copy in the layer whose start falls in [a's start, + period) must
+                # start after a ends and end before a's next copy starts.
+                offset = (b.start_us - a.start_us) % period
+                if offset > period - eps_us:
+                    offset -= period
+                clear = a.duration_us - eps_us <= offset <= period - b.duration_us + eps_us
+                if a is b and a.duration_us > period + eps_us or a is not b and not clear:
+                    problems.append(
+                        f"stream {stream}: {a.op}[{a.row_start}:{a.row_end}] and "
+                        f"{b.op}[{b.row_start}:{b.row_end}] overlap across layers"
+                    )
     return problems

@@ -44,6 +44,26 @@ def test_gpu_preset_table_plot_and_cache(tmp_path, tiny_config, capsys):
     assert check(Schedule.from_json(json.dumps(doc))) == []
 
 
+def test_cyclic_search_prints_its_period_and_caches_apart(tmp_path, tiny_config, capsys):
+    cache = tmp_path / "cache"
+    argv = ["pipeline", "--model", tiny_config, "--accelerator", "a100", "--dense-batch", "256"]
+    argv += ["--decode-context", "4096", "--cache-dir", str(cache), "--time-limit", "1.5"]
+    code, out, err = run_cli(capsys, *argv, "--cyclic", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    doc.pop("command"), doc.pop("cached")
+    schedule = Schedule.from_json(json.dumps(doc))
+    assert schedule.notes["cyclic"] is True and check(schedule) == []
+    period = schedule.notes["period_us"]
+    if period is not None:  # overlap pays: a layer every period, under the layer's span
+        assert period <= schedule.makespan_us + 1e-6
+        assert period < schedule.sequential_us
+    assert [p.name for p in cache.glob("schedule-*")][0].endswith("-b256-cyclic.json")
+    code, out, _ = run_cli(capsys, *argv, "--cyclic")
+    assert code == 0 and "cached" in out
+    assert ("period " in out) == (period is not None)
+
+
 def test_cpu_profiles_are_measured_then_reused(tmp_path, tiny_config, capsys):
     cache = tmp_path / "cache"
     argv = ["pipeline", "--model", tiny_config, "--accelerator", "cpu", "--dense-batch", "64"]
