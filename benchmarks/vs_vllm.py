@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+import vlmserve
 from benchmarks import vllm_cpu
 from benchmarks.common import table, write_result
 from benchmarks.vs_vllm_serve import run_serving
@@ -115,7 +116,8 @@ def run_contender(system: System, spec: dict, args: argparse.Namespace, tag: str
     workdir = Path(spec["path"]).parent
     result_path, log_path = workdir / f"{tag}.json", workdir / f"{tag}.log"
     result_path.unlink(missing_ok=True)
-    env = dict(os.environ)
+    # Not this process's OpenMP policy: each engine picks its own (vlmserve/__init__.py).
+    env = {k: v for k, v in os.environ.items() if k not in vlmserve.OPENMP_DEFAULTS}
     if system == "vllm":
         cmd = [str(args.vllm_python), str(VLLM_WORKER), spec["path"], str(result_path)]
         env.update(vllm_cpu.tuned_env(args.vllm_venv, spec["engine"]["kv_cache_gib"]))

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+import vlmserve
 from benchmarks import vllm_cpu
 from benchmarks.serve_load import one_request, percentiles
 from benchmarks.vs_vllm_workloads import kv_bytes_per_token, synthetic_jpeg
@@ -104,7 +105,9 @@ def running_server(system: str, spec: dict, args: argparse.Namespace, log: Path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ)
+    # Not this process's OpenMP policy (vlmserve/__init__.py set it for a library user):
+    # each server picks its own, as it does when its users start it.
+    env = {k: v for k, v in os.environ.items() if k not in vlmserve.OPENMP_DEFAULTS}
     if system == "vllm":
         env.update(vllm_cpu.tuned_env(args.vllm_venv, spec["engine"]["kv_cache_gib"]))
     with open(log, "w") as out:

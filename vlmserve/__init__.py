@@ -24,6 +24,9 @@ import os
 import sys
 
 SERVE_SPINCOUNT = "10000000"
+# What this import put in os.environ (its children inherit it): a benchmark that starts
+# servers strips these, so each server picks its own policy as its users' would.
+OPENMP_DEFAULTS: dict[str, str] = {}
 
 
 def _is_serve_command(argv: list[str]) -> bool:
@@ -34,9 +37,10 @@ def _is_serve_command(argv: list[str]) -> bool:
 
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     if _is_serve_command(sys.argv):
-        os.environ["GOMP_SPINCOUNT"] = SERVE_SPINCOUNT
         # The preprocessing pool's workers (one image each, beside the engine) still wait
-        # passively: encoders/preprocess.py starts them so while this is set.
-        os.environ["VLMSERVE_SPIN_SERVER_ONLY"] = "1"
+        # passively: encoders/preprocess.py starts them so while VLMSERVE_SPIN_SERVER_ONLY
+        # is set.
+        OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": SERVE_SPINCOUNT, "VLMSERVE_SPIN_SERVER_ONLY": "1"}
     else:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+    os.environ.update(OPENMP_DEFAULTS)
