@@ -1,6 +1,7 @@
 """The auto-search on the reference's own inputs (NanoFlow §4.1.4) and on this CPU:
 what structure it chooses, the Stage I / Stage II makespans against the layer run in
-order, the shares, and how long each CBC solve took. The reference's 70B structure
+order (and, `cyclic`, the period of the layer pipeline, layer after layer), the shares,
+and how long each CBC solve took. The reference's 70B structure
 (4 nano-operations over KQV / attention / O / all-reduce, 2 over Up/Gate/Down) is also
 solved with its counts forced, from the searched schedule cut to them, for comparison.
 Writes benchmarks/results/nanoflow_search.json.
