@@ -418,7 +418,10 @@ def solve_stage2(
             prob += s[b] >= s[a] + t[a] - horizon * (1 - before[a, b])
         prob += before[i, j] + before[j, i] <= 1
         prob += r[i] + r[j] <= 1 + before[i, j] + before[j, i]
-    _triple_cuts(prob, r, {(min(p), max(p)): [v] for p, v in before.items()})
+    apart: dict[tuple[int, int], list] = {}
+    for (a, b), v in before.items():  # both orders of a pair keep it apart
+        apart.setdefault((min(a, b), max(a, b)), []).append(v)
+    _triple_cuts(prob, r, apart)
     status, solve_s = _solve(prob, time_limit_s, "Stage II found no allocation")
     edges = set(fixed) | {p for p, v in before.items() if pulp.value(v) > 0.5}
     out = asap(_shared(nanos, s, r, profiles), edges)
