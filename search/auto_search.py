@@ -58,7 +58,8 @@ def ops_near(bubble: Bubble, nanos: tuple[Nano, ...], period: float | None = Non
     """Ops running during `bubble`, and the compute ops ending or starting at its edges
     (with a `period`: any layer's copy of them)."""
     near = set()
-    shifts = (0.0,) if period is None else (-period, 0.0, period, 2 * period)
+    # A bubble lies in [0, 2T); a nano-operation's copies at start mod T, one T either side.
+    shifts = (0.0,) if period is None else (-period, 0.0, period)
     for n in nanos:
         base = n.start_us if period is None else n.start_us % period
         for start in (base + shift for shift in shifts):

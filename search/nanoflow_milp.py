@@ -175,7 +175,7 @@ def solve_stage1(
         row_vars |= _stage1_dependency(
             prob, names[-1], names[0], group, counts, start, dur, size, lo, granules, big, period
         )
-        order_vars = _one_at_a_time_modulo(prob, start, dur, resource, group, order, period, big)
+        order_vars = _one_at_a_time_modulo(prob, start, dur, resource, group, period, big)
     _warm_start(
         profiles, dense_batch, counts, incumbent, x, start, span, order_vars, row_vars, period
     )
@@ -213,20 +213,18 @@ def _one_at_a_time(prob, start, dur, resource, group, big) -> dict:
     return order_vars
 
 
-def _one_at_a_time_modulo(prob, start, dur, resource, group, order, period, big) -> dict:
+def _one_at_a_time_modulo(prob, start, dur, resource, group, period, big) -> dict:
     """Two nano-operations of one resource never overlap in any pair of layers: b's copy
     m layers later starts after a ends and ends before a's copy one layer later starts,
     for one lap m per pair, {(a, b): {m: binary}}. With starts in [0, 2T) the lap is one
-    of -1..2; a pair the chain orders (same op, or same rows of one split) has -1 or 0."""
+    of -1..2; a pair the chain orders (same op, or same rows of one split) has -1 or 0:
+    `start`'s keys come in layer order, an op's in row order, so a runs before b."""
     laps = {}
     for a, b in combinations(list(start), 2):
         if resource[a[0]] != resource[b[0]]:
             continue
         chained = a[0] == b[0] or (group[a[0]] == group[b[0]] and a[1] == b[1])
-        first = a if not chained or (order[a[0]], a[1]) < (order[b[0]], b[1]) else b
         choices = (-1, 0) if chained else (-1, 0, 1, 2)
-        if chained and first is b:
-            choices = (1, 2)
         ys = laps[a, b] = {
             m: prob.add_variable(f"lap_{a[0]}_{a[1]}_{b[0]}_{b[1]}_{m + 1}", cat="Binary")
             for m in choices
@@ -354,15 +352,15 @@ def _warm_start(
     for key, v in start.items():
         v.setInitialValue(at[key].start_us)
     span.setInitialValue(makespan(best))
-    if period is not None:
+    if period is None:
+        for (a, b), z in order_vars.items():
+            z.setInitialValue(1 if at[b].start_us >= at[a].start_us + at[a].duration_us else 0)
+    else:  # order_vars: each pair's lap binaries
         period.setInitialValue(makespan(best))
         for (a, b), ys in order_vars.items():
             lap = lap_of(at[a], at[b], makespan(best))
             for m, y in ys.items():
                 y.setInitialValue(1 if m == lap else 0)
-        order_vars = {}
-    for (a, b), z in order_vars.items():
-        z.setInitialValue(1 if at[b].start_us >= at[a].start_us + at[a].duration_us else 0)
     for (o, k, p, j), (below, above) in row_vars.items():
         below.setInitialValue(1 if at[o, k].row_end <= at[p, j].row_start else 0)
         above.setInitialValue(1 if at[p, j].row_end <= at[o, k].row_start else 0)
