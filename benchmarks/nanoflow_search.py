@@ -1,10 +1,11 @@
 """The auto-search on the reference's own inputs (NanoFlow §4.1.4) and on this CPU:
 what structure it chooses, the Stage I / Stage II makespans against the layer run in
 order (and, `cyclic`, the period of the layer pipeline, layer after layer), the shares,
-and how long each CBC solve took. The reference's 70B structure
-(4 nano-operations over KQV / attention / O / all-reduce, 2 over Up/Gate/Down) is also
-solved with its counts forced, from the searched schedule cut to them, for comparison.
-Writes benchmarks/results/nanoflow_search.json.
+and how long each CBC solve took. 70B is searched under both partitionings of the
+attention half's collectives (op_graph.PARTITIONINGS); the faster is the search's pick.
+The reference's 70B structure (4 nano-operations over KQV, attention and the collective
+after it, 2 over the rest) is also solved with its counts forced, from the searched
+schedule cut to them, for comparison. Writes benchmarks/results/nanoflow_search.json.
 
     .venv/bin/python -m benchmarks.nanoflow_search [--time-limit 30] [--skip-cpu]
 """
@@ -21,10 +22,16 @@ from search.auto_search import search_schedule
 from search.cpu_profile import measure_cpu_profiles
 from search.nano_schedule import split_largest
 from search.nanoflow_milp import solve_stage1, solve_stage2, split_groups
+from search.op_graph import PARTITIONINGS
 from search.presets import ModelShape, get_accelerator, get_model
 from search.profiles import Profiles, synthetic_gpu_profiles
 
-REFERENCE_4WAY = ("qkv", "attention", "o_proj", "allreduce_attn")
+# NanoFlow's 70B pipeline (Fig. 6; its pipeline.cu): 4 nano-operations over KQV, decode
+# attention and the collective after it, 2 over the rest.
+REFERENCE_4WAY = {
+    "allreduce": ("qkv", "attention", "o_proj", "allreduce_attn"),
+    "allgather": ("qkv", "attention", "allgather_attn"),
+}
 CPU_MODEL = ModelShape("tiny-cpu-gqa", 2, 256, 8, 2, 32, 768, 1000)
 
 
@@ -41,6 +48,7 @@ def _summary(
     return {
         "case": name,
         "cyclic": cyclic,
+        "partitioning": n["partitioning"],
         "counts": n["counts"],
         "sequential_us": round(schedule.sequential_us, 1),
         # Cyclic: the period (a layer every so many us); else one layer's makespan.
@@ -61,19 +69,22 @@ def _period(schedule, notes: dict) -> float:
 
 def _reference_structure(profiles: Profiles, limit: float, cyclic: bool = False) -> dict:
     """Stage I with NanoFlow's 70B counts, warm-started from the two-way optimum."""
+    partitioning = profiles.notes["partitioning"]
+    four = REFERENCE_4WAY[partitioning]
     group = split_groups(p.op for p in profiles.ops)
     order = {p.op: i for i, p in enumerate(profiles.ops)}
     two = solve_stage1(profiles, 2048, {g: 2 for g in set(group.values())}, limit, cyclic=cyclic)
-    counts = {g: 4 if g in REFERENCE_4WAY else 2 for g in set(group.values())}
+    counts = {g: 4 if g in four else 2 for g in set(group.values())}
     incumbent = two.nanos
-    for g in REFERENCE_4WAY:
+    for g in four:
         members = {o for o, grp in group.items() if grp == g}
         for _ in range(2):
             incumbent = split_largest(incumbent, members, 128, profiles.time_us, order)
     forced = solve_stage1(profiles, 2048, counts, limit, incumbent, cyclic)
     stage2 = solve_stage2(forced, profiles, limit)
     return {
-        "case": f"llama-2-70b tp8, reference counts forced{', cyclic' if cyclic else ''}",
+        "case": f"llama-2-70b tp8 {partitioning}, reference counts forced"
+        + (", cyclic" if cyclic else ""),
         "counts": counts,
         "stage1_us": round(forced.cost_us, 1),
         "stage1_status": forced.status,
@@ -89,14 +100,23 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--skip-cpu", action="store_true")
     args = parser.parse_args(argv)
     a100 = get_accelerator("a100")
-    cases = []
+    cases, chosen, forced = [], {}, []
     for model, tp in (("llama-2-70b", 8), ("llama-3-8b", 1)):
-        profiles = synthetic_gpu_profiles(get_model(model), a100, 2048, tp)
         for cyclic in (False, True):
-            name = f"{model} tp{tp} a100 (synthetic){', cyclic' if cyclic else ''}"
-            cases.append(_summary(name, profiles, 2048, args.time_limit, cyclic))
-    seventy = synthetic_gpu_profiles(get_model("llama-2-70b"), a100, 2048, 8)
-    forced = [_reference_structure(seventy, args.time_limit, cyclic) for cyclic in (False, True)]
+            options = []
+            for part in PARTITIONINGS if tp > 1 else ("allreduce",):
+                profiles = synthetic_gpu_profiles(
+                    get_model(model), a100, 2048, tp, partitioning=part
+                )
+                name = f"{model} tp{tp} a100 (synthetic){f', {part}' if tp > 1 else ''}"
+                options.append(_summary(name + (", cyclic" if cyclic else ""), profiles,
+                                        2048, args.time_limit, cyclic))  # fmt: skip
+                if tp > 1:
+                    forced.append(_reference_structure(profiles, args.time_limit, cyclic))
+            cases += options
+            # NanoFlow's operation transformations: the faster partitioning is the search's.
+            best = min(options, key=lambda c: c["stage2_us"])
+            chosen[f"{model}{', cyclic' if cyclic else ''}"] = best["partitioning"]
     cpu = None
     if not args.skip_cpu:
         t0 = time.perf_counter()
@@ -114,11 +134,13 @@ def main(argv: list[str]) -> dict:
     print(table(rows, ["case", "split", "sequential_us", "stage1_us", "stage2_us", "overlap_pays"]))
     for f in forced:
         print(f"{f['case']}: {f}")
+    print(f"partitioning chosen: {chosen}")
     print(f"load average {os.getloadavg()} (2 shared cores: solve times are upper bounds)")
     result = {
         "time_limit_s": args.time_limit,
         "load_average": os.getloadavg(),
         "cases": cases,
+        "partitioning_chosen": chosen,
         "reference_structure_70b": forced,
     }
     write_result("nanoflow_search", result)

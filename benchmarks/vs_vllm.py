@@ -130,6 +130,9 @@ def run_contender(system: System, spec: dict, args: argparse.Namespace, tag: str
             spec["path"],
             str(result_path),
         ]
+        # The worker runs the engine as `vlmserve caption` / `generate` do, with their
+        # OpenMP policy, not a library user's (vlmserve/__init__.py).
+        env.update(vlmserve.ENGINE_OPENMP)
     load_before = os.getloadavg()
     start = time.perf_counter()
     with open(log_path, "w") as log:

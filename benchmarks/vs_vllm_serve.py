@@ -1,8 +1,12 @@
 """The serving part of `benchmarks/vs_vllm.py` (--serve): `vllm serve` and `vlmserve serve`
-on the same checkpoint, one at a time, under the same Poisson load from one streaming
-client (`benchmarks/serve_load.py`'s request loop), with the same KV block size and cache
-budget. Offered rates rise until vLLM saturates; vlmserve gets the same rates (until
-it saturates too). Reported per rate: TTFT p99, TPOT p50, completed requests/s.
+on the same checkpoint under the same Poisson load from one streaming client
+(`benchmarks/serve_load.py`'s request loop), with the same KV block size and cache budget.
+Both servers are up for the whole sweep and the load alternates between them rate by rate
+(vLLM first at the first rate, vlmserve first at the next, ...), so a slow minute of a
+shared host falls on both and not on one server's whole sweep. The idle server's CPU
+time while the other is loaded is recorded (`idle_cpu_s`): it should be near zero.
+Offered rates rise until vLLM saturates; vlmserve gets the same rates (until it
+saturates too). Reported per rate: TTFT p99, TPOT p50, completed requests/s.
 
 Saturated at a rate: raising the offered rate to it from the previous one raised the
 completed requests per second by less than half the increase (the rest only queued), or
@@ -100,8 +104,11 @@ def server_command(system: str, spec: dict, args: argparse.Namespace, port: int)
 
 
 @contextlib.contextmanager
-def running_server(system: str, spec: dict, args: argparse.Namespace, log: Path) -> Iterator[str]:
-    """A server on a free loopback port, ready (GET /health is 200); stopped on exit."""
+def running_server(
+    system: str, spec: dict, args: argparse.Namespace, log: Path
+) -> Iterator[tuple[str, int]]:
+    """A server on a free loopback port, ready (GET /health is 200), as (url, pid); stopped
+    on exit."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -126,7 +133,7 @@ def running_server(system: str, spec: dict, args: argparse.Namespace, log: Path)
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{system} server did not start; log: {log}")
             time.sleep(2)
-        yield url
+        yield url, proc.pid
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)  # its own session: the engine children too
@@ -172,25 +179,20 @@ def measure_rate(url: str, payloads: list, rate: float) -> dict:
     }
 
 
-def sweep(system: str, spec: dict, args: argparse.Namespace, rates: list[float]) -> dict:
-    """Rising rates on one server until it saturates."""
-    log = Path(spec["path"]).parent / f"serve_{system}.log"
-    points: list[dict] = []
-    try:
-        with running_server(system, spec, args, log) as url:
-            asyncio.run(_load(url, chat_payloads(spec["warmup"], 0), 1.0, seed=1))
-            for k, rate in enumerate(rates):
-                point = measure_rate(url, chat_payloads(spec["requests"], k + 1), rate)
-                point["saturated"] = is_saturated(points[-1] if points else None, point)
-                ttft, tpot = point["ttft_s"]["p99"], point["tpot_s"]["p50"]
-                print(f"  serve {system} rate {rate:g}/s: {point['completed_per_s']:.3f} req/s, "
-                      f"TTFT p99 {ttft}, TPOT p50 {tpot}"
-                      f"{' (saturated)' if point['saturated'] else ''}", flush=True)  # fmt: skip
-                points.append(point)
-                if point["saturated"]:
-                    break
-    except RuntimeError as e:
-        return {"error": str(e), "points": points}
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its children (the engine processes): the
+    session it leads (each server starts its own), read from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == pid:  # field 6: the session id
+                total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def summary(points: list[dict]) -> dict:
     sustained = [p["rate"] for p in points if not p["saturated"]]
     saturated = [p["rate"] for p in points if p["saturated"]]
     return {
@@ -200,15 +202,53 @@ def sweep(system: str, spec: dict, args: argparse.Namespace, rates: list[float])
     }
 
 
+def interleaved_sweeps(spec: dict, args: argparse.Namespace, rates: list[float]) -> dict:
+    """Both servers up; at each rising rate each server not yet saturated takes the load in
+    turn (the order alternates), until vLLM saturates."""
+    systems = ("vllm", "vlmserve")
+    points: dict[str, list[dict]] = {s: [] for s in systems}
+    with contextlib.ExitStack() as stack:
+        try:
+            servers = {s: stack.enter_context(running_server(s, spec, args,
+                       Path(spec["path"]).parent / f"serve_{s}.log")) for s in systems}  # fmt: skip
+        except RuntimeError as e:
+            return {s: {"error": str(e), "points": []} for s in systems}
+        for s in systems:
+            asyncio.run(_load(servers[s][0], chat_payloads(spec["warmup"], 0), 1.0, seed=1))
+        for k, rate in enumerate(rates):
+            order = systems if k % 2 == 0 else systems[::-1]
+            payloads = chat_payloads(spec["requests"], k + 1)  # the same for both
+            for s in order:
+                if points[s] and points[s][-1]["saturated"]:
+                    continue
+                idle_pid = servers[_other(s)][1]
+                idle_before = process_cpu_s(idle_pid)
+                point = measure_rate(servers[s][0], payloads, rate)
+                point["saturated"] = is_saturated(points[s][-1] if points[s] else None, point)
+                point["idle_cpu_s"] = round(process_cpu_s(idle_pid) - idle_before, 2)
+                ttft, tpot = point["ttft_s"]["p99"], point["tpot_s"]["p50"]
+                print(f"  serve {s} rate {rate:g}/s: {point['completed_per_s']:.3f} req/s, "
+                      f"TTFT p99 {ttft}, TPOT p50 {tpot}, the idle server used "
+                      f"{point['idle_cpu_s']} CPU s"
+                      f"{' (saturated)' if point['saturated'] else ''}", flush=True)  # fmt: skip
+                points[s].append(point)
+            if points["vllm"][-1]["saturated"]:
+                break
+    return {s: summary(points[s]) for s in systems}
+
+
+def _other(system: str) -> str:
+    return "vlmserve" if system == "vllm" else "vllm"
+
+
 def run_serving(spec: dict, args: argparse.Namespace, rates: list[float]) -> dict:
     spec = {**spec, "kv_bytes_per_token": kv_bytes_per_token(args.text_args)}
     print(f"[vs_vllm] serve {spec['workload']}: rates {rates}", flush=True)
-    vllm = sweep("vllm", spec, args, rates)
-    offered = [p["rate"] for p in vllm["points"]] or rates
+    sweeps = interleaved_sweeps(spec, args, rates)
     return {
-        "rates": offered,
+        "rates": [p["rate"] for p in sweeps["vllm"]["points"]] or rates,
+        "interleaved": True,
         "block_size": BLOCK_SIZE,
         "kv_cache_gib": spec["engine"]["kv_cache_gib"],
-        "vllm": vllm,
-        "vlmserve": sweep("vlmserve", spec, args, offered),
+        **sweeps,
     }

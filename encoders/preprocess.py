@@ -250,11 +250,11 @@ def _main_module_hidden() -> Iterator[None]:
 @contextlib.contextmanager
 def _workers_wait_passively() -> Iterator[None]:
     """Workers (and the forkserver they fork from) start with passive OpenMP waiting where
-    only the server's own threads are to spin (VLMSERVE_SPIN_SERVER_ONLY, set by
-    vlmserve/__init__.py for `vlmserve serve`): a worker runs a parallel region now and
+    only the engine's own threads are to spin (VLMSERVE_SPIN_ENGINE_ONLY, set by
+    vlmserve/__init__.py for the engine commands): a worker runs a parallel region now and
     then, and a thread spinning after it would take a core from the engine. Called with
     _start_lock held."""
-    if os.environ.get("VLMSERVE_SPIN_SERVER_ONLY") != "1":
+    if os.environ.get("VLMSERVE_SPIN_ENGINE_ONLY") != "1":
         yield
         return
     saved = os.environ.pop("GOMP_SPINCOUNT", None)

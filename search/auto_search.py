@@ -4,9 +4,11 @@ emitted as the `Schedule` the runner executes and cached per (model, device, B_d
 Stage I starts with every op cut into two nano-operations. After each solve the largest
 compute bubble (an interval in which no compute-bound nano-operation runs) is found and
 the ops near it (those running during it, and the compute ops either side) get one more
-nano-operation each; the new split is kept if the layer got shorter. The search stops
-when a split no longer shortens it, or when a nano-operation would fall under the
-profiling granularity.
+nano-operation each; the new split is kept if the layer got shorter. When one more does
+not help, twice as many are tried (each nano-batch of those ops halved): a bubble that
+three resources chain into can need four nano-operations where three are no better than
+two (NanoFlow's 70B pipeline: 4 over KQV and attention). The search stops when neither
+shortens the layer, or when a nano-operation would fall under the profiling granularity.
 """
 
 from __future__ import annotations
@@ -94,27 +96,48 @@ def stage1_search(
         improved = False
         for bubble in compute_bubbles(best.nanos, best.period_us)[:bubbles_per_round]:
             near = {group[o] for o in ops_near(bubble, best.nanos, best.period_us)}
-            trial_counts = {g: n + (g in near) for g, n in counts.items()}
-            incumbent: tuple[Nano, ...] | None = best.nanos
-            for g in sorted(near):
-                members = {o for o, grp in group.items() if grp == g}
-                if incumbent is not None:
-                    incumbent = split_largest(
-                        incumbent, members, profiles.granularity, profiles.time_us, order
-                    )
-            if incumbent is None:  # a nano-batch would fall under the granularity
-                continue
-            trial = solve_stage1(
-                profiles, dense_batch, trial_counts, time_limit_s, incumbent, cyclic
-            )
-            kept = trial.cost_us < best.cost_us * (1 - MIN_GAIN)
-            rounds.append(_round(trial_counts, trial, kept))
-            if kept:
-                best, counts, improved = trial, trial_counts, True
+            one_more = {g: n + (g in near) for g, n in counts.items()}
+            doubled = {g: n * (1 + (g in near)) for g, n in counts.items()}
+            for trial_counts in [one_more] + [doubled] * (doubled != one_more):
+                incumbent = _split(best.nanos, near, trial_counts, counts, group, profiles, order)
+                if incumbent is None:  # a nano-batch would fall under the granularity
+                    continue
+                trial = solve_stage1(
+                    profiles, dense_batch, trial_counts, time_limit_s, incumbent, cyclic
+                )
+                kept = trial.cost_us < best.cost_us * (1 - MIN_GAIN)
+                rounds.append(_round(trial_counts, trial, kept))
+                if kept:
+                    best, counts, improved = trial, trial_counts, True
+                    break
+            if improved:
                 break
         if not improved:
             break
     return best, counts, rounds
+
+
+def _split(
+    nanos: tuple[Nano, ...],
+    near: set[str],
+    new_counts: dict[str, int],
+    counts: dict[str, int],
+    group: dict[str, str],
+    profiles: Profiles,
+    order: dict[str, int],
+) -> tuple[Nano, ...] | None:
+    """A warm start with `new_counts`: `nanos` with each near group's widest nano-batch cut
+    in two until it has its new count; None if one would fall under the granularity."""
+    incumbent: tuple[Nano, ...] | None = nanos
+    for g in sorted(near):
+        members = {o for o, grp in group.items() if grp == g}
+        for _ in range(new_counts[g] - counts[g]):
+            if incumbent is None:
+                return None
+            incumbent = split_largest(
+                incumbent, members, profiles.granularity, profiles.time_us, order
+            )
+    return incumbent
 
 
 def _round(counts: dict[str, int], result: StageResult, kept: bool) -> dict:
@@ -182,12 +205,30 @@ def search_schedule(
             "stage2_solve_s": final.solve_s if interference else None,
             "search_s": time.perf_counter() - t0,
             "profiles": profiles.source,
+            "partitioning": profiles.notes.get("partitioning", "allreduce"),
             "granularity": profiles.granularity,
         },
     )
     problems = check(schedule)
     assert not problems, f"the search emitted an invalid schedule: {problems[:3]}"
     return schedule
+
+
+def schedule_cost_us(schedule: Schedule) -> float:
+    """What a search minimised, as emitted: the period of a cyclic schedule whose overlap
+    pays, else one layer's makespan (the unsplit layer's when it does not pay)."""
+    period = schedule.notes.get("period_us")
+    return period if period is not None else schedule.makespan_us
+
+
+def best_partitioning(schedules: list[Schedule]) -> Schedule:
+    """NanoFlow's operation transformations (§4.1.2) as options: of one layer searched
+    under each partitioning of its collectives (op_graph.PARTITIONINGS, one profile set
+    each), the fastest; its notes name every option's cost."""
+    costs = {s.notes["partitioning"]: round(schedule_cost_us(s), 3) for s in schedules}
+    best = min(schedules, key=schedule_cost_us)
+    best.notes["partitioning_costs_us"] = costs
+    return best
 
 
 def _unsplit(profiles: Profiles, dense_batch: int) -> tuple[Nano, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from search.schedule import LAYER_OPS, NanoOp, Resource, Schedule, check, depends_on
+from search.schedule import COLLECTIVES, LAYER_OPS, NanoOp, Resource, Schedule, check, depends_on
 
 # (op, rows) -> interference-free duration in microseconds (a profile, or a guess)
 DurationUs = Callable[[str, int], float]
@@ -26,9 +26,9 @@ OP_RESOURCE: dict[str, Resource] = {
     "input_norm": "memory", "qkv": "compute", "rope_kv_write": "memory",
     "attention": "memory", "o_proj": "compute", "allreduce_attn": "network",
     "post_norm": "memory", "gate_up": "compute", "silu_mul": "memory", "down": "compute",
-    "allreduce_mlp": "network",
+    "allreduce_mlp": "network", "allgather_attn": "network", "allgather_o": "network",
 }  # fmt: skip
-SINGLE_DEVICE_OPS = tuple(op for op in LAYER_OPS if not op.startswith("allreduce"))
+SINGLE_DEVICE_OPS = tuple(op for op in LAYER_OPS if op not in COLLECTIVES)
 ATTENTION_SEGMENT = ("input_norm", "qkv", "rope_kv_write", "attention", "o_proj")
 MLP_SEGMENT = ("post_norm", "gate_up", "silu_mul", "down")
 

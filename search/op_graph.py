@@ -5,8 +5,18 @@ op's bound resource. Here every op is a straight chain (each op depends on the o
 before it, row by row) and its work is linear in the number of rows it runs over:
 FLOPs and bytes are a fixed part (the weights, read once per kernel launch, i.e. once
 per nano-operation) plus a part per row. Under tensor parallelism heads and the MLP are
-sharded `tp` ways and each half of the layer ends in an all-reduce; with tp = 1 the
-collectives are not in the graph.
+sharded `tp` ways and the MLP ends in an all-reduce; the attention half is partitioned
+one of two ways (`PARTITIONINGS`), the same bytes on the wire, the same FLOPs:
+
+- "allreduce" (Megatron): O is sharded by its input rows, its partial sums all-reduced
+  (2(n-1)/n of d per row);
+- "allgather" (NanoFlow Fig. 4, §4.1.2's "operation transformations"): the attention
+  outputs are all-gathered ((n-1)/n of the query width), O is sharded by its output
+  columns, and its outputs all-gathered ((n-1)/n of d). One more collective, and a
+  network op right after decode attention, where three resources can overlap.
+
+The search takes each as an option (`auto_search.search_partitionings`). With tp = 1 the
+collectives are not in the graph and the two are one.
 
 Attention covers the decode rows (each reads its sequence's cache: memory-bound) and the
 prefill rows (compute-bound, every row against its chunk's keys). The search prices a
@@ -17,10 +27,15 @@ the runtime keeps that true by interleaving decode and prefill rows (see Schedul
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from search import cost_model as cm
 from search.presets import Accelerator, ModelShape
 from search.schedule import LAYER_OPS, Resource
+
+Partitioning = Literal["allreduce", "allgather"]
+PARTITIONINGS: tuple[Partitioning, ...] = ("allreduce", "allgather")
+_NOT_IN = {"allreduce": ("allgather_attn", "allgather_o"), "allgather": ("allreduce_attn",)}
 
 
 @dataclass(frozen=True)
@@ -83,11 +98,15 @@ def layer_ops(
     tp: int = 1,
     mix: BatchMix | None = None,
     elem_bytes: float = 2.0,
+    partitioning: Partitioning = "allreduce",
 ) -> tuple[LayerOp, ...]:
-    """The layer's ops on one of `tp` devices, in LAYER_OPS order (collectives only if tp > 1)."""
+    """The layer's ops on one of `tp` devices, in LAYER_OPS order (collectives only if tp > 1),
+    with the attention half's collectives of `partitioning`."""
     mix = mix or BatchMix()
     if tp < 1 or model.num_heads % tp or model.intermediate_size % tp:
         raise ValueError(f"tp={tp} does not divide {model.name}'s heads and MLP")
+    if partitioning not in PARTITIONINGS:
+        raise ValueError(f"partitioning must be one of {PARTITIONINGS}, got {partitioning!r}")
     s, d = elem_bytes, model.hidden_size
     q = model.num_heads * model.head_dim / tp
     kv = model.num_kv_heads * model.head_dim / cm.cache_shards(model, tp)
@@ -106,9 +125,10 @@ def layer_ops(
     def streaming(name: str, bytes_per_row: float, flops_per_row: float = 0.0) -> LayerOp:
         return LayerOp(name, "memory", 0.0, flops_per_row, 0.0, bytes_per_row)
 
-    def allreduce(name: str) -> LayerOp:
-        # Ring all-reduce: each device sends 2(n-1)/n of the tensor (article §16).
-        sent = 2 * (tp - 1) / tp * d * s
+    def collective(name: str, width: float, passes: int) -> LayerOp:
+        # Ring all-reduce: each device sends 2(n-1)/n of the tensor (article §16); a ring
+        # all-gather (n-1)/n of the gathered tensor, one pass.
+        sent = passes * (tp - 1) / tp * width * s
         return LayerOp(name, "network", 0.0, 0.0, 0.0, 0.0, sent, accel.allreduce_latency_s)
 
     attention = LayerOp(
@@ -128,15 +148,21 @@ def layer_ops(
         "qkv": gemm("qkv", d, q + 2 * kv),
         "rope_kv_write": streaming("rope_kv_write", (2 * q + 4 * kv) * s, 6 * (q + kv)),
         "attention": attention,
-        "o_proj": gemm("o_proj", q, d),
-        "allreduce_attn": allreduce("allreduce_attn"),
+        # Either way a device multiplies q·d/tp per row: (q/tp)·d, or q·(d/tp).
+        "o_proj": gemm("o_proj", q, d)
+        if partitioning == "allreduce"
+        else gemm("o_proj", q * tp, d / tp),
+        "allreduce_attn": collective("allreduce_attn", d, 2),
+        "allgather_attn": collective("allgather_attn", q * tp, 1),
+        "allgather_o": collective("allgather_o", d, 1),
         "post_norm": streaming("post_norm", 2 * d * s, 4 * d),
         "gate_up": gemm("gate_up", d, 2 * ff),
         "silu_mul": streaming("silu_mul", 3 * ff * s, 4 * ff),
         "down": gemm("down", ff, d),
-        "allreduce_mlp": allreduce("allreduce_mlp"),
+        "allreduce_mlp": collective("allreduce_mlp", d, 2),
     }
-    return tuple(ops[name] for name in LAYER_OPS if tp > 1 or ops[name].resource != "network")
+    names = [o for o in LAYER_OPS if o not in _NOT_IN[partitioning]]
+    return tuple(ops[o] for o in names if tp > 1 or ops[o].resource != "network")
 
 
 def _work(op: LayerOp) -> tuple[float, float, float, float]:

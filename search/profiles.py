@@ -19,7 +19,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from search.op_graph import BatchMix, layer_ops, op_time_s
+from search.op_graph import BatchMix, Partitioning, layer_ops, op_time_s
 from search.presets import Accelerator, ModelShape
 from search.schedule import Resource
 
@@ -110,8 +110,11 @@ def _interpolate(points, x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def device_key(accel_name: str, tp: int) -> str:
-    return accel_name if tp == 1 else f"{accel_name}-tp{tp}"
+def device_key(accel_name: str, tp: int, partitioning: Partitioning = "allreduce") -> str:
+    """ "a100", "a100-tp8" (the all-reduce partitioning), "a100-tp8-allgather"."""
+    if tp == 1:
+        return accel_name
+    return f"{accel_name}-tp{tp}" + ("" if partitioning == "allreduce" else f"-{partitioning}")
 
 
 def synthetic_gpu_profiles(
@@ -121,8 +124,10 @@ def synthetic_gpu_profiles(
     tp: int = 1,
     mix: BatchMix | None = None,
     granularity: int = GPU_GRANULARITY,
+    partitioning: Partitioning = "allreduce",
 ) -> Profiles:
-    """Profiles of `model` at TP `tp` on `accel` from the cost model, Table 3 for R → P."""
+    """Profiles of `model` at TP `tp` on `accel` from the cost model, Table 3 for R → P,
+    the attention half's collectives those of `partitioning` (op_graph.PARTITIONINGS)."""
     if max_tokens < granularity or max_tokens % granularity:
         raise ValueError(f"max tokens {max_tokens} is not a multiple of {granularity}")
     counts = tuple(range(granularity, max_tokens + 1, granularity))
@@ -134,16 +139,16 @@ def synthetic_gpu_profiles(
             counts,
             tuple(op_time_s(op, n, accel) * 1e6 for n in counts),
         )
-        for op in layer_ops(model, accel, max_tokens, tp, mix)
+        for op in layer_ops(model, accel, max_tokens, tp, mix, partitioning=partitioning)
     )
     return Profiles(
         model.name,
-        device_key(accel.name, tp),
+        device_key(accel.name, tp, partitioning),
         granularity,
         ops,
         dict(TABLE3_KNOTS),
         "synthetic",
-        {"mix": asdict(mix), "tp": tp},
+        {"mix": asdict(mix), "tp": tp, "partitioning": partitioning},
     )
 
 

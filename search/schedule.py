@@ -19,12 +19,17 @@ Resource = Literal["compute", "memory", "network"]
 
 # A decoder layer's operations in dependency order; each depends on the one before it on
 # the rows both touch (NanoFlow §4.1.2: dependency by intersection of batch ranges).
-# "attention" is decode and prefill attention of the rows' sequences; "allreduce_*" exist
-# only under tensor parallelism.
+# "attention" is decode and prefill attention of the rows' sequences. The collectives
+# exist only under tensor parallelism, in one of two partitionings of the attention half
+# (`op_graph.PARTITIONINGS`): "allreduce_attn" after a row-sharded O projection, or
+# "allgather_attn" before and "allgather_o" after a column-sharded one. A layer holds
+# the ops of one partitioning, in this order.
 LAYER_OPS: tuple[str, ...] = (
-    "input_norm", "qkv", "rope_kv_write", "attention", "o_proj", "allreduce_attn",
-    "post_norm", "gate_up", "silu_mul", "down", "allreduce_mlp",
+    "input_norm", "qkv", "rope_kv_write", "attention", "allgather_attn", "o_proj",
+    "allreduce_attn", "allgather_o", "post_norm", "gate_up", "silu_mul", "down",
+    "allreduce_mlp",
 )  # fmt: skip
+COLLECTIVES = frozenset(op for op in LAYER_OPS if op.startswith(("allreduce", "allgather")))
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,9 @@ def check(schedule: Schedule, eps_us: float = 1e-6) -> list[str]:
         else:
             if edge != schedule.dense_batch:
                 problems.append(f"{name}: rows end at {edge}, not {schedule.dense_batch}")
+    names = {n.op for n in ops}
+    if "allreduce_attn" in names and names & {"allgather_attn", "allgather_o"}:
+        problems.append("the attention half mixes the all-reduce and all-gather partitionings")
     known = [n for n in ops if n.op in LAYER_OPS]  # an unknown op is reported above
     for b in known:
         for a in known:

@@ -3,18 +3,22 @@
 Set here, before anything imports torch: torch's OpenMP runtime (libgomp) reads its wait
 policy once, when it is loaded, so the choice is the process's, made from its command:
 
-- `vlmserve serve` owns the cores it serves on, and its decode steps are a hundred short
-  parallel regions with a little Python between them. Its OpenMP threads spin for
-  GOMP_SPINCOUNT = 10M iterations (about 0.2 s on a 3 GHz core; Intel OpenMP's default
-  KMP_BLOCKTIME, which vLLM's CPU build runs with, is 0.2 s) before they sleep: a thread
-  that sleeps between the regions is woken for every one, and on the 2-core VM here a
-  served decode step at 1 sequence took 29-62 ms with passive waiting and 19-29 ms
-  spinning (medians of fresh processes, interleaved; see the issue notes).
-- Anything else (the library, the tests, offline jobs sharing a machine) waits passively:
-  on a CPU shared with other processes (a server beside its clients, a busy CI machine)
-  spinning threads take the cores the working threads need, and every parallel region
-  waits for a descheduled peer. Passive waiting gave 2-6x the decode throughput on a
-  2-core machine under a load of 5-11 (and a fifth of the CPU time).
+- The commands that run the engine (`vlmserve serve`, `caption`, `generate`, `demo`) own
+  the cores they run on, and a decode step is a hundred short parallel regions with a
+  little Python between them. Their OpenMP threads spin for GOMP_SPINCOUNT = 10M
+  iterations (about 0.2 s on a 3 GHz core; Intel OpenMP's default KMP_BLOCKTIME, which
+  vLLM's CPU build runs with, is 0.2 s) before they sleep: a thread that sleeps between
+  the regions is woken for every one. On the 2-core VM here a served decode step at 1
+  sequence took 29-62 ms waiting passively and 19-29 ms spinning, and the offline text
+  benchmark's 64 requests 76-105 s against 58-63 s (fresh processes, interleaved; see
+  the issue notes).
+- Anything else (the library, the tests) waits passively: on a CPU shared with other
+  processes (a busy CI machine, a notebook beside a server) spinning threads take the
+  cores the working threads need, and every parallel region waits for a descheduled
+  peer. Passive waiting gave 2-6x the decode throughput on a 2-core machine under a
+  load of 5-11 (and a fifth of the CPU time). `ENGINE_OPENMP` is the engine commands'
+  setting, for a program that owns its cores to put in its environment before it
+  starts Python.
 
 A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins (OMP_WAIT_POLICY=PASSIVE for a server
 on a shared machine); none of this has any effect where torch is already loaded.
@@ -23,24 +27,25 @@ on a shared machine); none of this has any effect where torch is already loaded.
 import os
 import sys
 
-SERVE_SPINCOUNT = "10000000"
+ENGINE_COMMANDS = frozenset({"serve", "caption", "generate", "demo"})
+# The preprocessing pool's workers (one image each, beside the engine) still wait
+# passively: encoders/preprocess.py starts them so while VLMSERVE_SPIN_ENGINE_ONLY is set.
+ENGINE_OPENMP = {"GOMP_SPINCOUNT": "10000000", "VLMSERVE_SPIN_ENGINE_ONLY": "1"}
 # What this import put in os.environ (its children inherit it): a benchmark that starts
 # servers strips these, so each server picks its own policy as its users' would.
 OPENMP_DEFAULTS: dict[str, str] = {}
 
 
-def _is_serve_command(argv: list[str]) -> bool:
+def _is_engine_command(argv: list[str]) -> bool:
     """`vlmserve serve ...` or `python -m vlmserve.cli serve ...` (argv[0] is "-m" while
-    the package is imported on the way to the module)."""
-    return argv[1:2] == ["serve"] and (argv[0] == "-m" or os.path.basename(argv[0]) == "vlmserve")
+    the package is imported on the way to the module), or another engine command."""
+    if len(argv) < 2 or argv[1] not in ENGINE_COMMANDS:
+        return False
+    return argv[0] == "-m" or os.path.basename(argv[0]) == "vlmserve"
 
 
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    if _is_serve_command(sys.argv):
-        # The preprocessing pool's workers (one image each, beside the engine) still wait
-        # passively: encoders/preprocess.py starts them so while VLMSERVE_SPIN_SERVER_ONLY
-        # is set.
-        OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": SERVE_SPINCOUNT, "VLMSERVE_SPIN_SERVER_ONLY": "1"}
-    else:
-        OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+    OPENMP_DEFAULTS = (
+        ENGINE_OPENMP if _is_engine_command(sys.argv) else {"OMP_WAIT_POLICY": "PASSIVE"}
+    )
     os.environ.update(OPENMP_DEFAULTS)

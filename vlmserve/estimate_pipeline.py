@@ -14,8 +14,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from search.auto_search import cached_schedule, search_schedule
-from search.op_graph import BatchMix
+from search.auto_search import best_partitioning, cached_schedule, search_schedule
+from search.op_graph import PARTITIONINGS, BatchMix
 from search.presets import get_accelerator, get_model
 from search.profiles import (
     DEFAULT_CACHE_DIR,
@@ -56,11 +56,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="minimise the period of the layer pipeline (layer l+1's head beside layer l's "
         "tail) instead of one layer's makespan",
     )
+    p.add_argument(
+        "--partitioning",
+        choices=(*PARTITIONINGS, "best"),
+        default="best",
+        help="under --tp > 1, the attention half's collectives: an all-reduce after O, "
+        "all-gathers either side of O, or the faster of the two searched (default)",
+    )
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="profiles and schedules")
     p.add_argument("--refresh", action="store_true", help="search (and profile) again")
 
 
-def _profiles(args: argparse.Namespace, mix: BatchMix, dense_batch: int) -> Profiles:
+def _profile_sets(args: argparse.Namespace, mix: BatchMix, dense_batch: int) -> list[Profiles]:
+    """One profile set per partitioning to search (one unless `best` under TP on a GPU)."""
+    gpu_tp = args.tp > 1 and args.accelerator.strip().lower() != "cpu"
+    if not gpu_tp or args.partitioning != "best":
+        return [_profiles(args, mix, dense_batch, args.partitioning)]
+    return [_profiles(args, mix, dense_batch, p) for p in PARTITIONINGS]
+
+
+def _profiles(
+    args: argparse.Namespace, mix: BatchMix, dense_batch: int, partitioning: str
+) -> Profiles:
     model = get_model(args.model)
     cache_dir = Path(args.cache_dir)
     if args.accelerator.strip().lower() == "cpu":
@@ -74,7 +91,10 @@ def _profiles(args: argparse.Namespace, mix: BatchMix, dense_batch: int) -> Prof
         profiles = measure_cpu_profiles(model, dense_batch, mix)
     else:
         accel = get_accelerator(args.accelerator)
-        profiles = synthetic_gpu_profiles(model, accel, dense_batch, args.tp, mix)
+        part = "allreduce" if partitioning == "best" else partitioning
+        profiles = synthetic_gpu_profiles(
+            model, accel, dense_batch, args.tp, mix, partitioning=part
+        )
     save_profiles(profiles, cache_dir)
     return profiles
 
@@ -87,6 +107,15 @@ def _table(schedule: Schedule, from_cache: bool) -> str:
         f"pipeline: {schedule.model} on {schedule.device}, dense batch {schedule.dense_batch}"
         f" ({n['profiles']} profiles{', cached' if from_cache else ''})",
         f"  nano-operations   {counts}",
+        *(
+            [
+                f"  partitioning      {n['partitioning']} (searched: "
+                + ", ".join(f"{p} {c:,.1f} us" for p, c in costs.items())
+                + ")"
+            ]
+            if (costs := n.get("partitioning_costs_us"))
+            else []
+        ),  # fmt: skip
         f"  layer, in order   {schedule.sequential_us:,.1f} us",
         f"  Stage I           {n['stage1_makespan_us']:,.1f} us (no interference)",
         f"  Stage II          {n['searched_makespan_us']:,.1f} us (R -> P interference)",
@@ -116,6 +145,17 @@ def _table(schedule: Schedule, from_cache: bool) -> str:
     return "\n".join(lines)
 
 
+def _search(
+    args: argparse.Namespace, profiles: Profiles, dense_batch: int
+) -> tuple[Schedule, bool]:
+    """The schedule for `profiles` and whether it came from the cache."""
+    if args.refresh:
+        return search_schedule(profiles, dense_batch, args.time_limit, cyclic=args.cyclic), False
+    return cached_schedule(
+        profiles, dense_batch, Path(args.cache_dir), args.time_limit, args.cyclic
+    )
+
+
 def run_pipeline(args: argparse.Namespace) -> int:
     """Profile (or load), search (or load), print; user errors exit 2 with one line."""
     try:
@@ -133,14 +173,12 @@ def run_pipeline(args: argparse.Namespace) -> int:
             args.decode_context or (512 if on_cpu else None),
             workspace_bytes=args.workspace_gb * 1e9,
         )
-        profiles = _profiles(args, mix, dense_batch)
-        if args.refresh:
-            schedule = search_schedule(profiles, dense_batch, args.time_limit, cyclic=args.cyclic)
-            hit = False
-        else:
-            schedule, hit = cached_schedule(
-                profiles, dense_batch, Path(args.cache_dir), args.time_limit, args.cyclic
-            )
+        found = [
+            _search(args, profiles, dense_batch)
+            for profiles in _profile_sets(args, mix, dense_batch)
+        ]
+        schedule = best_partitioning([s for s, _ in found]) if len(found) > 1 else found[0][0]
+        hit = all(h for _, h in found)
         if plot is not None:
             from vlmserve.estimate_plot import draw_gantt
 

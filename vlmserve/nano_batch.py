@@ -30,13 +30,14 @@ from pathlib import Path
 import torch
 
 from kernels.attention import AttentionBackend, AttentionBatch
-from search.schedule import LAYER_OPS, NanoOp, Schedule, check, depends_on
+from search.schedule import COLLECTIVES, LAYER_OPS, NanoOp, Schedule, check, depends_on
 from vlmserve.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-# Ops with nothing to run on one device (tensor parallelism's collectives).
-_NO_OP = frozenset(op for op in LAYER_OPS if op.startswith("allreduce"))
+# Ops with nothing to run on one device (tensor parallelism's collectives: on one device
+# either partitioning of the O projection is the same product).
+_NO_OP = COLLECTIVES
 _REQUIRED = tuple(op for op in LAYER_OPS if op not in _NO_OP)
 
 

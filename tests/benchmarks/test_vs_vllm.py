@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from benchmarks.vllm_cpu import core_list
 from benchmarks.vs_vllm import agreement, last_error, matched_prefix, round_order, summarize
-from benchmarks.vs_vllm_serve import chat_payloads, is_saturated
+from benchmarks.vs_vllm_serve import chat_payloads, is_saturated, process_cpu_s
 
 
 def test_matched_prefix_stops_at_first_difference():
@@ -108,3 +114,28 @@ def test_chat_payload_variants_share_lengths_not_content(tmp_path):
     assert len(text1[0]["content"].split()) == 40
     assert (tmp_path / "a_v1.jpg").is_file()  # a new picture for the variant
     assert chat0[0]["content"][0] != chat1[0]["content"][0]
+
+
+def test_process_cpu_s_counts_a_server_session_and_its_children():
+    # A "server" in its own session: it and a child each burn 0.3 s of CPU (process_time,
+    # the kernel's own count), say so, then sleep. Their session's total must hold both.
+    burn = "import time\nwhile time.process_time() < 0.3: pass\nprint('done', flush=True)\n"
+    leader = textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {burn!r} + "time.sleep(60)"],
+                                 stdout=subprocess.PIPE, text=True)
+        exec({burn!r})
+        child.stdout.readline()
+        print("both", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", leader], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert proc.stdout.readline() == "done\n" and proc.stdout.readline() == "both\n"
+        assert 0.55 <= process_cpu_s(proc.pid) < 5.0
+        assert process_cpu_s(2**22 + 1) == 0.0  # no such session
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child is in the leader's process group
+        proc.wait()

@@ -5,9 +5,15 @@ import random
 
 import pytest
 
-from search.auto_search import STREAMS, cached_schedule, search_schedule
+from search.auto_search import (
+    STREAMS,
+    best_partitioning,
+    cached_schedule,
+    schedule_cost_us,
+    search_schedule,
+)
 from search.nanoflow_milp import solve_stage1, solve_stage2, split_groups
-from search.op_graph import BatchMix, layer_ops
+from search.op_graph import PARTITIONINGS, BatchMix, layer_ops
 from search.presets import ModelShape, get_accelerator, get_model
 from search.profiles import TABLE3_KNOTS, OpProfile, Profiles, synthetic_gpu_profiles
 from search.schedule import NanoOp, Schedule, check
@@ -100,6 +106,32 @@ def test_every_emitted_schedule_passes_the_checker(tp, dense_batch):
         assert check(schedule) == []
         assert schedule.makespan_us <= schedule.sequential_us + 1e-6
         assert schedule.notes["counts"]["qkv"] >= 2
+
+
+@pytest.mark.parametrize("cyclic", [False, True])
+def test_the_search_keeps_the_faster_partitioning(cyclic):
+    # NanoFlow §4.1.2's operation transformations: the attention half's all-reduce, or an
+    # all-gather either side of O, each searched; the faster one is kept.
+    accel = get_accelerator("a100")
+    mix = BatchMix(decode_fraction=0.75, decode_context=4096)
+    schedules = [
+        search_schedule(
+            synthetic_gpu_profiles(TINY, accel, 256, tp=2, mix=mix, partitioning=part),
+            256, 10.0, 1, cyclic=cyclic,
+        )
+        for part in PARTITIONINGS
+    ]  # fmt: skip
+    for schedule, part in zip(schedules, PARTITIONINGS, strict=True):
+        assert check(schedule) == [] and schedule.notes["partitioning"] == part
+    ops = {n.op for n in schedules[1].nano_ops}
+    assert {"allgather_attn", "allgather_o"} <= ops and "allreduce_attn" not in ops
+    assert schedules[1].device.endswith("-tp2-allgather")
+    costs = [schedule_cost_us(s) for s in schedules]
+    best = best_partitioning(schedules)
+    assert schedule_cost_us(best) == min(costs)
+    assert best.notes["partitioning_costs_us"] == dict(
+        zip(PARTITIONINGS, [round(c, 3) for c in costs], strict=True)
+    )
 
 
 def test_schedules_are_cached_per_model_device_and_batch(tmp_path):

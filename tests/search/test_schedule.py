@@ -54,3 +54,15 @@ def test_rows_must_tile_the_dense_batch():
     assert any("do not tile" in p for p in check(_layer(ops)))
     ops[3] = NanoOp("mystery", 128, 256, "memory", 1, 20.0, 10.0)
     assert any("unknown op" in p for p in check(_layer(ops)))
+
+
+def test_a_layer_mixing_the_two_partitionings_is_reported():
+    def layer(*names):
+        return _layer(
+            [NanoOp(n, 0, 256, "network", 2, 10.0 * i, 10.0) for i, n in enumerate(names)]
+        )
+
+    assert check(layer("allgather_attn", "allgather_o")) == []
+    assert check(layer("allreduce_attn", "allreduce_mlp")) == []
+    problems = check(layer("allgather_attn", "allreduce_attn"))
+    assert problems == ["the attention half mixes the all-reduce and all-gather partitionings"]

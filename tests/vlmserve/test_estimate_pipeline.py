@@ -64,6 +64,27 @@ def test_cyclic_search_prints_its_period_and_caches_apart(tmp_path, tiny_config,
     assert ("period " in out) == (period is not None)
 
 
+def test_under_tp_both_partitionings_are_searched_and_the_faster_kept(
+    tmp_path, tiny_config, capsys
+):
+    cache = tmp_path / "cache"
+    argv = ["pipeline", "--model", tiny_config, "--accelerator", "a100", "--dense-batch", "256"]
+    argv += ["--tp", "2", "--cache-dir", str(cache), "--time-limit", "1.5"]
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    costs = doc["notes"]["partitioning_costs_us"]
+    assert set(costs) == {"allreduce", "allgather"}
+    assert doc["notes"]["partitioning"] == min(costs, key=costs.get)
+    assert len(list(cache.glob("schedule-*"))) == 2  # one per partitioning
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0 and "cached" in out and "partitioning      " in out
+    code, out, _ = run_cli(capsys, *argv, "--partitioning", "allgather", "--json")
+    doc = json.loads(out)
+    assert doc["cached"] is True and doc["notes"]["partitioning"] == "allgather"
+    assert "partitioning_costs_us" not in doc["notes"]
+
+
 def test_cpu_profiles_are_measured_then_reused(tmp_path, tiny_config, capsys):
     cache = tmp_path / "cache"
     argv = ["pipeline", "--model", tiny_config, "--accelerator", "cpu", "--dense-batch", "64"]

@@ -1,6 +1,7 @@
-"""The OpenMP wait policy each process gets (vlmserve/__init__.py): `vlmserve serve`
-spins between parallel regions, everything else waits passively, a user's own setting
-wins, and the preprocessing pool's workers wait passively beside a spinning server."""
+"""The OpenMP wait policy each process gets (vlmserve/__init__.py): the engine commands
+(`vlmserve serve`, `caption`, `generate`, `demo`) spin between parallel regions, everything
+else waits passively, a user's own setting wins, and the preprocessing pool's workers wait
+passively beside a spinning engine."""
 
 import multiprocessing as mp
 import os
@@ -11,7 +12,7 @@ import pytest
 
 from encoders.preprocess import _workers_wait_passively
 
-KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "VLMSERVE_SPIN_SERVER_ONLY")
+KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "VLMSERVE_SPIN_ENGINE_ONLY")
 
 
 def _policy(argv: list[str], **user: str) -> tuple[str, str]:
@@ -29,7 +30,11 @@ def _policy(argv: list[str], **user: str) -> tuple[str, str]:
     [
         (["/venv/bin/vlmserve", "serve", "--port", "8000"], {}, ("10000000", "None")),
         (["-m", "serve", "--model", "m"], {}, ("10000000", "None")),  # python -m vlmserve.cli
-        (["/venv/bin/vlmserve", "generate"], {}, ("None", "PASSIVE")),
+        (["/venv/bin/vlmserve", "generate"], {}, ("10000000", "None")),
+        (["/venv/bin/vlmserve", "caption", "--input", "x"], {}, ("10000000", "None")),
+        (["-m", "demo"], {}, ("10000000", "None")),
+        (["/venv/bin/vlmserve", "estimate", "kv"], {}, ("None", "PASSIVE")),
+        (["/venv/bin/vlmserve"], {}, ("None", "PASSIVE")),
         (["-c"], {}, ("None", "PASSIVE")),  # the library
         (["/venv/bin/vlmserve", "serve"], {"OMP_WAIT_POLICY": "PASSIVE"}, ("None", "PASSIVE")),
         (["/venv/bin/vlmserve", "serve"], {"GOMP_SPINCOUNT": "5"}, ("5", "None")),
@@ -47,7 +52,7 @@ def _child_env(queue) -> None:
 def test_pool_workers_wait_passively_beside_a_spinning_server(monkeypatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000000")
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.setenv("VLMSERVE_SPIN_SERVER_ONLY", "1")
+    monkeypatch.setenv("VLMSERVE_SPIN_ENGINE_ONLY", "1")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with _workers_wait_passively():
