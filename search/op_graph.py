@@ -15,7 +15,7 @@ one of two ways (`PARTITIONINGS`), the same bytes on the wire, the same FLOPs:
   columns, and its outputs all-gathered ((n-1)/n of d). One more collective, and a
   network op right after decode attention, where three resources can overlap.
 
-The search takes each as an option (`auto_search.search_partitionings`). With tp = 1 the
+The search takes each as an option (`auto_search.best_partitioning`). With tp = 1 the
 collectives are not in the graph and the two are one.
 
 Attention covers the decode rows (each reads its sequence's cache: memory-bound) and the

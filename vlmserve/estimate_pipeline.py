@@ -68,11 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _profile_sets(args: argparse.Namespace, mix: BatchMix, dense_batch: int) -> list[Profiles]:
-    """One profile set per partitioning to search (one unless `best` under TP on a GPU)."""
-    gpu_tp = args.tp > 1 and args.accelerator.strip().lower() != "cpu"
-    if not gpu_tp or args.partitioning != "best":
-        return [_profiles(args, mix, dense_batch, args.partitioning)]
-    return [_profiles(args, mix, dense_batch, p) for p in PARTITIONINGS]
+    """One profile set per partitioning to search: both for `best` under TP on a GPU (on
+    one device the two are one graph)."""
+    if args.partitioning != "best":
+        parts: tuple[str, ...] = (args.partitioning,)
+    elif args.tp > 1 and args.accelerator.strip().lower() != "cpu":
+        parts = PARTITIONINGS
+    else:
+        parts = ("allreduce",)
+    return [_profiles(args, mix, dense_batch, p) for p in parts]
 
 
 def _profiles(
@@ -91,9 +95,8 @@ def _profiles(
         profiles = measure_cpu_profiles(model, dense_batch, mix)
     else:
         accel = get_accelerator(args.accelerator)
-        part = "allreduce" if partitioning == "best" else partitioning
         profiles = synthetic_gpu_profiles(
-            model, accel, dense_batch, args.tp, mix, partitioning=part
+            model, accel, dense_batch, args.tp, mix, partitioning=partitioning
         )
     save_profiles(profiles, cache_dir)
     return profiles

@@ -35,10 +35,9 @@ from vlmserve.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-# Ops with nothing to run on one device (tensor parallelism's collectives: on one device
-# either partitioning of the O projection is the same product).
-_NO_OP = COLLECTIVES
-_REQUIRED = tuple(op for op in LAYER_OPS if op not in _NO_OP)
+# Tensor parallelism's collectives have nothing to run on one device (where either
+# partitioning of the O projection is the same product).
+_REQUIRED = tuple(op for op in LAYER_OPS if op not in COLLECTIVES)
 
 
 @dataclass(frozen=True)
@@ -198,7 +197,7 @@ def map_rows(schedule: Schedule, starts: list[int]) -> list[NanoOp] | None:
     mapped = [
         replace(n, row_start=snap(n.row_start), row_end=snap(n.row_end))
         for n in schedule.nano_ops
-        if n.op not in _NO_OP
+        if n.op not in COLLECTIVES
     ]
     mapped = [n for n in mapped if n.row_end > n.row_start]
     if not any(n.row_start > 0 for n in mapped):
