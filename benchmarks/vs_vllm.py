@@ -391,13 +391,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="0.02,0.05,0.1,0.2,0.4 (--quick: 0.05)",
     )
-    p.add_argument("--serve-requests", type=int, default=None, help="per rate (default: all)")
+    p.add_argument(
+        "--serve-requests", type=int, default=None, help="per rate and pass (default: all)"
+    )
+    p.add_argument(
+        "--serve-repeats",
+        type=int,
+        default=3,
+        help="passes per rate and server, alternating; medians reported (--quick: 1)",
+    )
     p.add_argument("--name", default=None, help="result file name (vs_vllm / vs_vllm_quick)")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.image_requests, args.image_output = 1, 4, 16
-        args.serve_requests = args.serve_requests or 4
+        args.serve_requests, args.serve_repeats = args.serve_requests or 4, 1
     text_rates, image_rates = (
         ([1.0], [0.05]) if args.quick else (SERVE_RATES_TEXT, SERVE_RATES_IMAGE)
     )
@@ -405,6 +413,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.serve_rates_image = args.serve_rates_image or image_rates
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds} must be >= 1")
+    if args.serve_repeats < 1:
+        p.error(f"--serve-repeats {args.serve_repeats} must be >= 1")
     base = "vs_vllm_serve" if args.serve else "vs_vllm"
     args.name = args.name or (base + "_quick" if args.quick else base)
     return args

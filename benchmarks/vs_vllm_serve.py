@@ -1,12 +1,15 @@
 """The serving part of `benchmarks/vs_vllm.py` (--serve): `vllm serve` and `vlmserve serve`
 on the same checkpoint under the same Poisson load from one streaming client
 (`benchmarks/serve_load.py`'s request loop), with the same KV block size and cache budget.
-Both servers are up for the whole sweep and the load alternates between them rate by rate
-(vLLM first at the first rate, vlmserve first at the next, ...), so a slow minute of a
-shared host falls on both and not on one server's whole sweep. The idle server's CPU
-time while the other is loaded is recorded (`idle_cpu_s`): it should be near zero.
-Offered rates rise until vLLM saturates; vlmserve gets the same rates (until it
-saturates too). Reported per rate: TTFT p99, TPOT p50, completed requests/s.
+Both servers are up for the whole sweep and the load alternates between them pass by pass:
+each rate is offered `repeats` times to each server, in the order ABBA... that
+`pass_order` gives (it flips from rate to rate as well), each pass with its own prompts
+(the same for both servers), so a slow minute of a shared host falls on both and not on
+one server's whole sweep. The idle server's CPU time while the other is loaded is
+recorded (`idle_cpu_s`): it should be near zero. Offered rates rise until vLLM
+saturates; vlmserve gets the same rates (until it saturates too). Reported per rate: the
+medians over the passes of TTFT p99, TPOT p50 and completed requests/s (`median_point`);
+each pass is kept under `passes`.
 
 Saturated at a rate: raising the offered rate to it from the previous one raised the
 completed requests per second by less than half the increase (the rest only queued), or
@@ -23,6 +26,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -202,9 +206,47 @@ def summary(points: list[dict]) -> dict:
     }
 
 
-def interleaved_sweeps(spec: dict, args: argparse.Namespace, rates: list[float]) -> dict:
-    """Both servers up; at each rising rate each server not yet saturated takes the load in
-    turn (the order alternates), until vLLM saturates."""
+def pass_order(rate_index: int, repeats: int) -> list[tuple[int, str]]:
+    """(pass, system) for one rate: each pass loads both servers, and the one loaded
+    first alternates from pass to pass and from rate to rate (vLLM first at the first)."""
+    systems = ("vllm", "vlmserve")
+    order = []
+    for j in range(repeats):
+        first = (rate_index * repeats + j) % 2
+        order += [(j, systems[first]), (j, systems[1 - first])]
+    return order
+
+
+def median_point(passes: list[dict]) -> dict:
+    """One rate's point from its passes: medians of completed req/s, output tok/s and each
+    latency percentile, failures summed (a failed request in any pass counts)."""
+
+    def med(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    def quantiles(key: str) -> dict:
+        return {q: med([p[key][q] for p in passes]) for q in ("p50", "p90", "p99")}
+
+    return {
+        "rate": passes[0]["rate"],
+        "requests": sum(p["requests"] for p in passes),
+        "failed": sum(p["failed"] for p in passes),
+        "errors": sorted({e for p in passes for e in p["errors"]})[:5],
+        "completed_per_s": med([p["completed_per_s"] for p in passes]),
+        "output_tok_per_s": med([p["output_tok_per_s"] for p in passes]),
+        "ttft_s": quantiles("ttft_s"),
+        "tpot_s": quantiles("tpot_s"),
+        "idle_cpu_s": max(p["idle_cpu_s"] for p in passes),
+        "passes": passes,
+    }
+
+
+def interleaved_sweeps(
+    spec: dict, args: argparse.Namespace, rates: list[float], repeats: int = 1
+) -> dict:
+    """Both servers up; at each rising rate each server not yet saturated takes the load
+    `repeats` times, alternating with the other (`pass_order`), until vLLM saturates."""
     systems = ("vllm", "vlmserve")
     points: dict[str, list[dict]] = {s: [] for s in systems}
     with contextlib.ExitStack() as stack:
@@ -216,20 +258,27 @@ def interleaved_sweeps(spec: dict, args: argparse.Namespace, rates: list[float])
         for s in systems:
             asyncio.run(_load(servers[s][0], chat_payloads(spec["warmup"], 0), 1.0, seed=1))
         for k, rate in enumerate(rates):
-            order = systems if k % 2 == 0 else systems[::-1]
-            payloads = chat_payloads(spec["requests"], k + 1)  # the same for both
-            for s in order:
-                if points[s] and points[s][-1]["saturated"]:
+            live = [s for s in systems if not (points[s] and points[s][-1]["saturated"])]
+            passes: dict[str, list[dict]] = {s: [] for s in live}
+            for j, s in pass_order(k, repeats):
+                if s not in live:
                     continue
+                payloads = chat_payloads(spec["requests"], 1 + k * repeats + j)  # both alike
                 idle_pid = servers[_other(s)][1]
                 idle_before = process_cpu_s(idle_pid)
-                point = measure_rate(servers[s][0], payloads, rate)
+                one = measure_rate(servers[s][0], payloads, rate)
+                one["idle_cpu_s"] = round(process_cpu_s(idle_pid) - idle_before, 2)
+                print(f"  serve {s} rate {rate:g}/s pass {j + 1}/{repeats}: "
+                      f"{one['completed_per_s']:.3f} req/s, TTFT p99 {one['ttft_s']['p99']}, "
+                      f"TPOT p50 {one['tpot_s']['p50']}, the idle server used "
+                      f"{one['idle_cpu_s']} CPU s", flush=True)  # fmt: skip
+                passes[s].append(one)
+            for s in live:
+                point = median_point(passes[s])
                 point["saturated"] = is_saturated(points[s][-1] if points[s] else None, point)
-                point["idle_cpu_s"] = round(process_cpu_s(idle_pid) - idle_before, 2)
-                ttft, tpot = point["ttft_s"]["p99"], point["tpot_s"]["p50"]
-                print(f"  serve {s} rate {rate:g}/s: {point['completed_per_s']:.3f} req/s, "
-                      f"TTFT p99 {ttft}, TPOT p50 {tpot}, the idle server used "
-                      f"{point['idle_cpu_s']} CPU s"
+                print(f"  serve {s} rate {rate:g}/s, medians: {point['completed_per_s']:.3f} "
+                      f"req/s, TTFT p99 {point['ttft_s']['p99']}, TPOT p50 "
+                      f"{point['tpot_s']['p50']}"
                       f"{' (saturated)' if point['saturated'] else ''}", flush=True)  # fmt: skip
                 points[s].append(point)
             if points["vllm"][-1]["saturated"]:
@@ -244,10 +293,11 @@ def _other(system: str) -> str:
 def run_serving(spec: dict, args: argparse.Namespace, rates: list[float]) -> dict:
     spec = {**spec, "kv_bytes_per_token": kv_bytes_per_token(args.text_args)}
     print(f"[vs_vllm] serve {spec['workload']}: rates {rates}", flush=True)
-    sweeps = interleaved_sweeps(spec, args, rates)
+    sweeps = interleaved_sweeps(spec, args, rates, args.serve_repeats)
     return {
         "rates": [p["rate"] for p in sweeps["vllm"]["points"]] or rates,
         "interleaved": True,
+        "repeats": args.serve_repeats,
         "block_size": BLOCK_SIZE,
         "kv_cache_gib": spec["engine"]["kv_cache_gib"],
         **sweeps,

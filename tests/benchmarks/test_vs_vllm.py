@@ -12,7 +12,13 @@ import pytest
 
 from benchmarks.vllm_cpu import core_list
 from benchmarks.vs_vllm import agreement, last_error, matched_prefix, round_order, summarize
-from benchmarks.vs_vllm_serve import chat_payloads, is_saturated, process_cpu_s
+from benchmarks.vs_vllm_serve import (
+    chat_payloads,
+    is_saturated,
+    median_point,
+    pass_order,
+    process_cpu_s,
+)  # fmt: skip
 
 
 def test_matched_prefix_stops_at_first_difference():
@@ -85,6 +91,37 @@ def test_saturation_is_the_knee_of_completed_against_offered_rate():
     assert not is_saturated(_point(0.5, 0.45), _point(1.0, 0.9))  # served the added load
     assert is_saturated(_point(1.0, 0.9), _point(2.0, 1.2))  # 0.3 of 1.0 more served
     assert is_saturated(None, _point(0.5, 0.4, failed=1))
+
+
+def test_pass_order_alternates_within_and_across_rates():
+    assert pass_order(0, 2) == [(0, "vllm"), (0, "vlmserve"), (1, "vlmserve"), (1, "vllm")]
+    assert pass_order(1, 1) == [(0, "vlmserve"), (0, "vllm")]
+    # Odd repeats: the next rate starts with the server that went second last.
+    assert [s for _, s in pass_order(1, 3)][:2] == ["vlmserve", "vllm"]
+    for k in range(4):  # every server gets every pass once
+        order = pass_order(k, 3)
+        assert sorted(order) == sorted((j, s) for j in range(3) for s in ("vllm", "vlmserve"))
+
+
+def _pass(completed: float, ttft_p99: float, tpot_p50: float | None, failed: int = 0) -> dict:
+    return {
+        "rate": 1.0, "requests": 8, "failed": failed, "errors": ["e"] if failed else [],
+        "completed_per_s": completed, "output_tok_per_s": 10 * completed,
+        "ttft_s": {"p50": ttft_p99 / 2, "p90": ttft_p99 / 1.5, "p99": ttft_p99},
+        "tpot_s": {"p50": tpot_p50, "p90": None, "p99": None}, "idle_cpu_s": completed,
+    }  # fmt: skip
+
+
+def test_median_point_takes_medians_over_passes_and_sums_failures():
+    passes = [_pass(0.9, 3.0, 0.05), _pass(0.5, 1.0, 0.2, failed=1), _pass(0.7, 2.0, None)]
+    point = median_point(passes)
+    assert point["completed_per_s"] == 0.7 and point["output_tok_per_s"] == 7.0
+    assert point["ttft_s"]["p99"] == 2.0 and point["ttft_s"]["p50"] == 1.0
+    assert point["tpot_s"]["p50"] == pytest.approx(0.125)  # the passes that have one
+    assert point["tpot_s"]["p99"] is None
+    assert point["requests"] == 24 and point["failed"] == 1 and point["errors"] == ["e"]
+    assert point["idle_cpu_s"] == 0.9 and point["passes"] == passes
+    assert is_saturated(None, point)  # a failed request in any pass
 
 
 def test_chat_payloads_keep_text_lengths_and_carry_the_image(tmp_path):
