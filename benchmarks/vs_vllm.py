@@ -13,6 +13,7 @@ VLMSERVE_VLLM_VENV elsewhere) from a Python 3.11 (--python311 / VLMSERVE_VLLM_PY
     .venv/bin/python -m benchmarks.vs_vllm                        # both workloads, 2 rounds
     .venv/bin/python -m benchmarks.vs_vllm --quick                # smoke-sized, 1 round
     .venv/bin/python -m benchmarks.vs_vllm --workload text --rounds 3
+    .venv/bin/python -m benchmarks.vs_vllm --serve --workload text --serve-requests 32
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from benchmarks.common import table, write_result
 from benchmarks.vs_vllm_serve import run_serving
 
 System = Literal["vllm", "vlmserve"]
-SERVE_RATES_TEXT = [0.25, 0.5, 1.0, 2.0, 4.0]  # requests/s
+SERVE_RATES_TEXT = [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0]  # requests/s
 SERVE_RATES_IMAGE = [0.02, 0.05, 0.1, 0.2, 0.4]
 REPO = Path(__file__).resolve().parent.parent
 VLLM_WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
@@ -383,7 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the serving part instead: vllm serve vs vlmserve serve, Poisson load",
     )
     p.add_argument(
-        "--serve-rates-text", type=_rates, default=None, help="0.25,0.5,1,2,4 (--quick: 1)"
+        "--serve-rates-text", type=_rates, default=None, help="0.25,0.5,0.75,1,1.5,2,4 (--quick: 1)"
     )
     p.add_argument(
         "--serve-rates-image",
