@@ -46,6 +46,7 @@ VLLM_SERVE = Path(__file__).resolve().parent / "vllm_serve.py"
 # vLLM's CPU attention takes multiples of 32 only ("ValueError: No common block size for
 # 16 (CPU_ATTN: [MultipleOf(32)])"; its default is 128): both serve with 32.
 BLOCK_SIZE = 32
+SYSTEMS = ("vllm", "vlmserve")
 SERVED_SHARE = 0.5
 STARTUP_TIMEOUT_S = 1200.0
 
@@ -209,17 +210,17 @@ def summary(points: list[dict]) -> dict:
 def pass_order(rate_index: int, repeats: int) -> list[tuple[int, str]]:
     """(pass, system) for one rate: each pass loads both servers, and the one loaded
     first alternates from pass to pass and from rate to rate (vLLM first at the first)."""
-    systems = ("vllm", "vlmserve")
     order = []
     for j in range(repeats):
         first = (rate_index * repeats + j) % 2
-        order += [(j, systems[first]), (j, systems[1 - first])]
+        order += [(j, SYSTEMS[first]), (j, SYSTEMS[1 - first])]
     return order
 
 
 def median_point(passes: list[dict]) -> dict:
     """One rate's point from its passes: medians of completed req/s, output tok/s and each
-    latency percentile, failures summed (a failed request in any pass counts)."""
+    latency percentile, failures summed (a failed request in any pass counts), and the
+    most CPU the idle server used during any of them."""
 
     def med(values: list) -> float | None:
         values = [v for v in values if v is not None]
@@ -243,30 +244,31 @@ def median_point(passes: list[dict]) -> dict:
 
 
 def interleaved_sweeps(
-    spec: dict, args: argparse.Namespace, rates: list[float], repeats: int = 1
+    spec: dict, args: argparse.Namespace, rates: list[float], repeats: int
 ) -> dict:
     """Both servers up; at each rising rate each server not yet saturated takes the load
     `repeats` times, alternating with the other (`pass_order`), until vLLM saturates."""
-    systems = ("vllm", "vlmserve")
-    points: dict[str, list[dict]] = {s: [] for s in systems}
+    points: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
     with contextlib.ExitStack() as stack:
         try:
             servers = {s: stack.enter_context(running_server(s, spec, args,
-                       Path(spec["path"]).parent / f"serve_{s}.log")) for s in systems}  # fmt: skip
+                       Path(spec["path"]).parent / f"serve_{s}.log")) for s in SYSTEMS}  # fmt: skip
         except RuntimeError as e:
-            return {s: {"error": str(e), "points": []} for s in systems}
-        for s in systems:
+            return {s: {"error": str(e), "points": []} for s in SYSTEMS}
+        for s in SYSTEMS:
             asyncio.run(_load(servers[s][0], chat_payloads(spec["warmup"], 0), 1.0, seed=1))
         for k, rate in enumerate(rates):
-            live = [s for s in systems if not (points[s] and points[s][-1]["saturated"])]
+            live = [s for s in SYSTEMS if not (points[s] and points[s][-1]["saturated"])]
             passes: dict[str, list[dict]] = {s: [] for s in live}
+            # Each pass's prompts (and pictures), the same for both servers.
+            payloads = [chat_payloads(spec["requests"], 1 + k * repeats + j)
+                        for j in range(repeats)]  # fmt: skip
             for j, s in pass_order(k, repeats):
                 if s not in live:
                     continue
-                payloads = chat_payloads(spec["requests"], 1 + k * repeats + j)  # both alike
                 idle_pid = servers[_other(s)][1]
                 idle_before = process_cpu_s(idle_pid)
-                one = measure_rate(servers[s][0], payloads, rate)
+                one = measure_rate(servers[s][0], payloads[j], rate)
                 one["idle_cpu_s"] = round(process_cpu_s(idle_pid) - idle_before, 2)
                 print(f"  serve {s} rate {rate:g}/s pass {j + 1}/{repeats}: "
                       f"{one['completed_per_s']:.3f} req/s, TTFT p99 {one['ttft_s']['p99']}, "
@@ -283,11 +285,11 @@ def interleaved_sweeps(
                 points[s].append(point)
             if points["vllm"][-1]["saturated"]:
                 break
-    return {s: summary(points[s]) for s in systems}
+    return {s: summary(points[s]) for s in SYSTEMS}
 
 
 def _other(system: str) -> str:
-    return "vlmserve" if system == "vllm" else "vllm"
+    return SYSTEMS[1 - SYSTEMS.index(system)]
 
 
 def run_serving(spec: dict, args: argparse.Namespace, rates: list[float]) -> dict:
