@@ -35,13 +35,13 @@ import torch
 from benchmarks.common import environment, table, write_result
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig
-from vlmserve.engine import Engine
-from vlmserve.models.random_checkpoint import make_text_checkpoint
-from vlmserve.processing import Request
-from vlmserve.sampling import SamplingParams
+from vlmserve.engine.core import Engine
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 
 MODES = ("sync", "async")
-# An async engine lowers the interpreter's switch interval (vlmserve.forward_thread): the
+# An async engine lowers the interpreter's switch interval (vlmserve.engine.forward_thread): the
 # sync runs get CPython's default back, as a user with async scheduling off has it.
 DEFAULT_SWITCH_INTERVAL_S = sys.getswitchinterval()
 

@@ -46,12 +46,12 @@ import torch
 
 from benchmarks.common import environment, table, write_result
 from encoders.config import EncoderConfig
-from vlmserve.caption import CaptionSummary, discover, run_caption
-from vlmserve.caption_ray import RayConfig, ray_init_kwargs, run_caption_ray
+from vlmserve.cli.caption import CaptionSummary, discover, run_caption
+from vlmserve.cli.caption_ray import RayConfig, ray_init_kwargs, run_caption_ray
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
-from vlmserve.engine import Engine
-from vlmserve.sampling import SamplingParams
+from vlmserve.engine.core import Engine
+from vlmserve.sample.params import SamplingParams
 
 MODES = ("single", "ray1", "ray2")
 RAY_POOLS = {"ray1": 1, "ray2": 2}  # engine actors, one CPU each

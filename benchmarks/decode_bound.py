@@ -16,10 +16,10 @@ import torch
 
 from benchmarks.common import environment, memory_bandwidth, sync_for, table, write_result
 from benchmarks.offline_throughput import make_engine
-from vlmserve.engine import Engine
-from vlmserve.models.random_checkpoint import make_text_checkpoint
-from vlmserve.processing import Request
-from vlmserve.sampling import SamplingParams
+from vlmserve.engine.core import Engine
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 
 
 def weight_bytes(engine: Engine) -> int:

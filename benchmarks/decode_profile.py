@@ -19,10 +19,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import environment, table, write_result
 from benchmarks.offline_throughput import make_engine, parse_args, workload
-from vlmserve.engine import Engine
-from vlmserve.models.random_checkpoint import make_text_checkpoint
-from vlmserve.processing import Request
-from vlmserve.sampling import SamplingParams
+from vlmserve.engine.core import Engine
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 
 
 def profile_decode(engine: Engine, steps: int, top: int = 14) -> tuple[list[dict], float]:

@@ -27,10 +27,10 @@ from benchmarks.common import table, write_result
 from encoders.config import EncoderConfig
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig
-from vlmserve.engine import Engine
-from vlmserve.models.random_checkpoint import make_vlm_checkpoint
-from vlmserve.processing import Request
-from vlmserve.sampling import SamplingParams
+from vlmserve.engine.core import Engine
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint
 
 
 def jpeg(width: int, height: int, seed: int) -> bytes:

@@ -10,7 +10,7 @@ loop has work, so the loop's own work between steps (publishing stats, handing t
 the HTTP thread) and the HTTP and preprocessing threads' competition for the interpreter
 and the two cores are in it.
 
-Each sample is the step's `search.step_time.StepWork` (counted as `search.trace_sim`
+Each sample is the step's `search.sim.step_time.StepWork` (counted as `search.sim.trace_sim`
 prices a plan) and its seconds; `fit_step_cost` turns them into a `MeasuredStepCost`.
 """
 
@@ -20,20 +20,20 @@ import random
 import time
 from collections.abc import Callable
 
-from search.step_time import StepWork
+from search.sim.step_time import StepWork
 
 
 def engine_config(flags: list[str]):
     """The EngineConfig `vlmserve serve FLAGS` runs."""
-    from vlmserve.cli import build_parser
-    from vlmserve.engine_args import engine_config_from_args
+    from vlmserve.cli.engine_args import engine_config_from_args
+    from vlmserve.cli.main import build_parser
 
     return engine_config_from_args(build_parser().parse_args(["serve", *flags]))
 
 
 def step_work(items: list[tuple[int, int, int]], tiles: int) -> StepWork:
     """A step's work from (computed before, new tokens, prompt length) per scheduled
-    sequence, counted as search.trace_sim prices a plan."""
+    sequence, counted as search.sim.trace_sim prices a plan."""
     prefill = decode = pairs = kv = 0
     for start, n, num_prompt in items:
         if n == 1 and start >= num_prompt:
@@ -112,8 +112,8 @@ def _png(size: tuple[int, int], seed: int) -> bytes:
 
 def calibration_waves(rng: random.Random, words: list[str], big_image: tuple[int, int]):
     """(step to add them at, requests): the designed step shapes; every image is new."""
-    from vlmserve.processing import Request
-    from vlmserve.sampling import SamplingParams
+    from vlmserve.inputs.processing import Request
+    from vlmserve.sample.params import SamplingParams
 
     def req(num_words: int, images: list[bytes] = ()) -> Request:
         text = " ".join(rng.choice(words) for _ in range(num_words))
@@ -153,7 +153,7 @@ def calibrate_bare(
 ) -> tuple[list[tuple[StepWork, float]], dict[str, float]]:
     """The engine alone: each step's own time over `rounds` of the designed waves, after
     one warm-up round (first-call costs) that is not counted; the pool's totals likewise."""
-    from vlmserve.engine import Engine
+    from vlmserve.engine.core import Engine
 
     recorder = StepRecorder(Engine(engine_config(flags)))
     engine, rng, before = recorder.engine, random.Random(seed), {}
@@ -179,7 +179,7 @@ def calibrate_in_server(
     process): each step's cycle (see the module docstring) and the pool's totals over the
     load, after `warm_up(url)`."""
     from benchmarks.reliability.common import in_process_server
-    from vlmserve.engine import Engine
+    from vlmserve.engine.core import Engine
     from vlmserve.server.app import ServerConfig, create_app
 
     recorders: list[StepRecorder] = []

@@ -31,10 +31,10 @@ from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 from vlmserve.embedded.evaluate import CAPTION_PROMPT
 from vlmserve.embedded.scenes import generate_scene, render_scene
-from vlmserve.engine import Engine
-from vlmserve.models.random_checkpoint import make_vlm_checkpoint
-from vlmserve.processing import Request
-from vlmserve.sampling import SamplingParams
+from vlmserve.engine.core import Engine
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint
 
 MAX_TOKENS = 16
 # (width, height) ranges to draw from: at least twice every family's resample targets

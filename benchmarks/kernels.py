@@ -128,7 +128,7 @@ def attention_rows(args, copy_bw: float | None) -> tuple[list[dict], dict]:
 
 
 def _on(meta, device: torch.device):
-    from vlmserve.runner import _to_device
+    from vlmserve.worker.runner import _to_device
 
     return meta if device.type == "cpu" else _to_device(meta, device)
 
@@ -137,7 +137,7 @@ def decode_bound_rows(args) -> list[dict]:
     """Decode at batch 1 of a random Llama-shaped model per backend (and Triton with and
     without CUDA graphs), as a share of weight bytes / copy bandwidth."""
     from benchmarks.decode_bound import decode_batch1
-    from vlmserve.models.random_checkpoint import make_text_checkpoint
+    from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

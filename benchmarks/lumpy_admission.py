@@ -1,6 +1,6 @@
 """Lumpy admission: steady text chat plus bursts of 4-image 13-tile requests, simulated.
 
-The trace simulator (search/trace_sim.py) drives the real scheduler on the cost model's
+The trace simulator (search/sim/trace_sim.py) drives the real scheduler on the cost model's
 clock: H100 preset, MHA-7B backbone, SigLIP So400m tower (§17: one 13-tile image is
 2,370 tokens and 1.24 GB of KV, so a burst needs more KV than the card has). FCFS with
 a watermark is the baseline; the lumpy policy runs in the same process on the same trace
@@ -36,11 +36,11 @@ from collections import Counter
 
 from benchmarks.common import RESULTS, table, write_result
 from scheduler.config import SchedulerConfig
-from search.capacity import Slo, Summary, summarize
-from search.presets import get_accelerator, get_encoder, get_model
-from search.step_time import StepHardware
-from search.trace_sim import SimConfig, SimResult, simulate
-from search.traces import TraceRequest, lumpy_trace
+from search.costmodel.presets import get_accelerator, get_encoder, get_model
+from search.sim.capacity import Slo, Summary, summarize
+from search.sim.step_time import StepHardware
+from search.sim.trace_sim import SimConfig, SimResult, simulate
+from search.sim.traces import TraceRequest, lumpy_trace
 
 TEXT_RATE = 10.0  # text chat requests per second
 DURATION_S = 180.0

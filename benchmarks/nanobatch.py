@@ -12,10 +12,10 @@ see the same load, contexts and batch), and the table gives medians per mode of
     tok/s        B / forward
 
 the ratio plain / nano, and the fraction of NanoFlow's optimal throughput,
-Compute / (2 P) (search/cost_model.py `optimal_throughput`, Compute the matmul peak
+Compute / (2 P) (search/costmodel/cost_model.py `optimal_throughput`, Compute the matmul peak
 measured now on all threads, P the decoder's parameters without embeddings).
 
-The schedule is NanoFlow's 8B pipeline (search/handmade_schedules.py, two nano-batches,
+The schedule is NanoFlow's 8B pipeline (search/nanoflow/handmade_schedules.py, two nano-batches,
 the attention of one beside the GEMMs of the other; `--schedule four-two` for the 70B
 shape), timed by a roofline of this CPU measured now: on one core for the nano-operations
 (each worker thread has one), on all cores for the sequential layer. Its verdict (does
@@ -40,14 +40,14 @@ import torch
 
 from benchmarks.common import environment, matmul_peak, memory_bandwidth, table, write_result
 from scheduler.config import CacheConfig, SchedulerConfig
-from search.cost_model import optimal_throughput
-from search.handmade_schedules import DurationUs, four_two_schedule, two_way_schedule
-from search.schedule import Schedule
+from search.costmodel.cost_model import optimal_throughput
+from search.nanoflow.handmade_schedules import DurationUs, four_two_schedule, two_way_schedule
+from search.nanoflow.schedule import Schedule
 from vlmserve.config import EngineConfig, ModelConfig
-from vlmserve.engine import Engine
-from vlmserve.models.random_checkpoint import make_text_checkpoint
-from vlmserve.processing import Request
-from vlmserve.sampling import SamplingParams
+from vlmserve.engine.core import Engine
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 
 # plain: the engine's default (torch on every core); plain_1t: the plain path on one
 # intra-op thread (as each nano stream has), which separates what overlap gives from what

@@ -18,13 +18,13 @@ import sys
 import time
 
 from benchmarks.common import table, write_result
-from search.auto_search import search_schedule
-from search.cpu_profile import measure_cpu_profiles
-from search.nano_schedule import split_largest
-from search.nanoflow_milp import solve_stage1, solve_stage2, split_groups
-from search.op_graph import PARTITIONINGS
-from search.presets import ModelShape, get_accelerator, get_model
-from search.profiles import Profiles, synthetic_gpu_profiles
+from search.costmodel.presets import ModelShape, get_accelerator, get_model
+from search.nanoflow.auto_search import search_schedule
+from search.nanoflow.milp import solve_stage1, solve_stage2, split_groups
+from search.nanoflow.nano_schedule import split_largest
+from search.nanoflow.op_graph import PARTITIONINGS
+from search.nanoflow.profiles import Profiles, synthetic_gpu_profiles
+from vlmserve.worker.nano_profile import measure_cpu_profiles
 
 # NanoFlow's 70B pipeline (Fig. 6; its pipeline.cu): 4 nano-operations over KQV, decode
 # attention and the collective after it, 2 over the rest.

@@ -22,10 +22,10 @@ import torch
 from benchmarks.common import environment, matmul_peak, memory_bandwidth, table, write_result
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig
-from vlmserve.engine import Engine
-from vlmserve.models.random_checkpoint import make_text_checkpoint
-from vlmserve.processing import Request
-from vlmserve.sampling import SamplingParams
+from vlmserve.engine.core import Engine
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 
 
 def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine = run_engine(tmp, requests, args)
         hf = None if args.skip_hf else run_transformers(tmp, requests, args)
         from encoders.weights import read_config
-        from vlmserve.models.decoder import DecoderConfig
+        from vlmserve.worker.models.decoder import DecoderConfig
 
         cfg = DecoderConfig.from_hf(read_config(tmp), qkv_bias=False, tie=False)
     useful = sum(out for _, out in requests)

@@ -33,10 +33,10 @@ import torch
 from benchmarks.common import environment, table, write_result
 from benchmarks.offline_throughput import make_engine, parse_args, workload
 from kernels.attention import AttentionBatch, select_backend
-from vlmserve.engine import Engine
-from vlmserve.models.random_checkpoint import make_text_checkpoint
-from vlmserve.processing import Request
-from vlmserve.sampling import SamplingParams
+from vlmserve.engine.core import Engine
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 
 BACKENDS = ("cpu-sdpa", "cpu")
 # (cached prefix, new tokens) of one sequence per layer case.

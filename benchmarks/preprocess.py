@@ -38,7 +38,7 @@ from PIL import Image, ImageDraw, features
 from benchmarks.common import table, write_result
 from encoders.image_spec import ImageSpec
 from encoders.preprocess import PreprocessPool
-from vlmserve.info import dist_version, pil_variant
+from vlmserve.cli.info import dist_version, pil_variant
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [(640, 480), (1024, 768), (1280, 960), (1920, 1080), (2048, 1536), (4000, 3000),

@@ -27,8 +27,8 @@ import torch
 
 from benchmarks.common import environment, table, write_result
 from scheduler.step_plan import ScheduledSeq
-from vlmserve.sampling import SamplerState, SamplingParams, filtered_probs
-from vlmserve.spec_decode import sample_plan, verify_greedy
+from vlmserve.sample.params import SamplerState, SamplingParams, filtered_probs
+from vlmserve.sample.verify import sample_plan, verify_greedy
 
 MODES = {
     "temperature": (SamplingParams(temperature=0.8), 0),

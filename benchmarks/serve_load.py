@@ -180,12 +180,12 @@ def local_server(model: str | None):
 
     from scheduler.config import CacheConfig, SchedulerConfig
     from vlmserve.config import EngineConfig, ModelConfig
-    from vlmserve.engine import Engine
+    from vlmserve.engine.core import Engine
     from vlmserve.server.app import ServerConfig, create_app
 
     with tempfile.TemporaryDirectory() as tmp:
         if model is None:
-            from vlmserve.models.random_checkpoint import make_vlm_checkpoint
+            from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint
 
             model = str(make_vlm_checkpoint(Path(tmp) / "tiny", "llava_onevision"))
         config = EngineConfig(

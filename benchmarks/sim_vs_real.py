@@ -5,7 +5,7 @@ runs as a subprocess on loopback and takes a scaled-down lumpy mix through the r
 path: text chat as Poisson arrivals plus two bursts of 3-image requests (real PNGs, 13
 tiles each), each asking for about twice the KV pool. Each request's send time, class,
 prompt and image token counts (from the response's usage) and output length are
-recorded, and that trace is replayed by `search/trace_sim.py` with the server's
+recorded, and that trace is replayed by `search/sim/trace_sim.py` with the server's
 scheduler config and pool. Step-time models, each measured in this run before the load
 (benchmarks/engine_calibration.py):
 
@@ -73,12 +73,12 @@ from benchmarks.lumpy_load import (
     run_load,
 )
 from benchmarks.reliability.common import ServerProcess
-from search.capacity import percentile
+from search.costmodel.presets import VisionEncoder, get_accelerator, get_model
 from search.image_budget import ImageAssumptions
-from search.presets import VisionEncoder, get_accelerator, get_model
-from search.step_time import MeasuredStepCost, StepHardware, fit_step_cost
-from search.trace_sim import SimConfig, simulate
-from search.traces import TraceImage, TraceRequest
+from search.sim.capacity import percentile
+from search.sim.step_time import MeasuredStepCost, StepHardware, fit_step_cost
+from search.sim.trace_sim import SimConfig, simulate
+from search.sim.traces import TraceImage, TraceRequest
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 
 TARGET_P50_RATIO = 1.25

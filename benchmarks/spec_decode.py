@@ -43,11 +43,11 @@ import torch
 
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.config import EngineConfig, ModelConfig
-from vlmserve.engine import Engine
-from vlmserve.models.random_checkpoint import NUM_FILLER_WORDS, make_text_checkpoint
-from vlmserve.processing import Request
-from vlmserve.sampling import SamplingParams
-from vlmserve.spec_decode import ridge_batch_for
+from vlmserve.engine.core import Engine
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+from vlmserve.sample.verify import ridge_batch_for
+from vlmserve.worker.models.random_checkpoint import NUM_FILLER_WORDS, make_text_checkpoint
 
 RESULTS = Path(__file__).parent / "results" / "spec_decode.json"
 FILLER = [f"w{i}" for i in range(NUM_FILLER_WORDS)]

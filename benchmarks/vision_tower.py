@@ -37,7 +37,7 @@ from benchmarks.common import environment, matmul_peak, table, write_result
 from encoders.siglip_fused import default_tiles_per_chunk
 from encoders.vision import VisionEncoder, VisionInput, vision_inputs_from_hf
 from encoders.weights import load_tensors, read_config
-from vlmserve.models.random_checkpoint import make_vlm_checkpoint
+from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint
 
 BASELINE, NEW = "timm (old)", "fused+packed"
 

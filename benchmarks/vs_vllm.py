@@ -179,8 +179,8 @@ def last_error(log: str) -> str:
 def vlmserve_worker(spec_path: str, result_path: str) -> None:
     """The vlmserve side: the engine offline_throughput measures, same KV sizing rule."""
     from benchmarks.offline_throughput import make_engine
-    from vlmserve.processing import Request
-    from vlmserve.sampling import SamplingParams
+    from vlmserve.inputs.processing import Request
+    from vlmserve.sample.params import SamplingParams
 
     spec = json.loads(Path(spec_path).read_text())
     engine_spec = spec["engine"]

@@ -39,7 +39,7 @@ import vlmserve
 from benchmarks import vllm_cpu
 from benchmarks.serve_load import one_request, percentiles
 from benchmarks.vs_vllm_workloads import kv_bytes_per_token, synthetic_jpeg
-from vlmserve.models.random_checkpoint import WORDS
+from vlmserve.worker.models.random_checkpoint import WORDS
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_SERVE = Path(__file__).resolve().parent / "vllm_serve.py"

@@ -23,8 +23,12 @@ from PIL import Image, ImageDraw
 
 from benchmarks.offline_throughput import parse_args as offline_args
 from benchmarks.offline_throughput import workload as offline_workload
-from encoders.tiling_anyres import anyres_layout
-from vlmserve.models.random_checkpoint import WORDS, make_text_checkpoint, make_vlm_checkpoint
+from encoders.tiling.anyres import anyres_layout
+from vlmserve.worker.models.random_checkpoint import (
+    WORDS,
+    make_text_checkpoint,
+    make_vlm_checkpoint,
+)
 
 IMAGE_SIZE = (1024, 768)  # (width, height)
 TILE, PATCH, MAX_GRID, ASPECT_RATIO = 384, 14, 6, "anyres_max_9"

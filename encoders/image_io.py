@@ -34,8 +34,8 @@ from PIL import Image, UnidentifiedImageError
 
 from encoders.errors import ImageDecodeError, ImageTooLargeError
 from encoders.image_spec import ImageLayout, ImageSpec
-from encoders.tiling_anyres import AnyresLayout
-from encoders.tiling_internvl import InternVLLayout
+from encoders.tiling.anyres import AnyresLayout
+from encoders.tiling.internvl import InternVLLayout
 
 __all__ = [
     "ALLOWED_FORMATS", "CorruptImageError", "ImageHeader", "TruncatedImageError",

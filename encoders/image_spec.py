@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from encoders.connectors import max_patches_from_aspect_ratio
-from encoders.tiling_anyres import AnyresLayout, anyres_layout
-from encoders.tiling_idefics3 import Idefics3Layout, idefics3_layout
-from encoders.tiling_internvl import InternVLLayout, internvl_layout
+from encoders.tiling.anyres import AnyresLayout, anyres_layout
+from encoders.tiling.idefics3 import Idefics3Layout, idefics3_layout
+from encoders.tiling.internvl import InternVLLayout, internvl_layout
 
 __all__ = ["ImageLayout", "ImageSpec", "placeholder_text"]
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from scheduler.config import SpeculativeConfig
-from search.cost_model import spec_speedup
+from search.costmodel.cost_model import spec_speedup
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from encoders.tiling import internvl_grid
-from search import cost_model as cm
-from search.presets import Accelerator, ModelShape, VisionEncoder
+from encoders.tiling.grid import internvl_grid
+from search.costmodel import cost_model as cm
+from search.costmodel.presets import Accelerator, ModelShape, VisionEncoder
 
 TilingRule = Literal["dynamic", "fixed", "single"]
 TILING_RULES: tuple[TilingRule, ...] = ("dynamic", "fixed", "single")

@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from vlmserve.models.random_checkpoint import (  # noqa: E402
+from vlmserve.worker.models.random_checkpoint import (  # noqa: E402
     make_text_checkpoint,
     make_vlm_checkpoint,
 )

@@ -39,11 +39,11 @@ class ModelConfig:
     # CPU float32: fused C++ RMSNorm + residual, RoPE and SiLU-mul (kernels/fused_ops.py).
     fused_ops: bool = True
     # CUDA: replay the decode step from CUDA graphs per batch-size bucket (Triton backend,
-    # fused ops on; vlmserve/cuda_graphs.py).
+    # fused ops on; vlmserve/worker/cuda_graphs.py).
     cuda_graphs: bool = True
-    # Nano-batched layers (NanoFlow §4.2, vlmserve/nano_batch.py): "off"; "auto", the
-    # auto-search's schedules for this model and device (search/engine_schedules.py,
-    # cached); or a schedule JSON (search/schedule.py) or a folder of them, one per dense
+    # Nano-batched layers (NanoFlow §4.2, vlmserve/worker/nano_batch.py): "off"; "auto", the
+    # auto-search's schedules for this model and device (vlmserve/worker/nano_schedules.py,
+    # cached); or a schedule JSON (search/nanoflow/schedule.py) or a folder of them, one per dense
     # batch size.
     nano_batch: str = "off"
 

@@ -100,7 +100,7 @@ async def _killer(server: ServerProcess, num_kills: int, stop: asyncio.Event, lo
 
 
 def kill_worker(num_requests: int = 200, num_kills: int = 5, root=None) -> dict:
-    from vlmserve.models.random_checkpoint import make_vlm_checkpoint
+    from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint
 
     kw = {"root": root} if root is not None else {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,8 +187,8 @@ def _faulty_engine_factory(model_config_kwargs: dict):
     """An Engine whose encoder stage raises on the marker image (matched by the content
     hash of the placeholder the engine was given: no change to the engine's code)."""
     from vlmserve.config import EngineConfig, ModelConfig
-    from vlmserve.engine import Engine
-    from vlmserve.processing import Request
+    from vlmserve.engine.core import Engine
+    from vlmserve.inputs.processing import Request
 
     marker = png_bytes(MARKER_SEED, 64, 48)
 

@@ -296,15 +296,14 @@ class Vitals:
     shm_blocks: list[str] = field(default_factory=list)
 
 
-# `vlmserve serve` exactly as the CLI runs it (`vlmserve.cli.main(["serve", ...])`), plus
+# `vlmserve serve` exactly as the CLI runs it (`vlmserve.cli.main.main(["serve", ...])`), plus
 # one read-only route, GET /debug/integrity, that runs the KV allocator's
 # `check_integrity()` (called only when the server is idle: the engine thread owns it).
 # Inline (-c) so the server can run any source tree, one without this package included.
 _SERVE_WITH_PROBE = """
 import sys
 import vlmserve.server.app as app_module
-from vlmserve import cli
-
+from vlmserve.cli.main import main as cli
 _create_app = app_module.create_app
 
 def create_app(*args, **kwargs):

@@ -99,7 +99,7 @@ def _fuzz_one(name: str, args: tuple[str, ...], items: list, root, concurrency: 
 
 
 def run_fuzz(num_bad: int = 500, seed: int = 0, root=None, concurrency: int = 4) -> dict:
-    from vlmserve.models.random_checkpoint import make_vlm_checkpoint
+    from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         items = load_corpus(Path(tmp) / "corpus", seed, num_bad)

@@ -48,7 +48,7 @@ def run_soaks(quick: bool, root: Path | None, num: int | None = None) -> dict:
     import tempfile
 
     from benchmarks.reliability.soak import SoakConfig, corpus_bad_images, run_soak
-    from vlmserve.models.random_checkpoint import make_vlm_checkpoint
+    from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint
 
     bad = corpus_bad_images()
     num = num or (300 if quick else 5000)

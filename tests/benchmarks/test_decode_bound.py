@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.decode_bound import decode_batch1
-from vlmserve.models.random_checkpoint import make_text_checkpoint
+from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 
 
 def test_decode_bound_counts_every_weight_a_step_reads(tmp_path) -> None:

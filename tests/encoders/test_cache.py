@@ -12,9 +12,9 @@ from encoders.cache import EncoderCache, encoder_cache_key
 from encoders.config import EncoderConfig
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig
-from vlmserve.engine import Engine
-from vlmserve.processing import Request
-from vlmserve.sampling import SamplingParams
+from vlmserve.engine.core import Engine
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
 
 
 def value(num_floats: int) -> torch.Tensor:

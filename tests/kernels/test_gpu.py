@@ -11,9 +11,9 @@ import torch
 def greedy_tokens(path, random_image, device: str, dtype: str, backend: str | None, **model):
     from scheduler.config import CacheConfig, SchedulerConfig
     from vlmserve.config import EngineConfig, ModelConfig
-    from vlmserve.engine import Engine
-    from vlmserve.processing import Request
-    from vlmserve.sampling import SamplingParams
+    from vlmserve.engine.core import Engine
+    from vlmserve.inputs.processing import Request
+    from vlmserve.sample.params import SamplingParams
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     requests = [
@@ -65,7 +65,7 @@ def test_flashinfer_backend_gives_the_torch_tokens(family, kv_heads, tmp_path, r
     """Head dim 64 (FlashInfer's kernels start there; the shared fixtures have 16):
     8 query heads over 2 (GQA, as LLaVA-OneVision's Qwen2) or 8 KV heads (Idefics3)."""
     from kernels import flashinfer_attention
-    from vlmserve.models.random_checkpoint import make_vlm_checkpoint
+    from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint
 
     why = flashinfer_attention.available(torch.device("cuda"), torch.float16)
     if why is not None:

@@ -130,9 +130,9 @@ def test_engine_with_the_triton_backend_gives_the_torch_tokens(llava_ov_path, ra
     for two image requests batched together."""
     from scheduler.config import CacheConfig, SchedulerConfig
     from vlmserve.config import EngineConfig, ModelConfig
-    from vlmserve.engine import Engine
-    from vlmserve.processing import Request
-    from vlmserve.sampling import SamplingParams
+    from vlmserve.engine.core import Engine
+    from vlmserve.inputs.processing import Request
+    from vlmserve.sample.params import SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     requests = [
@@ -160,16 +160,16 @@ def test_engine_with_the_triton_backend_gives_the_torch_tokens(llava_ov_path, ra
 
 
 def test_decode_graph_buffers_and_padding_give_the_unpadded_logits(llava_ov_path):
-    """The CUDA-graph decode path minus the capture (vlmserve/cuda_graphs.py with
+    """The CUDA-graph decode path minus the capture (vlmserve/worker/cuda_graphs.py with
     capture=False): a 3-sequence decode step copied into the persistent buffers of the
     4-row bucket, the 4th row padded (slot -1, context 0), gives the logits of the plain
     step; the padded row wrote no K/V."""
     from scheduler.config import CacheConfig, SchedulerConfig
     from vlmserve.config import EngineConfig, ModelConfig
-    from vlmserve.cuda_graphs import DecodeGraphs
-    from vlmserve.engine import Engine
-    from vlmserve.processing import Request
-    from vlmserve.sampling import SamplingParams
+    from vlmserve.engine.core import Engine
+    from vlmserve.inputs.processing import Request
+    from vlmserve.sample.params import SamplingParams
+    from vlmserve.worker.cuda_graphs import DecodeGraphs
 
     engine = Engine(
         EngineConfig(

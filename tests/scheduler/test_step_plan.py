@@ -16,7 +16,7 @@ from scheduler.step_plan import StepPlan, image_chunks
 
 
 class RunnerCopy:
-    """The runner's side of the contract, as vlmserve/runner.py keeps it."""
+    """The runner's side of the contract, as vlmserve/worker/runner.py keeps it."""
 
     def __init__(self) -> None:
         self.tables: dict[str, list[int]] = {}

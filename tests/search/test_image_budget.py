@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from search import cost_model as cm
+from search.costmodel import cost_model as cm
+from search.costmodel.presets import ACCELERATORS, ENCODERS, MODELS
 from search.image_budget import (
     ImageAssumptions,
     TileGrid,
@@ -18,7 +19,6 @@ from search.image_budget import (
     visual_tokens,
     vit_flops,
 )
-from search.presets import ACCELERATORS, ENCODERS, MODELS
 
 H100 = ACCELERATORS["h100-sxm"]
 SO400M = ENCODERS["siglip-so400m-14-384"]

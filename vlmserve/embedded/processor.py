@@ -29,7 +29,7 @@ from PIL import Image
 from transformers import PreTrainedTokenizerFast
 
 from encoders.image_spec import ImageSpec
-from encoders.tiling import internvl_grid, internvl_tile_boxes
+from encoders.tiling.grid import internvl_grid, internvl_tile_boxes
 from vlmserve.embedded.tokenizer import (
     IMAGE_END_TOKEN,
     IMAGE_START_TOKEN,

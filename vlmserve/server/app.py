@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vlmserve.engine import Engine
+from vlmserve.engine.core import Engine
 from vlmserve.server.chat import ChatHandler, ChatSettings
 from vlmserve.server.engine_loop import EngineLoop
 from vlmserve.server.guards import Guard

@@ -17,7 +17,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from encoders.errors import TooManyImagesError
-from vlmserve.processing import Request
+from vlmserve.inputs.processing import Request
 from vlmserve.server.engine_loop import Accepted, EngineLoop, Failed, Item, Snapshot
 from vlmserve.server.media import MediaPolicy, check_image_header, load_media
 from vlmserve.server.metrics import ServerMetrics

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from encoders.errors import RequestError
-from vlmserve.engine import Engine, PreparedRequest, RequestOutput
-from vlmserve.processing import Request
+from vlmserve.engine.core import Engine, PreparedRequest, RequestOutput
+from vlmserve.inputs.processing import Request
 
 log = logging.getLogger(__name__)
 

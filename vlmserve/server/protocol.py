@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vlmserve.sampling import SamplingParams
+from vlmserve.sample.params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 

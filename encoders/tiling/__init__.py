@@ -1,0 +1,1 @@
+"""Tiling rules per family: layout and exact token count from (width, height)."""

@@ -1,0 +1,1 @@
+"""The cost model: pure formulas and presets (imports nothing from the project)."""

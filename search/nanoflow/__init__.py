@@ -1,0 +1,1 @@
+"""NanoFlow: the op graph, profiles, the two-stage MILP auto-search, schedules."""

@@ -1,0 +1,198 @@
+"""What one engine step costs on a preset accelerator: a roofline over the step's work.
+
+A step encodes some tiles (the ViT, compute-bound, before the LLM runs), then one LLM
+forward over its query rows: prefill chunk tokens plus decode rows. That forward reads
+the weights once and the KV of every scheduled sequence, and does 2·P FLOPs per dense
+row plus 4·L·d per (query row, key) pair (§3: the ``4·L·N·d`` of a decode step; for a
+whole prompt the "full" variant that reproduces §17's 36.6 TFLOP). Its time is the
+larger of the compute time and the memory time (§10, §11); the ViT adds on top.
+
+Where the roofline does not describe the machine (a model of a few million parameters on
+a CPU: the host's per-step and per-sequence work, which no FLOP or byte count sees,
+dominates), `MeasuredStepCost` replaces it: a linear model fitted (`fit_step_cost`) to
+steps of the real engine timed on that machine.
+
+Pure functions: the trace simulator (search/sim/trace_sim.py) prices every step with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from search.costmodel import cost_model as cm
+from search.costmodel.presets import Accelerator, ModelShape, VisionEncoder
+from search.image_budget import ImageAssumptions, vit_flops
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The shape of one step, counted from its plan."""
+
+    num_prefill_tokens: int = 0  # query rows of prefill chunks (recomputation included)
+    num_decode_rows: int = 0  # one row per decoding sequence
+    # Σ over query rows of the keys each attends (a row at position p sees p + 1 keys;
+    # a chunk is priced as if every row saw the whole chunk: the article's full variant).
+    num_attention_pairs: int = 0
+    num_kv_tokens_read: int = 0  # Σ over scheduled sequences of their context after the step
+    num_tiles_encoded: int = 0  # ViT tiles run this step (encoder-cache misses only)
+    num_seqs: int = 0  # sequences scheduled (host work per sequence: tables, sampling)
+
+    @property
+    def num_dense_rows(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_rows
+
+
+@dataclass(frozen=True)
+class MeasuredStepCost:
+    """Seconds of one step as fitted to an engine timed on one machine: a fixed part, and
+    parts per scheduled sequence, dense row, (query row, key) pair and tower tile."""
+
+    per_step_s: float
+    per_seq_s: float
+    per_row_s: float
+    per_pair_s: float
+    per_tile_s: float
+
+    def __post_init__(self) -> None:
+        if min(dataclasses.astuple(self)) < 0:
+            raise ValueError(f"step cost coefficients must be >= 0: {self}")
+
+    def split(self, work: StepWork) -> tuple[float, float]:
+        """(tower seconds, the rest) of `work`; an empty step costs nothing."""
+        vit_s = self.per_tile_s * work.num_tiles_encoded
+        if work.num_dense_rows == 0 and work.num_tiles_encoded == 0:
+            return 0.0, 0.0
+        rest = (
+            self.per_step_s
+            + self.per_seq_s * work.num_seqs
+            + self.per_row_s * work.num_dense_rows
+            + self.per_pair_s * work.num_attention_pairs
+        )
+        return vit_s, rest
+
+
+def _features(work: StepWork) -> list[float]:
+    return [
+        1.0,
+        float(work.num_seqs),
+        float(work.num_dense_rows),
+        float(work.num_attention_pairs),
+        float(work.num_tiles_encoded),
+    ]
+
+
+def _nnls(x, y):
+    """Least squares with every coefficient >= 0: a term that would fit below zero is
+    dropped and the rest refitted (the active-set method)."""
+    import numpy as np
+
+    # Scale the columns so the solve is well conditioned (pairs run to 1e5, the step to 1).
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    active = [j for j in range(x.shape[1]) if x[:, j].any()]
+    coef = np.zeros(0)
+    while active:
+        coef, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
+        if coef.min() >= 0:
+            break
+        del active[int(coef.argmin())]
+    full = np.zeros(x.shape[1])
+    full[active] = coef / scale[active]
+    return full
+
+
+def fit_step_cost(
+    samples: list[tuple[StepWork, float]], outlier_factor: float = 5.0
+) -> MeasuredStepCost:
+    """Non-negative least squares of step seconds on the `MeasuredStepCost` terms, in
+    relative error (a 2 ms step counts as much as a 30 ms one, and a stall can be off by
+    at most 100%). Steps that took longer than the fit by more than `outlier_factor` times
+    the median relative error (on a shared machine: a step stalled by other work) are then
+    left out and the rest refitted, twice: a 30 ms step slowed by a third is kept, a 2 ms
+    step that took 200 ms is not."""
+    import numpy as np
+
+    if len(samples) < 5:
+        raise ValueError(f"need at least 5 timed steps to fit 5 terms, got {len(samples)}")
+    x = np.array([_features(work) for work, _ in samples])
+    y = np.array([seconds for _, seconds in samples])
+    if y.min() <= 0:
+        raise ValueError("step times must be > 0")
+    xr = x / y[:, None]  # rows scaled by 1/t: least squares of the relative error
+    ones = np.ones(len(y))
+    keep = ones.astype(bool)
+    coef = _nnls(xr, ones)
+    for _ in range(2):
+        relative = (y - x @ coef) / y
+        limit = outlier_factor * np.median(np.abs(relative[keep]))
+        keep = relative <= max(limit, 1e-9)
+        coef = _nnls(xr[keep], ones[keep])
+    return MeasuredStepCost(*(float(c) for c in coef))
+
+
+@dataclass(frozen=True)
+class StepHardware:
+    """What the step runs on: backbone, tower, device, and the §17 efficiency constants."""
+
+    model: ModelShape
+    encoder: VisionEncoder
+    accel: Accelerator
+    assumptions: ImageAssumptions = ImageAssumptions()
+    cache_bytes: float = 2.0
+    # Fixed per-step cost (launches, scheduling, sampling); 0 keeps the pure roofline.
+    step_overhead_s: float = 0.0
+    # Set: step times come from this fit of the real engine instead of the roofline.
+    measured: MeasuredStepCost | None = None
+
+
+class StepTime(NamedTuple):
+    vit_s: float
+    compute_s: float
+    memory_s: float
+    total_s: float
+
+
+def chunk_attention_pairs(num_computed: int, num_new: int) -> int:
+    """(query row, key) pairs of a chunk of `num_new` rows after `num_computed` cached
+    tokens, every row priced at the full context: n·(c + n). For a whole prompt that is
+    n², the "full" term of §17's prefill; for a decode (n = 1) it is the context N."""
+    return num_new * (num_computed + num_new)
+
+
+def step_time(work: StepWork, hw: StepHardware) -> StepTime:
+    """t = t_vit + max(t_compute, t_memory) + overhead, in seconds (with a measured cost:
+    its fit, the non-tower part reported as compute)."""
+    if hw.measured is not None:
+        vit_s, rest = hw.measured.split(work)
+        return StepTime(vit_s, rest, 0.0, vit_s + rest)
+    model, a = hw.model, hw.assumptions
+    peak = hw.accel.peak_flops("bf16")
+    vit_s = 0.0
+    if work.num_tiles_encoded:
+        vit_s = cm.compute_time(
+            vit_flops(hw.encoder, work.num_tiles_encoded), peak, a.vit_efficiency
+        )
+    if work.num_dense_rows == 0:
+        return StepTime(vit_s, 0.0, 0.0, vit_s + (hw.step_overhead_s if vit_s else 0.0))
+    flops = 2 * model.num_params * work.num_dense_rows
+    flops += 4 * model.num_layers * model.hidden_size * float(work.num_attention_pairs)
+    compute_s = cm.compute_time(flops, peak, a.prefill_efficiency)
+    kv_bytes = cm.kv_bytes_per_sequence(model, work.num_kv_tokens_read, hw.cache_bytes)
+    memory_s = (cm.weight_bytes_total(model, a.weight_bytes) + kv_bytes) / hw.accel.mem_bandwidth
+    total = vit_s + max(compute_s, memory_s) + hw.step_overhead_s
+    return StepTime(vit_s, compute_s, memory_s, total)
+
+
+def kv_pool_blocks(hw: StepHardware, block_size: int) -> int:
+    """KV blocks that fit beside the backbone, the tower and the workspace (§17's ledger)."""
+    a = hw.assumptions
+    resident = (hw.model.num_params + hw.encoder.num_params) * a.weight_bytes + a.workspace_bytes
+    per_block = cm.kv_bytes_per_token(hw.model, hw.cache_bytes) * block_size
+    num_blocks = int((hw.accel.memory_bytes - resident) // per_block)
+    if num_blocks < 1:
+        raise ValueError(
+            f"{hw.model.name} and {hw.encoder.name} leave no KV cache on {hw.accel.name} "
+            f"({hw.accel.memory_bytes / 1e9:.3g} GB)"
+        )
+    return num_blocks

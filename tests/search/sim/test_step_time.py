@@ -1,0 +1,135 @@
+"""search/sim/step_time.py against a hand computation and against §17's numbers."""
+
+import dataclasses
+
+import pytest
+
+from search.costmodel.presets import ACCELERATORS, ENCODERS, MODELS, Accelerator, ModelShape
+from search.image_budget import ImageAssumptions
+from search.sim.step_time import (
+    MeasuredStepCost,
+    StepHardware,
+    StepWork,
+    chunk_attention_pairs,
+    fit_step_cost,
+    kv_pool_blocks,
+    step_time,
+)
+
+H100 = StepHardware(MODELS["mha-7b"], ENCODERS["siglip-so400m-14-384"], ACCELERATORS["h100-sxm"])
+
+
+def within3(expected: float):
+    return pytest.approx(expected, rel=0.03)
+
+
+def test_hand_computation():
+    model = ModelShape("toy", 2, 64, 4, 4, 16, 128, 100, num_params_override=1e9)
+    accel = Accelerator("toy", 100e9, 1e11, 1e12)
+    hw = StepHardware(model, ENCODERS["siglip-base-16-224"], accel)
+    # 100-token prefill from scratch plus 3 decodes at contexts 10, 20, 30.
+    pairs = chunk_attention_pairs(0, 100) + sum(chunk_attention_pairs(c, 1) for c in (10, 20, 30))
+    assert pairs == 100 * 100 + 11 + 21 + 31
+    work = StepWork(100, 3, pairs, 100 + 11 + 21 + 31, 0)
+    t = step_time(work, hw)
+    flops = 2 * 1e9 * 103 + 4 * 2 * 64 * pairs
+    assert t.compute_s == pytest.approx(flops / (1e12 * 0.45))
+    kv_per_token = 2 * 2 * 4 * 16 * 2  # 2·L·n_kv·d_head·s
+    assert t.memory_s == pytest.approx((2e9 + kv_per_token * 163) / 1e11)
+    assert t.vit_s == 0 and t.total_s == pytest.approx(max(t.compute_s, t.memory_s))
+
+
+def test_s17_one_image_step():
+    # §17: ViT over 13 tiles ≈ 8.4 TFLOP ≈ 21 ms; LLM prefill over 2,400 tokens ≈ 82 ms.
+    n = 2400
+    t = step_time(StepWork(n, 0, chunk_attention_pairs(0, n), n, 13), H100)
+    assert t.vit_s == within3(0.021)
+    assert t.compute_s == within3(0.082)
+    assert t.total_s == within3(0.021 + 0.082)
+
+
+def test_decode_step_is_the_weight_read():
+    # §10: a batch-1 decode step reads the weights once: 14 GB / 3.35 TB/s ≈ 4.2 ms.
+    t = step_time(StepWork(0, 1, 100, 100, 0), H100)
+    assert t.memory_s > t.compute_s
+    assert t.total_s == within3(14e9 / 3.35e12)
+
+
+def test_empty_and_vit_only_steps():
+    assert step_time(StepWork(), H100).total_s == 0
+    only_vit = step_time(StepWork(num_tiles_encoded=13), H100)
+    assert only_vit.total_s == only_vit.vit_s > 0
+
+
+def test_pool_holds_about_fifty_single_image_conversations():
+    # §17: ~63 GB free beside the 7B backbone and the tower: about 50 × 2,400 tokens.
+    num_blocks = kv_pool_blocks(H100, 16)
+    assert num_blocks * 16 / 2400 == within3(50)
+
+
+def test_pool_refuses_a_device_too_small():
+    tiny = StepHardware(H100.model, H100.encoder, Accelerator("tiny", 1e9, 1e12, 1e12))
+    with pytest.raises(ValueError, match="no KV cache"):
+        kv_pool_blocks(tiny, 16)
+    more_workspace = ImageAssumptions(workspace_bytes=10e9)
+    hw = StepHardware(H100.model, H100.encoder, H100.accel, more_workspace)
+    assert kv_pool_blocks(H100, 16) > kv_pool_blocks(hw, 16)
+
+
+MEASURED = MeasuredStepCost(2e-3, 3e-4, 2e-5, 1e-8, 1.5e-3)
+
+
+def some_steps() -> list[StepWork]:
+    """Prefill-only, decode-only, mixed and tower steps of varied sizes."""
+    works = []
+    for n in (8, 50, 120, 400):
+        works.append(StepWork(n, 0, chunk_attention_pairs(0, n), n, 0, 1))
+    for seqs in (1, 4, 16, 32):
+        works.append(StepWork(0, seqs, seqs * 60, seqs * 60, 0, seqs))
+    for seqs, n, tiles in ((3, 117, 13), (9, 40, 0), (1, 117, 13), (5, 200, 4), (2, 9, 1)):
+        pairs = chunk_attention_pairs(30, n) + (seqs - 1) * 90
+        works.append(StepWork(n, seqs - 1, pairs, 30 + n + (seqs - 1) * 90, tiles, seqs))
+    return works
+
+
+def test_measured_cost_replaces_the_roofline():
+    hw = StepHardware(H100.model, H100.encoder, H100.accel, measured=MEASURED)
+    work = StepWork(100, 3, 10_000, 400, 13, 4)
+    t = step_time(work, hw)
+    assert t.vit_s == pytest.approx(13 * 1.5e-3)
+    assert t.total_s == pytest.approx(2e-3 + 4 * 3e-4 + 103 * 2e-5 + 1e4 * 1e-8 + 13 * 1.5e-3)
+    assert step_time(StepWork(), hw).total_s == 0  # nothing to run costs nothing
+    with pytest.raises(ValueError, match=">= 0"):
+        MeasuredStepCost(1e-3, -1e-4, 0, 0, 0)
+
+
+def test_fit_recovers_the_coefficients_of_exact_samples():
+    hw = StepHardware(H100.model, H100.encoder, H100.accel, measured=MEASURED)
+    samples = [(w, step_time(w, hw).total_s) for w in some_steps()]
+    fitted = fit_step_cost(samples)
+    for name in ("per_step_s", "per_seq_s", "per_row_s", "per_pair_s", "per_tile_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(MEASURED, name), rel=1e-6), name
+
+
+def test_fit_leaves_out_a_stalled_step_but_keeps_slow_long_ones():
+    hw = StepHardware(H100.model, H100.encoder, H100.accel, measured=MEASURED)
+    samples = [(w, step_time(w, hw).total_s) for w in some_steps()] * 3
+    noisy = [(w, t * (1.02 if i % 2 else 0.98)) for i, (w, t) in enumerate(samples)]
+    stalled = [*noisy, (some_steps()[4], 5.0)]  # one decode step that took 5 s
+    fitted = fit_step_cost(stalled)
+    assert fitted.per_step_s == pytest.approx(MEASURED.per_step_s, rel=0.1)
+    assert fitted.per_tile_s == pytest.approx(MEASURED.per_tile_s, rel=0.1)
+    # Every tower step a third slower (contention, not a stall): that is their cost.
+    slow = [(w, t * (1.33 if w.num_tiles_encoded else 1.0)) for w, t in noisy]
+    assert fit_step_cost(slow).per_tile_s > 1.2 * MEASURED.per_tile_s
+
+
+def test_fit_drops_a_term_that_would_be_negative():
+    # Steps that get cheaper with more attention pairs: the pair term is 0, not negative.
+    samples = [(w, 1e-3 + 1e-5 * w.num_dense_rows - 1e-9 * w.num_attention_pairs)
+               for w in some_steps()]  # fmt: skip
+    fitted = fit_step_cost(samples)
+    assert fitted.per_pair_s == 0
+    assert min(dataclasses.astuple(fitted)) >= 0
+    with pytest.raises(ValueError, match="at least 5"):
+        fit_step_cost(samples[:4])

@@ -1,0 +1,247 @@
+"""The `vlmserve` command as a user runs it: a real subprocess."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from vlmserve.cli.main import main
+
+
+def vlmserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vlmserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_info_reports_versions_pil_device_and_backend():
+    result = vlmserve("info", "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["torch"] and info["transformers"] and info["timm"]
+    assert info["pil"]["variant"] in ("pillow", "pillow-simd")
+    assert isinstance(info["pil"]["simd"], bool)
+    assert info["device"] in ("cpu", "cuda")
+    from kernels.cpu_attention import available
+
+    if info["device"] == "cpu":
+        assert info["attention_backend"] == ("cpu" if available() is None else "torch")
+    else:
+        assert info["attention_backend"] in ("triton", "flashinfer")
+    ops = info["ops"]
+    assert ops["attention"] == info["attention_backend"]
+    keys = {"attention", "rope", "add_rms_norm", "silu_and_mul", "linear", "cuda_graphs"}
+    assert set(ops) == keys
+    from kernels import fused_ops, packed_linear
+
+    if info["device"] == "cpu" and fused_ops.available() is None:
+        assert ops["add_rms_norm"] == "cpu C++ (fused)" and ops["cuda_graphs"] == "off"
+    if info["device"] == "cpu" and packed_linear.skinny_available() is None:
+        assert ops["linear"].startswith("onednn packed; skinny C++")
+
+
+def test_info_reports_how_tensor_parallelism_splits_a_model(llava_ov_path, capsys):
+    # LLaVA-OV random: 2 layers, 4 heads over 2 KV heads, head_dim 16, float32 on CPU.
+    # 4 ranks: one query head each, each KV head on two ranks (article §16).
+    assert main(["info", "--json", "--model", str(llava_ov_path), "--tp", "4"]) == 0
+    tp = json.loads(capsys.readouterr().out)["tensor_parallel"]
+    assert (tp["heads_per_rank"], tp["kv_heads_per_rank"], tp["kv_replicas"]) == (1, 1, 2)
+    assert tp["kv_bytes_per_token_per_rank"] == 2 * 2 * 1 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def jpeg(tmp_path_factory, random_image):
+    path = tmp_path_factory.mktemp("img") / "scene.jpg"
+    random_image(5, 80, 48).save(path, quality=90)
+    return path
+
+
+def test_generate_answers_about_an_image_file(llava_ov_path, jpeg):
+    result = vlmserve("generate", "--model", str(llava_ov_path), "--image", str(jpeg),
+                      "--prompt", "where is the star", "--max-tokens", "5")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.split()) >= 1
+    assert "prompt tokens" in result.stderr and "5 output" in result.stderr
+
+
+def test_generate_with_a_corrupt_image_is_a_message_not_a_traceback(llava_ov_path, tmp_path):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    result = vlmserve("generate", "--model", str(llava_ov_path), "--image", str(bad),
+                      "--prompt", "describe")  # fmt: skip
+    assert result.returncode == 2
+    assert "cannot decode image" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# -- the shared engine flags, through each door ------------------------------------------
+
+# Always draft (no ridge or acceptance gating), from 1-grams up: the most drafts, so the
+# tests see speculation happen whatever this machine's measured ridge.
+ALWAYS_SPECULATE = ["--speculative-tokens", "4", "--no-adaptive-speculation",
+                    "--speculative-ngram-min", "1"]  # fmt: skip
+
+
+def num_drafted(text: str) -> int:
+    """Drafted tokens from the `[engine: ...]` line a door prints at the end."""
+    match = re.search(r"speculation (\d+) drafted, (\d+) accepted", text)
+    assert match, text
+    return int(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def scene_png(tmp_path_factory) -> Path:
+    """A held-out scene for the embedded default model (the model of every door)."""
+    from vlmserve.embedded.evaluate import heldout_scenes
+    from vlmserve.embedded.scenes import render_scene
+
+    path = tmp_path_factory.mktemp("scene") / "scene.png"
+    render_scene(heldout_scenes(3)[2]).save(path)
+    return path
+
+
+def test_generate_speculates_and_answers_as_without(scene_png, capsys):
+    args = ["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
+            "--max-tokens", "40"]  # fmt: skip
+    assert main(args) == 0
+    plain = capsys.readouterr()
+    assert main([*args, "--speculative-tokens", "4"]) == 0  # adaptive: the default when on
+    adaptive = capsys.readouterr()
+    assert main([*args, *ALWAYS_SPECULATE]) == 0
+    always = capsys.readouterr()
+    assert plain.out.strip() and plain.out == adaptive.out == always.out  # greedy: lossless
+    assert "speculation off" in plain.err
+    # The default model's image takes the pool and the encoder cache, like any model's.
+    assert re.search(r"preprocess pool [1-9]\d* workers, [1-9]\d* images", plain.err)
+    assert "encoder cache 0 hits, 1 misses" in plain.err
+    assert num_drafted(adaptive.err) >= 0  # on; how much it drafts depends on the ridge
+    assert num_drafted(always.err) > 0
+
+
+def test_generate_with_async_scheduling_answers_as_without(scene_png, capsys):
+    args = ["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
+            "--max-tokens", "40"]  # fmt: skip
+    assert main(args) == 0
+    plain = capsys.readouterr()
+    assert main([*args, "--async-scheduling"]) == 0
+    overlapped = capsys.readouterr()
+    assert plain.out.strip() and overlapped.out == plain.out
+
+
+def test_demo_speculates_and_answers_as_without(capsys):
+    def answers(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.strip().startswith("A:")]
+
+    assert main(["demo"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["demo", *ALWAYS_SPECULATE]) == 0
+    spec = capsys.readouterr().out
+    assert len(answers(plain)) == 8 and answers(spec) == answers(plain)
+    assert "speculation off" in plain and num_drafted(spec) > 0
+    # Three scene files through the pool; the questions about one of them after the
+    # captions find its embeddings in the encoder cache.
+    assert re.search(r"preprocess pool [1-9]\d* workers, [1-9]\d* images", plain)
+    assert re.search(r"encoder cache 5 hits, 3 misses, [1-9]\d* KiB held", plain)
+
+
+def test_preprocess_and_encoder_cache_flags_reach_the_engine(llava_ov_path, jpeg, capsys):
+    args = ["generate", "--model", str(llava_ov_path), "--image", str(jpeg), "--prompt",
+            "where is the star", "--max-tokens", "3"]  # fmt: skip
+    assert main([*args, "--preprocess-workers", "1"]) == 0
+    pooled = capsys.readouterr()
+    assert "preprocess pool 1 workers, 1 images" in pooled.err
+    assert re.search(r"encoder cache 0 hits, 1 misses, [1-9]\d* KiB held", pooled.err)
+    assert main([*args, "--preprocess-workers", "0", "--encoder-cache-mb", "0"]) == 0
+    inline = capsys.readouterr()
+    assert "preprocess pool" not in inline.err  # decoded inline: no pool
+    assert "encoder cache 0 hits, 1 misses, 0 KiB held" in inline.err
+    assert inline.out == pooled.out
+
+
+@contextlib.contextmanager
+def serve_subprocess(*flags: str) -> Iterator[str]:
+    """`vlmserve serve --port 0 ...` as a user starts it; yields its base URL once /health
+    answers 200."""
+    env = {k: v for k, v in os.environ.items() if k != "VLMSERVE_API_KEY"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vlmserve.cli", "serve", "--port", "0", *flags],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        url = None
+        for line in proc.stderr:  # uvicorn names the port it bound
+            if match := re.search(r"Uvicorn running on (http://\S+)", line):
+                url = match.group(1)
+                break
+        assert url, "the server did not start"
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+        deadline = time.monotonic() + 120
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, "the engine did not load"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def test_serve_speculates_and_answers_as_generate(scene_png, capsys):
+    assert main(["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
+                 "--max-tokens", "40"]) == 0  # fmt: skip
+    offline = capsys.readouterr().out.strip()
+    image = "data:image/png;base64," + base64.b64encode(scene_png.read_bytes()).decode()
+    body = {
+        "model": "default_model",
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": image}},
+            {"type": "text", "text": "Describe the image."}]}],
+        "max_tokens": 40,
+        "temperature": 0,
+    }  # fmt: skip
+    with serve_subprocess(*ALWAYS_SPECULATE) as url:
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        metrics = httpx.get(url + "/metrics").text
+    assert response.json()["choices"][0]["message"]["content"].strip() == offline
+    assert metric(metrics, "vlmserve_spec_proposed_total") > 0
+    # The KV pool is sized to what 64 sequences of the model's 512 tokens fill, not 1 GiB.
+    assert metric(metrics, "vlmserve_num_kv_blocks") == 64 * 512 / 16
+
+
+def test_serve_exits_non_zero_when_its_engine_dies(tmp_path):
+    """A checkpoint whose weights are cut short: the engine fails to load on the engine
+    thread, and the server stops and exits 1 instead of keeping a port open."""
+    from vlmserve.embedded import DEFAULT_MODEL_DIR
+
+    broken = tmp_path / "broken_model"
+    shutil.copytree(DEFAULT_MODEL_DIR, broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    result = subprocess.run(
+        [sys.executable, "-m", "vlmserve.cli", "serve", "--port", "0", "--model", str(broken)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "error: the engine failed" in result.stderr

@@ -1,0 +1,381 @@
+"""Engine flags shared by the `vlmserve` subcommands that run the engine (generate, demo,
+serve, caption), and the EngineConfig they build.
+
+Every engine config knob a user can turn has its flag here, so each front door offers the
+same ones. A bad value is an argparse error naming the flag (range checks) or a ValueError
+naming the flags (checks across fields), which `vlmserve.cli.main.main` prints without a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from encoders.config import EncoderConfig
+from kernels.attention import BACKENDS
+from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
+from vlmserve.embedded import DEFAULT_MODEL_DIR
+
+# Speculation is off unless asked for: benchmarks/spec_decode.py did not show adaptive γ
+# never slower than off at every load (README, "Speculation").
+DEFAULT_SPECULATIVE_TOKENS = 0
+_ENCODER = EncoderConfig()  # the defaults the flags show
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # argparse names the type in its errors
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:1)") from None
+    return text
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    _add_model_args(parser.add_argument_group("engine: model"))
+    _add_cache_args(parser.add_argument_group("engine: KV cache and scheduling"))
+    _add_speculative_args(parser.add_argument_group("engine: speculative decoding (n-gram)"))
+    _add_encoder_args(parser.add_argument_group("engine: image preprocessing and encoder cache"))
+
+
+def _add_model_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--model",
+        default=str(DEFAULT_MODEL_DIR),
+        help="checkpoint folder (default: the embedded model trained on generated scenes)",
+    )
+    group.add_argument(
+        "--device", type=_device, default=None, help="cpu, cuda (default: $VLMSERVE_DEVICE)"
+    )
+    group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    group.add_argument(
+        "--max-model-len", type=_int_at_least(2), default=None, help="default: the checkpoint's"
+    )
+    group.add_argument("--max-images-per-request", type=_int_at_least(0), default=16)
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=_int_at_least(1),
+        default=1,
+        metavar="N",
+        help="split the decoder's heads and MLP over N ranks, one process each (gloo on "
+        "CPU, NCCL on GPUs); the vision tower runs data-parallel over them. N must divide "
+        "the attention heads; past the KV heads they are replicated (default: 1)",
+    )
+    group.add_argument(
+        "--eager",
+        action="store_true",
+        help="run the decoder's plain torch ops (unpacked linear weights, unfused "
+        "RMSNorm / RoPE / SiLU-mul; on a GPU no CUDA graphs): the reference path, slower",
+    )
+    group.add_argument(
+        "--single-weight-copy",
+        action="store_true",
+        help="CPU: hold the decoder's linear weights once (oneDNN-packed), not also plain "
+        "for the small-batch kernel and MKL: half the weight memory, slower decode at a few "
+        "sequences and slower prefill",
+    )
+    group.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=BACKENDS,
+        help="auto (default): FlashInfer on a GPU where installed, else Triton there; the "
+        "C++ decode and prefill kernels on a CPU (cpu-sdpa: torch's SDPA for prefills). "
+        "torch: the plain-torch reference anywhere. triton runs on a CPU only under "
+        "TRITON_INTERPRET=1",
+    )
+    group.add_argument(
+        "--nano-batch",
+        default="off",
+        metavar="off|auto|PATH",
+        help="nano-batched layers (NanoFlow): auto = the auto-search's schedules for this "
+        "model and device (profiled and searched on first use, then cached), or a schedule "
+        "JSON or a folder of them (one per dense batch size); steps where the schedule does "
+        "not pay run unsplit (default: off)",
+    )
+
+
+def _add_cache_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--kv-cache-mb",
+        type=_int_at_least(1),
+        default=1024,
+        metavar="MB",
+        help="KV pool budget on CPU (default: 1024); the pool is never larger than "
+        "--max-num-seqs sequences of --max-model-len tokens can fill",
+    )
+    group.add_argument(
+        "--num-kv-blocks",
+        type=_int_at_least(1),
+        default=None,
+        metavar="N",
+        help="KV pool size in blocks (overrides the sizing above)",
+    )
+    group.add_argument("--block-size", type=_int_at_least(1), default=16, help="a power of two")
+    group.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=2048)
+    group.add_argument("--max-num-seqs", type=_int_at_least(1), default=64)
+    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="a prompt longer than --max-num-batched-tokens waits for a step of its own",
+    )
+    sched = SchedulerConfig()
+    group.add_argument(
+        "--admission",
+        choices=["lumpy", "fcfs"],
+        default=sched.admission,
+        help="lumpy (default): reserve each request's exact lump + decode growth, quick "
+        "requests first with an aging bound, cheapest-recompute preemption; fcfs: arrival "
+        "order with a watermark (the baseline)",
+    )
+    group.add_argument(
+        "--max-wait-steps",
+        type=_int_at_least(0),
+        default=sched.max_wait_steps,
+        help=f"aging bound: a request waits at most this many steps behind later arrivals "
+        f"(default: {sched.max_wait_steps})",
+    )
+    group.add_argument(
+        "--encoder-tiles-per-step",
+        type=_int_at_least(0),
+        default=sched.encoder_tiles_per_step,
+        help=f"vision-tower tiles encoded per step, 0 = unlimited (default: "
+        f"{sched.encoder_tiles_per_step}; an image bigger than this goes alone)",
+    )
+    group.add_argument(
+        "--decode-reserve-tokens",
+        type=_int_at_least(0),
+        default=sched.decode_reserve_tokens,
+        help=f"decode growth reserved per request at admission: min(max_tokens, this) "
+        f"(default: {sched.decode_reserve_tokens})",
+    )
+    group.add_argument(
+        "--lump-headroom",
+        type=float,
+        default=sched.lump_headroom,
+        help=f"share of the KV pool that requests with tower work or long prefills leave to "
+        f"quick ones (default: {sched.lump_headroom})",
+    )
+    group.add_argument(
+        "--lump-prefill-tokens",
+        type=_int_at_least(0),
+        default=sched.lump_prefill_tokens_per_step,
+        metavar="N",
+        help=f"prefill tokens a step gives requests with tower work or long prefills, 0 = "
+        f"no cap (default: {sched.lump_prefill_tokens_per_step})",
+    )
+    group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=sched.async_scheduling,
+        help="plan the next step while the forward pass runs on its own thread; a request "
+        "that stops is noticed a step late (one extra token computed, never sent); outputs "
+        "are unchanged. Off by default: on a CPU the forward's Python shares the GIL with "
+        "the planner's (README, 'Async scheduling'). Speculation always runs synchronously",
+    )
+    group.add_argument(
+        "--no-lump-yield",
+        action="store_true",
+        help="let those requests run in a step that starts a quick request (by default "
+        "they sit it out, at most every other step, so its first token comes sooner)",
+    )
+
+
+def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
+    spec = SpeculativeConfig()
+    group.add_argument(
+        "--speculative-tokens",
+        type=_int_at_least(0),
+        default=DEFAULT_SPECULATIVE_TOKENS,
+        metavar="N",
+        help="draft up to N tokens per sequence per step from the sequence's own n-grams, "
+        "verified losslessly (default: 0, off); γ adapts to the load and to each "
+        "sequence's acceptance unless --no-adaptive-speculation",
+    )
+    group.add_argument(
+        "--no-adaptive-speculation",
+        action="store_true",
+        help="always draft N tokens, whatever the batch size and acceptance",
+    )
+    group.add_argument(
+        "--speculative-ngram-min",
+        metavar="N",
+        type=_int_at_least(1),
+        default=spec.min_n,
+        help=f"shortest suffix the proposer matches (default: {spec.min_n})",
+    )
+    group.add_argument(
+        "--speculative-ngram-max",
+        metavar="N",
+        type=_int_at_least(1),
+        default=spec.max_n,
+        help=f"longest suffix the proposer matches (default: {spec.max_n})",
+    )
+
+
+def _add_encoder_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--preprocess-workers",
+        type=_int_at_least(0),
+        default=_ENCODER.num_workers,
+        metavar="N",
+        help="image decode/tile worker processes; 0 decodes in the calling thread "
+        "(default: one per core)",
+    )
+    group.add_argument(
+        "--preprocess-max-pending",
+        metavar="N",
+        type=_int_at_least(1),
+        default=_ENCODER.max_pending,
+        help=f"images queued or in flight before submitters wait (default: {_ENCODER.max_pending})",
+    )
+    group.add_argument(
+        "--preprocess-timeout",
+        metavar="S",
+        type=_positive_float,
+        default=_ENCODER.submit_timeout_s,
+        help="seconds a request waits for room in the pool before it fails "
+        f"(default: {_ENCODER.submit_timeout_s:g})",
+    )
+    group.add_argument(
+        "--encoder-cache-mb",
+        type=_int_at_least(0),
+        default=_ENCODER.cache_bytes >> 20,
+        metavar="MB",
+        help="encoder-output cache budget, repeated images skip the vision tower; 0 turns "
+        f"it off (default: {_ENCODER.cache_bytes >> 20})",
+    )
+    group.add_argument(
+        "--max-image-pixels",
+        metavar="N",
+        type=_int_at_least(1),
+        default=_ENCODER.max_pixels,
+        help=f"decompression-bomb cap, checked from the header (default: {_ENCODER.max_pixels})",
+    )
+    group.add_argument(
+        "--max-decode-pixels",
+        metavar="N",
+        type=_int_at_least(1),
+        default=_ENCODER.max_decode_pixels,
+        help="pixels being decoded at once, process-wide; an image waits for room up to "
+        "--preprocess-timeout, then fails with a retryable 503 (default: 2 x --max-image-pixels)",
+    )
+    group.add_argument(
+        "--jpeg-draft",
+        action="store_true",
+        help="decode large JPEGs at 1/2..1/8 scale when the tiles are that small: faster, "
+        "but the pixels differ from transformers' processor, and so do outputs: 16-token "
+        "greedy answers changed on 32%% of requests for Idefics3, 12%% for LLaVA-OneVision, "
+        "5%% for the default model (0%% with it off; benchmarks/jpeg_draft_divergence.py, "
+        "100 JPEGs each). Off by default: pixels are exact",
+    )
+    group.add_argument(
+        "--hf-image-processor",
+        action="store_true",
+        help="preprocess with the checkpoint's HF image processor instead of the pool "
+        "(slower; the reference path)",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags describe. Raises ValueError naming the flags."""
+    model = ModelConfig(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_images_per_request=args.max_images_per_request,
+        pack_weights=not args.eager,
+        plain_weights=not args.single_weight_copy,
+        fused_ops=not args.eager,
+        cuda_graphs=not args.eager,
+        attention_backend=args.attention_backend,
+        nano_batch=args.nano_batch,
+        **({"device": args.device} if args.device else {}),
+    )
+    scheduler = _with_flags(
+        "--max-num-batched-tokens / --max-num-seqs / --admission / --lump-headroom / ...",
+        SchedulerConfig,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        admission=args.admission,
+        max_wait_steps=args.max_wait_steps,
+        encoder_tiles_per_step=args.encoder_tiles_per_step or None,
+        decode_reserve_tokens=args.decode_reserve_tokens,
+        lump_headroom=args.lump_headroom,
+        lump_prefill_tokens_per_step=args.lump_prefill_tokens or None,
+        lump_yields_to_quick=not args.no_lump_yield,
+        async_scheduling=args.async_scheduling,
+    )
+    cache = _with_flags(
+        "--block-size / --num-kv-blocks",
+        CacheConfig,
+        block_size=args.block_size,
+        num_blocks=args.num_kv_blocks,
+        memory_bytes=args.kv_cache_mb << 20,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    speculative = _with_flags(
+        "--speculative-ngram-min / --speculative-ngram-max",
+        SpeculativeConfig,
+        num_speculative_tokens=args.speculative_tokens,
+        adaptive=not args.no_adaptive_speculation,
+        min_n=args.speculative_ngram_min,
+        max_n=args.speculative_ngram_max,
+    )
+    encoder = _with_flags(
+        "--preprocess-* / --encoder-cache-mb / --max-image-pixels / --max-decode-pixels",
+        EncoderConfig,
+        num_workers=args.preprocess_workers,
+        max_pending=args.preprocess_max_pending,
+        submit_timeout_s=args.preprocess_timeout,
+        cache_bytes=args.encoder_cache_mb << 20,
+        max_pixels=args.max_image_pixels,
+        max_decode_pixels=args.max_decode_pixels,
+        jpeg_draft=args.jpeg_draft,
+        use_pool=not args.hf_image_processor,
+    )
+    parallel = _with_flags(
+        "--tensor-parallel-size", ParallelConfig, tensor_parallel_size=args.tensor_parallel_size
+    )
+    config = EngineConfig(model, cache, scheduler, speculative, encoder, parallel)
+    if parallel.tensor_parallel_size > 1:
+        from vlmserve.worker.parallel.executor import check_config
+
+        check_config(config)  # heads vs ranks, from config.json: before any start-up
+    return config
+
+
+def _with_flags(flags: str, cls: type, **kwargs: object):
+    """`cls(**kwargs)`, its ValueError prefixed with the flags that set it."""
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"{flags}: {e}") from None

@@ -1,0 +1,1 @@
+"""`vlmserve estimate`: the reference article's labs, capacity and NanoFlow schedules."""

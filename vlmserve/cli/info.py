@@ -1,0 +1,106 @@
+"""What `vlmserve info` reports: versions, the PIL build, the device, the attention
+backend that would serve, and which implementation each decoder op uses."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import platform
+from pathlib import Path
+
+import torch
+
+from kernels.attention import select_backend
+from kernels.fused_ops import op_backends
+from vlmserve.config import default_device
+
+
+def dist_version(dist: str) -> str | None:
+    """The installed version of a distribution, None where it is not installed."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def pil_variant() -> dict[str, object]:
+    """Which distribution owns the importable PIL, and whether its SIMD paths can run."""
+    import PIL
+    from PIL import features
+
+    owner = "pillow"
+    simd_version = dist_version("pillow-simd")
+    if simd_version is not None:
+        dist = metadata.distribution("pillow-simd")
+        init = Path(PIL.__file__).resolve()
+        files = {Path(dist.locate_file(f)).resolve() for f in dist.files or []}
+        if init in files:
+            owner = "pillow-simd"
+    cpu_flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {
+        "variant": owner,
+        "version": PIL.__version__,
+        # pillow-simd is built with -mavx2 by ./dev; its SIMD paths run where the CPU has it.
+        "simd": owner == "pillow-simd" and " avx2" in cpu_flags,
+        "libjpeg_turbo": bool(features.check_feature("libjpeg_turbo")),
+    }
+
+
+def tensor_parallel(model_path: str, size: int) -> dict[str, object]:
+    """How `size` ranks would split the checkpoint at `model_path`: heads and KV heads per
+    rank, and the KV heads' replication past n_kv (article §16), with the KV bytes per
+    token each rank holds in the dtype the engine would use here."""
+    from encoders.weights import read_config
+    from vlmserve.config import ModelConfig
+    from vlmserve.worker.models.loader import decoder_config
+    from vlmserve.worker.parallel.sharding import (
+        check_tensor_parallel,
+        kv_heads_per_rank,
+        kv_replicas,
+    )
+
+    cfg = decoder_config(read_config(model_path))
+    check_tensor_parallel(cfg, size)
+    elem = torch.finfo(ModelConfig(model_path).torch_dtype).bits // 8
+    local_kv = kv_heads_per_rank(cfg.num_kv_heads, size)
+    replicas = kv_replicas(cfg.num_kv_heads, size)
+    return {
+        "size": size,
+        "heads_per_rank": cfg.num_heads // size,
+        "kv_heads": cfg.num_kv_heads,
+        "kv_heads_per_rank": local_kv,
+        "kv_replicas": replicas,
+        "kv_bytes_per_token_per_rank": 2 * cfg.num_layers * local_kv * cfg.head_dim * elem,
+        "kv_bytes_per_token_all_ranks": 2 * cfg.num_layers * local_kv * cfg.head_dim * elem * size,
+        "kv": f"replicated {replicas}x (tp {size} > {cfg.num_kv_heads} KV heads)"
+        if replicas > 1
+        else "sharded by KV head",
+    }
+
+
+def collect(model_path: str | None = None, tp: int = 1) -> dict[str, object]:
+    device = default_device()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # ModelConfig's default
+    attention = select_backend(torch.device(device), None, dtype).name
+    info: dict[str, object] = {
+        "python": platform.python_version(),
+        **{name: dist_version(name) for name in ("vlmserve", "torch", "transformers", "timm")},
+        "pil": pil_variant(),
+        "device": device,
+        "attention_backend": attention,
+        "ops": op_backends(torch.device(device), attention),
+        "threads": torch.get_num_threads(),
+    }
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(0)
+    if model_path is not None:
+        info["tensor_parallel"] = tensor_parallel(model_path, tp)
+    return info
+
+
+def render(info: dict[str, object]) -> str:
+    lines = []
+    for key, value in info.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k}={v}" for k, v in value.items())
+        lines.append(f"{key:<18} {value}")
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""The `vlmserve` command: info, generate, demo, serve, caption, estimate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from vlmserve.cli import caption
+from vlmserve.cli import serve as serve_cli
+from vlmserve.cli.engine_args import add_engine_args, engine_config_from_args
+from vlmserve.cli.estimate import main as estimate_cli
+from vlmserve.engine.stats import render_engine_stats
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from vlmserve.cli import info
+
+    data = info.collect(args.model, args.tensor_parallel_size)
+    print(json.dumps(data, indent=2) if args.json else info.render(data))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from vlmserve.engine.core import Engine
+    from vlmserve.inputs.processing import Request
+    from vlmserve.sample.params import SamplingParams
+
+    engine = Engine(engine_config_from_args(args))
+    content = [{"type": "image", "image": path} for path in args.image]
+    content.append({"type": "text", "text": args.prompt})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    request = Request(messages=[{"role": "user", "content": content}], sampling=params)
+    start = time.perf_counter()
+    try:
+        [out] = engine.generate([request])
+    finally:
+        engine.close()  # tensor-parallel workers end with the command
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 2
+    print(out.text)
+    print(
+        f"[{out.num_prompt_tokens} prompt tokens ({out.num_image_tokens} image), "
+        f"{len(out.token_ids)} output, {time.perf_counter() - start:.2f}s]",
+        file=sys.stderr,
+    )
+    print(render_engine_stats(engine.stats()), file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from vlmserve.cli.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlmserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="versions, PIL build, device, attention backend")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--model", help="checkpoint folder: also how --tensor-parallel-size splits it")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("generate", help="one offline multimodal generation")
+    add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="the main job on the default model")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    estimate_cli.register(sub)
+    serve_cli.register(sub)
+    caption.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:  # bad input: a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine loop: requests in, steps, outputs out (stop, fault isolation, async)."""

@@ -1,0 +1,405 @@
+"""The engine loop: requests in, tokens out.
+
+`add_request` validates and tokenises, `step` runs one scheduler plan through the model
+and returns what each touched request produced, `generate` drives both to completion.
+The HTTP server drives the same `add_request / step` loop from its own thread.
+
+Async scheduling (`SchedulerConfig.async_scheduling`, NanoFlow §4.2.1): step i's forward
+runs on the forward thread while this thread takes step i-1's tokens and plans step i+1
+(`scheduler.in_flight`); a stop is seen a step late and the token computed meanwhile is
+dropped, so the outputs are those of stepping in turn.
+
+Fault isolation inside a step: a failure that belongs to one request (its image's
+decode or encode, its sampling) fails that request alone, and the step runs on without
+it; a failure that belongs to no request (the forward pass raising, e.g. device OOM)
+fails the step's requests and frees their blocks. Either way the failed requests come
+back as outputs with `finish_reason="error"`, and the engine keeps serving. An
+exception escaping `step` is a bug in the engine's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import logging
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+from encoders.errors import PromptTooLongError, RequestError
+from scheduler.in_flight import LaunchedStep, advance, resolve
+from scheduler.planner import Scheduler
+from scheduler.sequence import Sequence
+from scheduler.spec_policy import SpecMetrics
+from scheduler.step_plan import ScheduledSeq, StepPlan
+from vlmserve.config import EngineConfig
+from vlmserve.engine.detokenizer import IncrementalDetokenizer
+from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, run_step
+from vlmserve.engine.image_wait import pending_images, poll_images, wait_for_images
+from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
+from vlmserve.engine.stats import engine_stats
+from vlmserve.inputs.processing import (
+    Request,
+    check_prompt_chars,
+    eos_token_ids,
+    make_prompt_processor,
+)
+from vlmserve.sample.params import SamplerState, SamplingParams
+from vlmserve.sample.verify import ridge_batch_for
+from vlmserve.worker.parallel.executor import make_runner
+
+log = logging.getLogger(__name__)
+
+_Kept = dict[str, tuple[list[int], FinishReason | None]]  # request id -> (tokens, why it ended)
+
+
+@dataclass
+class _State:
+    seq: Sequence
+    params: SamplingParams
+    sampler: SamplerState
+    max_tokens: int
+    output: RequestOutput
+    detokenizer: IncrementalDetokenizer
+    stop_token_ids: frozenset[int]  # its own and, unless ignore_eos, the model's EOS ids
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A step launched on the forward thread whose output the engine has not taken."""
+
+    step: LaunchedStep
+    states: list[_State]  # per plan item
+    future: futures.Future[Sampled]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = make_runner(config)  # tensor parallel: starts the other ranks
+        model = self.runner.model
+        self.processor = make_prompt_processor(
+            config.model.path, model, config.model.max_images_per_request,
+            encoder=config.encoder, encoder_cache=self.runner.encoder_cache,
+        )  # fmt: skip
+        self.tokenizer = self.processor.tokenizer
+        # The engine thread's own copy: preparer threads tokenise with theirs meanwhile.
+        self._detok_tokenizer = copy.deepcopy(self.tokenizer)
+        context = model.decoder.cfg.max_position_embeddings
+        self.max_model_len = min(config.model.max_model_len or context, context)
+        speculative = config.speculative
+        if speculative.enabled and speculative.adaptive and speculative.ridge_batch is None:
+            ridge = ridge_batch_for(self.runner.device, self.runner.dtype)
+            speculative = dataclasses.replace(speculative, ridge_batch=ridge)
+        cache = self.runner.encoder_cache  # pool images: content_hash is the cache key
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.runner.num_blocks, speculative=speculative,
+            encoder_cached=cache.__contains__,
+        )  # fmt: skip
+        self.eos_token_ids = eos_token_ids(config.model.path, model.config, self.tokenizer)
+        self._states: dict[str, _State] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens actually run (cache misses)
+        self.times = StepTimes()
+        # Async scheduling, unless speculating: drafts are proposed from the tokens the
+        # step before emitted, so a speculating engine waits for them.
+        self.async_scheduling = config.scheduler.async_scheduling and not config.speculative.enabled
+        self._forward = ForwardThread(self.runner, self.times) if self.async_scheduling else None
+        self._in_flight: _InFlight | None = None
+
+    # -- requests ---------------------------------------------------------------------
+
+    def prepare(self, request: Request) -> PreparedRequest:
+        """The CPU work of admitting `request`: chat template, tokenisation, image decode and
+        tiling (on the preprocessing pool), and the length checks. Safe to call from other
+        threads while the engine steps, so a server can overlap it with decoding. Raises
+        RequestError (or ValueError) for a request that cannot be served."""
+        params = request.sampling or SamplingParams()
+        check_prompt_chars(request, self.max_model_len)  # before any tokenising
+        prompt = self.processor.process(request)
+        num_prompt = len(prompt.token_ids)
+        if num_prompt >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt is {num_prompt} tokens, the model's context is {self.max_model_len} "
+                "tokens (and at least one must be left to generate)"
+            )
+        max_tokens = min(params.max_tokens, self.max_model_len - num_prompt)
+        refusal = self.scheduler.check_fits(num_prompt, max_tokens)
+        if refusal is not None:  # never admissible: refused now, never a hang
+            raise RequestError(refusal)
+        return PreparedRequest(request.request_id, prompt, params, max_tokens)
+
+    def add_request(self, request: Request | PreparedRequest) -> str:
+        """Queue `request` (preparing it first unless it already is); returns its id. Raises
+        RequestError (or ValueError) for a request that cannot be served; nothing else is
+        disturbed."""
+        if isinstance(request, Request):
+            request = self.prepare(request)
+        request_id = request.request_id or f"req-{next(self._ids)}"
+        if request_id in self._states:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        prompt, params = request.prompt, request.params
+        num_prompt = len(prompt.token_ids)
+        seq = Sequence(request_id, list(prompt.token_ids), prompt.images)
+        output = RequestOutput(
+            request_id,
+            num_prompt_tokens=num_prompt,
+            num_image_tokens=sum(image.num_tokens for image in prompt.images),
+        )
+        detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop)
+        stops = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+        )
+        state = _State(
+            seq, params, SamplerState(params), request.max_tokens, output, detokenizer, stops
+        )
+        self._states[request_id] = state
+        # Its images may still be decoding in the pool: queued now, admitted once ready.
+        seq.ready = not pending_images(seq)
+        self.scheduler.add(seq, num_prompt + request.max_tokens)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        self._finish(state, "abort")
+        return state.output
+
+    def has_unfinished(self) -> bool:
+        # A live request is always the scheduler's until it finishes, even while its last
+        # token is in flight: a step in flight with none left has nothing to hand out.
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: plan, run, sample, advance. Returns the outputs of requests that
+        produced tokens or finished (failed ones included) in this step. With async
+        scheduling a call launches the next step on the forward thread and returns the
+        tokens of the step the call before launched, which ran meanwhile."""
+        start, forward_cpu = time.thread_time(), self.times.forward_cpu_s
+        outputs = self._step_sync() if self._forward is None else self._step_async()
+        host = time.thread_time() - start
+        if self._forward is None:  # the forward ran on this thread
+            host -= self.times.forward_cpu_s - forward_cpu
+        self.times.host_s += host
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
+        plan, failed = self._plan(idle_wait=True)
+        if plan.is_empty:
+            return failed
+        states = [self._states[item.request_id] for item in plan.scheduled]
+        try:
+            inputs = self.runner.prepare(plan)
+            samplers = _samplers(plan, states)
+            sampled = run_step(self.runner, self.times, inputs, plan.scheduled, samplers)
+        except Exception as e:  # noqa: BLE001 - belongs to no one request: fail the step's
+            return failed + self._fail_step(states, e)
+        accepted, failed_now = self._take(states, sampled)
+        plan = self._without(plan, {out.request_id for out in failed_now})
+        self._count_prompt_work(plan.scheduled)
+        self.scheduler.update(
+            plan, [accepted.get(item.request_id, ([], None))[0] for item in plan.scheduled]
+        )
+        self.num_steps += 1
+        return failed + failed_now + self._emit(accepted)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Plan and launch step i+1, then take step i's tokens: the forward of step i+1
+        runs while they are checked, detokenised and booked (NanoFlow §4.2.1)."""
+        previous, self._in_flight = self._in_flight, None
+        plan, failed = self._plan(idle_wait=previous is None)
+        if not plan.is_empty:
+            self._in_flight = self._launch(plan, previous)
+        return failed + self._collect(previous)
+
+    def _plan(self, idle_wait: bool) -> tuple[StepPlan, list[RequestOutput]]:
+        """The next plan, without the requests whose images failed (those come back
+        failed). `idle_wait`: with nothing to run, wait briefly for a decoding image."""
+        failed = self._poll_images()
+        plan = self.scheduler.schedule()
+        for request_id in plan.preempted:
+            self.runner.preempt(request_id)
+        if plan.is_empty:
+            if idle_wait and not failed:
+                wait_for_images(self.scheduler.waiting)
+            return plan, failed
+        failed += [
+            self._fail(self._states[request_id], error)
+            for request_id, error in self.runner.encode_images(plan).items()
+        ]
+        return self._without(plan, {out.request_id for out in failed}), failed
+
+    def _launch(self, plan: StepPlan, previous: _InFlight | None) -> _InFlight:
+        """Build `plan`'s inputs, count it as run (`advance`) and queue it on the forward
+        thread. Its decodes of tokens `previous` is still sampling take them from its
+        output there."""
+        assert self._forward is not None
+        states = [self._states[item.request_id] for item in plan.scheduled]
+        in_flight = None
+        if previous is not None:
+            scheduled = previous.step.plan.scheduled
+            in_flight = {item.request_id: i for i, item in enumerate(scheduled) if item.sample}
+        future: futures.Future[Sampled] = futures.Future()
+        try:
+            inputs = self.runner.prepare(plan, in_flight)
+            samplers, before = _samplers(plan, states), previous.future if previous else None
+            future = self._forward.submit(inputs, plan.scheduled, samplers, before)
+        except Exception as e:  # noqa: BLE001 - as the forward raising: fails when taken
+            future.set_exception(e)
+        return _InFlight(advance(plan, self.scheduler.seqs), states, future)
+
+    def _collect(self, flight: _InFlight | None) -> list[RequestOutput]:
+        """Wait for `flight`'s output and take it like a synchronous step's. Requests that
+        finished since it was launched are skipped: their extra token is never emitted."""
+        if flight is None:
+            return []
+        start = time.perf_counter()
+        try:
+            sampled = flight.future.result()
+        except Exception as e:  # noqa: BLE001 - belongs to no one request: fail the step's
+            return self._fail_step(flight.states, e)
+        finally:
+            self.times.wait_s += time.perf_counter() - start
+        accepted, failed = self._take(flight.states, sampled)
+        step = flight.step
+        tokens = [accepted.get(item.request_id, ([], None))[0] for item in step.plan.scheduled]
+        self._count_prompt_work(step.plan.scheduled)
+        resolve(step, tokens, self.scheduler.seqs, self.scheduler.block_manager)
+        self.num_steps += 1
+        return failed + self._emit(accepted)
+
+    def _take(self, states: list[_State], sampled: Sampled) -> tuple[_Kept, list[RequestOutput]]:
+        """The tokens each request keeps (cut at its stop) and the requests whose
+        sampling failed (failed alone). Requests finished meanwhile are left out."""
+        accepted: _Kept = {}
+        failed = []
+        for state, new in zip(states, sampled, strict=True):
+            if state.seq.status == "finished":
+                continue
+            if isinstance(new, Exception):
+                log.error("sampling failed for %s: %r", state.seq.request_id, new)
+                failed.append(self._fail(state, StepFailedError(f"sampling failed: {new}")))
+            elif new:
+                accepted[state.seq.request_id] = self._accept(state, new)
+        return accepted, failed
+
+    def _emit(self, accepted: _Kept) -> list[RequestOutput]:
+        outputs = []
+        for request_id, (tokens, reason) in accepted.items():
+            state = self._states[request_id]
+            out = state.output
+            out.new_token_ids = tokens
+            out.token_ids.extend(tokens)
+            out.text = state.detokenizer.text
+            if reason is not None:
+                self._finish(state, reason)
+            out.text_delta = state.detokenizer.take_delta(out.finished)
+            outputs.append(out)
+        return outputs
+
+    def _fail_step(self, states: list[_State], error: Exception) -> list[RequestOutput]:
+        """The forward failed: fail the step's requests (those not finished meanwhile)."""
+        live = [state for state in states if state.seq.status != "finished"]
+        log.error("forward pass failed; failing the %d requests in it", len(live), exc_info=error)
+        return [self._fail(state, StepFailedError(str(error))) for state in live]
+
+    def _poll_images(self) -> list[RequestOutput]:
+        """Ready the sequences whose images are decoded; fail those whose decode failed."""
+        failures = poll_images(self.scheduler.waiting)
+        return [self._fail(self._states[seq.request_id], e) for seq, e in failures]
+
+    @staticmethod
+    def _without(plan: StepPlan, request_ids: set[str]) -> StepPlan:
+        kept = [item for item in plan.scheduled if item.request_id not in request_ids]
+        return StepPlan(kept, plan.preempted) if request_ids else plan
+
+    def _count_prompt_work(self, scheduled: list[ScheduledSeq]) -> None:
+        """Prompt tokens the items computed, failed ones left out."""
+        for item in scheduled:
+            seq = self.scheduler.seqs.get(item.request_id)
+            if seq is not None:
+                prompt_end = min(item.end, seq.num_prompt_tokens)
+                self.num_computed_prompt_tokens += max(0, prompt_end - item.num_computed_tokens)
+
+    def _accept(self, state: _State, new: list[int]) -> tuple[list[int], FinishReason | None]:
+        """`new` up to and including the first token that ends the request (a stop id, a
+        completed stop string, max_tokens or the context), as plain decoding would stop:
+        accepted drafts past it are dropped. Feeds the detokenizer token by token."""
+        stops = state.stop_token_ids
+        num_done = len(state.output.token_ids)
+        num_prompt = state.output.num_prompt_tokens
+        for i, token in enumerate(new):
+            state.detokenizer.add(token)
+            num_out = num_done + i + 1
+            if token in stops or state.detokenizer.stopped:
+                return new[: i + 1], "stop"
+            if num_out >= state.max_tokens or num_prompt + num_out >= self.max_model_len:
+                return new[: i + 1], "length"
+        return new, None
+
+    def _fail(self, state: _State, error: Exception) -> RequestOutput:
+        """Finish `state` with `error`: a RequestError's message and status, or 500."""
+        out = state.output
+        if isinstance(error, RequestError):
+            out.error, out.error_status = str(error), error.status
+            out.error_type = type(error).__name__
+        else:
+            out.error_type = "InternalError"
+            if not isinstance(error, StepFailedError):
+                log.error("request %s failed: %r", state.seq.request_id, error)
+            out.error = "the engine failed on this request (internal error; see the server log)"
+            out.error_status = 500
+        out.new_token_ids, out.text_delta = [], ""
+        self._finish(state, "error")
+        return out
+
+    def _finish(self, state: _State, reason: FinishReason) -> None:
+        state.output.finished = True
+        state.output.finish_reason = reason
+        state.output.num_cached_tokens = state.seq.num_cached_tokens
+        self.scheduler.finish(state.seq)
+        self.runner.release(state.seq.request_id)
+        del self._states[state.seq.request_id]
+
+    def close(self) -> None:
+        """Stop what the engine started outside this process (tensor-parallel workers).
+        Also done when the engine is garbage-collected or the interpreter exits."""
+        self.runner.close()
+
+    def stats(self) -> dict[str, float]:
+        """Engine-side gauges and counters for metrics: queue, KV pool, prefix and encoder
+        caches, preprocessing stage seconds, speculation."""
+        return engine_stats(self)
+
+    @property
+    def spec_metrics(self) -> SpecMetrics | None:
+        """Speculation counters (proposed, accepted, mean accepted length); None when off."""
+        policy = self.scheduler.spec_policy
+        return policy.metrics if policy is not None else None
+
+    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+        """Run `requests` to completion. A request that cannot be served gets an output
+        with `error` set; the others are unaffected."""
+        outputs: list[RequestOutput] = []
+        for request in requests:
+            try:
+                request_id = self.add_request(request)
+                outputs.append(self._states[request_id].output)
+            except ValueError as e:  # RequestError and input validation
+                rid = request.request_id or f"req-{next(self._ids)}"
+                outputs.append(
+                    RequestOutput(rid, finished=True, finish_reason="error", error=str(e))
+                )
+        while self.has_unfinished():
+            self.step()
+        return outputs
+
+
+def _samplers(plan: StepPlan, states: list[_State]) -> list[SamplerState]:
+    """One sampler per sampling item of `plan`, in plan order (`sample_plan`'s input)."""
+    return [s.sampler for s, item in zip(states, plan.scheduled, strict=True) if item.sample]

@@ -1,0 +1,48 @@
+"""What the engine hands back: per-request outputs, prepared requests, finish reasons.
+Records, not live objects: the server and the CLIs read them (`vlmserve.engine.core`
+re-exports them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from vlmserve.inputs.processing import ProcessedPrompt
+from vlmserve.sample.params import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class StepFailedError(RuntimeError):
+    """The engine failed on this request (not on its input): 500. The cause is logged,
+    not sent to the client."""
+
+    status = 500
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)  # since the previous step
+    text: str = ""  # all of it so far, cut at a stop string
+    # Text not handed out before; held back while a stop string could still cut it.
+    text_delta: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    error_status: int | None = None  # HTTP status of `error`: 4xx its input, 5xx ours
+    error_type: str | None = None  # the error's class (RequestError subclasses by name)
+    num_prompt_tokens: int = 0
+    num_image_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request after `Engine.prepare`: tokens, image placeholders, checked limits."""
+
+    request_id: str | None
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    max_tokens: int

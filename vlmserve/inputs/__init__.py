@@ -1,0 +1,1 @@
+"""Requests and their prompts: chat messages -> prompt ids + image placeholders."""

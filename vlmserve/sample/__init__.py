@@ -1,0 +1,1 @@
+"""Sampling: parameters, batched ops over [rows, vocab], the step sampler, draft verification."""

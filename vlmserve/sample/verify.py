@@ -1,0 +1,99 @@
+"""Verifying n-gram drafts losslessly (article §15).
+
+A speculating sequence's γ drafts come back with γ+1 rows of logits: row i is the
+target's distribution for the token after draft i-1 (row 0: after the last real token).
+- greedy: accept the longest prefix where draft == argmax, then emit the argmax at the
+  first mismatch, or the bonus argmax of row γ when every draft held. The output is
+  exactly that of plain greedy decoding.
+- sampling: the draft is deterministic (q = a point mass on d), so the rejection rule
+  accept-with-min(1, p/q) becomes: accept d with probability p(d); on rejection sample
+  from max(0, p - q) normalised, which is p with d removed and renormalised. Each token
+  is then distributed exactly as plain sampling from p (Leviathan et al., Chen et al.).
+p is the request's filtered distribution (temperature, top-k, top-p). Every row of the
+step is drawn at once (`batch_sampler`): each row gets its accept test and its draw from p
+without its draft, the uniforms come from the request's own seeded generator, and the host
+keeps the drafts up to the first rejection. A request's tokens do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler.step_plan import ScheduledSeq
+from search.costmodel.cost_model import b_star
+from search.costmodel.presets import Precision, get_accelerator, measure_cpu
+from vlmserve.sample.params import SamplerState
+from vlmserve.sample.sampler import GroupResult, RowGroup, sample_rows
+
+
+def verify_greedy(targets: list[int], drafts: tuple[int, ...]) -> list[int]:
+    """The longest prefix of `drafts` that matches the argmaxes `targets` (one per row,
+    len(drafts) + 1), then the argmax at the first mismatch (or the bonus one)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return [*drafts[:accepted], targets[accepted]]
+
+
+def accept_drafts(drafts: tuple[int, ...], result: GroupResult) -> list[int]:
+    """Rejection sampling from per-row draws: the drafts up to the first rejected one, then
+    that row's token (drawn from p without the draft), or every draft and the bonus token."""
+    for i, accepted in enumerate(result.accepted):  # one flag per draft
+        if not accepted:
+            return [*drafts[:i], result.token_ids[i]]
+    return [*drafts, result.token_ids[len(drafts)]]
+
+
+def _emitted(group: RowGroup, result: GroupResult) -> list[int] | Exception:
+    if result.error is not None:
+        return ValueError(result.error)
+    if group.state.params.greedy:
+        return verify_greedy(result.token_ids, group.draft_token_ids)
+    return accept_drafts(group.draft_token_ids, result)
+
+
+def verify(logits: torch.Tensor, drafts: tuple[int, ...], state: SamplerState) -> list[int]:
+    """The accepted drafts and one more token, for one request alone (`sample_plan` does
+    every request of a step at once). logits: [len(drafts) + 1, vocab]."""
+    group = RowGroup(state, 0, drafts)
+    out = _emitted(group, sample_rows(logits, [group])[0])
+    if isinstance(out, Exception):
+        raise out
+    return out
+
+
+def sample_plan(
+    scheduled: list[ScheduledSeq], logits: torch.Tensor, samplers: list[SamplerState]
+) -> list[list[int] | Exception]:
+    """The tokens each scheduled item emits ([] for a prefill chunk that does not sample),
+    or the exception its sampling raised: that fails the request alone, and the others
+    keep the tokens (and generator states) they would have had anyway.
+    logits: [num_sampling_rows, vocab] as the runner returns them; `samplers` has one
+    state per sampling item, in plan order."""
+    groups: list[RowGroup] = []
+    row, states = 0, iter(samplers)
+    for item in scheduled:
+        if item.sample:
+            groups.append(RowGroup(next(states), row, item.draft_token_ids))
+            row += 1 + len(item.draft_token_ids)
+    try:
+        # All rows where the logits are; only token ids and flags come back.
+        results = iter(sample_rows(logits, groups))
+    except Exception as e:  # noqa: BLE001 - belongs to no one request: fails the samplers
+        return [e if item.sample else [] for item in scheduled]
+    taken = iter(groups)
+    return [_emitted(next(taken), next(results)) if item.sample else [] for item in scheduled]
+
+
+_PRESET_KEYS = ("h200", "h100", "b200", "a100", "l40s")
+
+
+def ridge_batch_for(device: torch.device, dtype: torch.dtype) -> float:
+    """B* = s_w·π/(2β) (article §11) for the engine's device and weight dtype: a datasheet
+    preset for a known GPU (the H100 one otherwise), this machine measured for a CPU."""
+    weight = Precision(str(dtype), torch.finfo(dtype).bits / 8, "bf16")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        key = next((k for k in _PRESET_KEYS if k in name), "h100")
+        return b_star(get_accelerator(key), weight)
+    return b_star(measure_cpu(), weight)

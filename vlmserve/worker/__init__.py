@@ -1,0 +1,1 @@
+"""The device side: the model runner, models, CUDA graphs, nano-batching, tensor parallelism."""

@@ -1,0 +1,118 @@
+"""Load a served model from a local HF checkpoint folder (config.json + *.safetensors).
+
+Families: LLaVA-OneVision (SigLIP + Qwen2), Idefics3 / SmolVLM (SigLIP + Llama), and the
+text-only Llama / Qwen2 decoders (benchmarks, text-only serving).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from encoders.weights import CheckpointError, load_tensors, read_config
+from kernels.attention import AttentionBackend
+from vlmserve.worker.models.decoder import Decoder, DecoderConfig
+from vlmserve.worker.parallel.sharding import ShardedWeights, TPShard
+
+Family = Literal["llava_onevision", "idefics3", "llama", "qwen2"]
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    family: Family
+    # Where the decoder's `embed_tokens.weight` lives, newest transformers layout last.
+    decoder_prefixes: tuple[str, ...]
+    lm_head_names: tuple[str, ...]
+    multimodal: bool
+
+
+_SPECS: dict[str, FamilySpec] = {
+    "llava_onevision": FamilySpec(
+        "llava_onevision",
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.weight", "lm_head.weight"),
+        True,
+    ),
+    "idefics3": FamilySpec(
+        "idefics3", ("model.text_model.",), ("lm_head.weight", "model.lm_head.weight"), True
+    ),
+    "llama": FamilySpec("llama", ("model.",), ("lm_head.weight",), False),
+    "qwen2": FamilySpec("qwen2", ("model.",), ("lm_head.weight",), False),
+}
+_MODEL_TYPES = {"smolvlm": "idefics3"}
+
+
+@dataclass
+class LoadedModel:
+    family: Family
+    config: dict  # the checkpoint's config.json
+    text_config: dict
+    decoder: Decoder
+    vision: torch.nn.Module | None  # encoders.vision.VisionEncoder for multimodal families
+    image_token_id: int | None
+
+
+def family_of(config: dict) -> FamilySpec:
+    model_type = _MODEL_TYPES.get(config.get("model_type", ""), config.get("model_type", ""))
+    if model_type not in _SPECS:
+        archs = config.get("architectures") or []
+        raise CheckpointError(
+            f"unsupported architecture {archs or model_type!r}: vlmserve serves "
+            "LLaVA-OneVision, Idefics3/SmolVLM, Llama and Qwen2 checkpoints"
+        )
+    return _SPECS[model_type]
+
+
+def _pick(tensors: dict, candidates: tuple[str, ...], what: str) -> str:
+    for name in candidates:
+        if name in tensors:
+            return name
+    raise CheckpointError(f"missing weight for {what}: none of {list(candidates)} found")
+
+
+def decoder_config(config: dict) -> DecoderConfig:
+    """The decoder's shape from a checkpoint's config.json (no weights read)."""
+    spec = family_of(config)
+    text_config = config.get("text_config", config) if spec.multimodal else config
+    tie = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
+    return DecoderConfig.from_hf(
+        text_config, qkv_bias=text_config.get("model_type") == "qwen2", tie=tie
+    )
+
+
+def load_model(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    shard: TPShard | None = None,
+) -> LoadedModel:
+    """`shard`: a tensor-parallel rank's slice of the decoder (its heads and MLP rows);
+    the vision tower and the embeddings are whole on every rank."""
+    config = read_config(path)
+    spec = family_of(config)
+    text_config = config.get("text_config", config) if spec.multimodal else config
+    decoder_cfg = decoder_config(config)
+    tensors = load_tensors(path)
+    embed = _pick(tensors, tuple(p + "embed_tokens.weight" for p in spec.decoder_prefixes), "")
+    prefix = embed[: -len("embed_tokens.weight")]
+    lm_head = next((n for n in spec.lm_head_names if n in tensors), spec.lm_head_names[0])
+    decoder_tensors = tensors
+    if shard is not None:
+        decoder_tensors = ShardedWeights(tensors, prefix, decoder_cfg, shard)
+        decoder_cfg = shard.local_config(decoder_cfg)
+    with torch.device("meta"):
+        decoder = Decoder(decoder_cfg, backend)
+    decoder = decoder.to_empty(device="cpu").to(dtype)
+    decoder.load(decoder_tensors, prefix, lm_head)
+    decoder = decoder.to(device).eval()
+
+    vision, image_token_id = None, None
+    if spec.multimodal:
+        from encoders.vision import VisionEncoder
+
+        vision = VisionEncoder.from_checkpoint(config, tensors, dtype, device).eval()
+        image_token_id = config.get("image_token_id", config.get("image_token_index"))
+    return LoadedModel(spec.family, config, text_config, decoder, vision, image_token_id)

@@ -1,0 +1,368 @@
+"""The model runner: owns the device, the weights and the KV cache; turns a StepPlan
+into one forward pass and returns the logits of the rows that sample. `prepare` reads the
+plan into self-contained inputs on the engine thread; `run` may then go on the forward
+thread (async scheduling) while the engine plans the next step.
+
+A speculating decode's drafts are just more query rows of that sequence: they are fed
+after its last token (they are not in `seq.token_ids`, which holds accepted tokens only)
+and each of its 1 + len(drafts) rows returns logits, for verification."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import functools
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from encoders.cache import EncoderCache
+from encoders.errors import RequestError
+from encoders.stage import EncoderStage, ImageWork
+from kernels.attention import AttentionBatch, select_backend
+from kernels.packed_linear import pack_linears
+from scheduler.config import kv_pool_num_blocks
+from scheduler.step_plan import ImageChunk, StepPlan
+from vlmserve.config import EngineConfig
+from vlmserve.worker.models.loader import LoadedModel, load_model
+from vlmserve.worker.parallel.layers import shard_decoder
+from vlmserve.worker.parallel.sharding import TPShard
+
+if TYPE_CHECKING:
+    from vlmserve.worker.parallel.comm import TPGroup
+from vlmserve.worker.nano_batch import NanoBatcher, NanoStep, nano_schedules
+from vlmserve.worker.nano_exec import NanoExecutor
+
+log = logging.getLogger(__name__)
+
+# glibc mallopt parameters, and ours: a prefill step's activations (up to 32 MiB each at
+# 2,048 tokens) stay in the heap between steps, and up to 512 MiB of free heap is kept.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD, _TRIM_THRESHOLD = 64 << 20, 512 << 20
+
+
+@functools.cache
+def keep_activations_in_heap() -> bool:
+    """By default glibc serves each allocation over 32 MiB with fresh zeroed pages from the
+    kernel and returns them on free: at a 2,048-token prefill step that is ~120k page
+    faults (~470 MB of page zeroing) per step on this CPU, about 5% of the step. Raising
+    the mmap and trim thresholds lets freed activations be reused (the fault count drops
+    to ~0), as tcmalloc, which vLLM's CPU build preloads, does. Process-wide, once;
+    False where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
+        return ok and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    except (OSError, AttributeError, TypeError):
+        log.info("no glibc mallopt here (%s): CPU activations use the default allocator", name)
+        return False
+
+
+@dataclass
+class _RequestState:
+    """What the runner keeps of a request between steps: its block table (the plans'
+    deltas applied) and the encoder records of the images its chunks reached."""
+
+    block_table: list[int] = field(default_factory=list)
+    images: dict[int, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One forward's inputs, self-contained: no scheduler object inside. Host tensors:
+    `run` copies them to the device, on the forward thread in stream order, so building
+    the next step's inputs never waits behind the step in flight (a copy from pageable
+    memory synchronises its stream)."""
+
+    token_ids: torch.Tensor  # [num_tokens]; `pending_rows` hold stand-ins
+    # (row, item index in the step before): async scheduling, the row's token is what
+    # that item sampled, known only once that step has run.
+    pending_rows: list[tuple[int, int]]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: object  # the attention backend's, for this step's layout, built on the host
+    # (rows, the image's embeddings on the device, which of them go to those rows)
+    image_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    sample_rows: torch.Tensor  # [num_sampling_rows]
+    nano: NanoStep | None = None  # the step's nano-batches (None: the plain path)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, group: TPGroup | None = None) -> None:
+        """`group`: this process is one rank of a tensor-parallel group (vlmserve/parallel)
+        and holds that rank's shard of the decoder and of the KV cache."""
+        self.device = torch.device(config.model.device)
+        if self.device.type == "cpu":
+            keep_activations_in_heap()
+        self.dtype = config.model.torch_dtype
+        self.backend = select_backend(self.device, config.model.attention_backend, self.dtype)
+        shard = None if group is None else TPShard(group.rank, group.size)
+        self.model: LoadedModel = load_model(
+            config.model.path, self.dtype, self.device, self.backend, shard
+        )
+        if group is not None:
+            shard_decoder(self.model.decoder, group)
+        if config.model.pack_weights and self.device.type == "cpu":
+            pack_linears(self.model.decoder, plain=config.model.plain_weights)
+            if self.model.vision is not None:
+                self.model.vision.pack_weights()
+        # The decoder takes its eager path wherever the kernels do not apply or build.
+        self.model.decoder.fused = config.model.fused_ops
+        self.nano_batcher: NanoBatcher | None = None
+        self.num_nano_steps = 0
+        schedules = nano_schedules(config, self.device)
+        if schedules:
+            self.nano_batcher = NanoBatcher(schedules, self.backend)
+            # On a CPU the streams share the cores torch was given (one each on 2 cores).
+            streams = self.nano_batcher.num_streams
+            threads = max(1, torch.get_num_threads() // streams)
+            self.nano_executor = NanoExecutor(streams, self.device, threads)
+        self.block_size = config.cache.block_size
+        self.num_blocks = config.cache.num_blocks or self._blocks_that_fit(config)
+        if group is not None:  # every rank's pool holds the same blocks
+            self.num_blocks = group.min_int(self.num_blocks)
+        cfg = self.model.decoder.cfg
+        # Per layer, in the backend's layout (torch: [2, num_kv_heads, num_slots, head_dim]);
+        # slot = block * size + offset.
+        shape = self.backend.kv_cache_shape(
+            self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim
+        )
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
+        ]
+        # Per request id: the block table and images, from the plans (StepPlan deltas).
+        self._requests: dict[str, _RequestState] = {}
+        self.graphs = None  # CUDA graphs of the decode step (vlmserve/worker/cuda_graphs.py)
+        if self.device.type == "cuda" and config.model.cuda_graphs and config.model.fused_ops:
+            if self.backend.name == "triton":
+                from vlmserve.worker.cuda_graphs import DecodeGraphs
+
+                self.graphs = DecodeGraphs(
+                    self.model.decoder, self.kv_caches, config.scheduler.max_num_seqs,
+                    self._max_model_len(config), self.block_size,
+                )  # fmt: skip
+        # Pooled image embeddings of prompts still in prefill, by (request id, image index).
+        self._image_embeds: dict[tuple[str, int], torch.Tensor] = {}
+        self.num_encoded_images = 0
+        # Pooled image embeddings by image content + settings, across requests.
+        self.encoder_cache = EncoderCache(config.encoder.cache_bytes)
+        self.encoder_stage = (
+            EncoderStage(self.model.vision, self.encoder_cache, self.device, self.dtype)
+            if self.model.vision is not None
+            else None
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        cfg = self.model.decoder.cfg
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _blocks_that_fit(self, config: EngineConfig) -> int:
+        """A GPU pool takes 85% of free memory; a CPU pool what `cache.memory_bytes` holds,
+        but no more than max_num_seqs sequences of max_model_len tokens fill at once (a
+        1 GiB pool for a model that can use 64 MiB is 1 GiB of resident memory for
+        nothing)."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(1, int(free * 0.85) // self.block_bytes)
+        max_model_len = self._max_model_len(config)
+        return kv_pool_num_blocks(
+            config.cache.memory_bytes, self.block_bytes, self.block_size,
+            config.scheduler.max_num_seqs, max_model_len,
+        )  # fmt: skip
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        context = self.model.decoder.cfg.max_position_embeddings
+        return min(config.model.max_model_len or context, context)
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (finished, aborted or preempted)."""
+        self._requests.pop(request_id, None)
+        for key in [k for k in self._image_embeds if k[0] == request_id]:
+            del self._image_embeds[key]
+
+    def preempt(self, request_id: str) -> None:
+        """The request lost its KV: pin the encoder-cache entries of the images it reached
+        to it (as a hit at arrival is pinned), so its recompute never runs the tower again,
+        then forget it."""
+        state = self._requests.get(request_id)
+        for work in state.images.values() if state is not None else ():
+            if isinstance(work, ImageWork) and work.embedding is None:
+                work.embedding = self.encoder_cache.peek(work.cache_key)
+        self.release(request_id)
+
+    @torch.inference_mode()
+    def prepare(self, plan: StepPlan, in_flight: Mapping[str, int] | None = None) -> StepInputs:
+        """The tensors of `plan`'s forward (its images already encoded by `encode_images`);
+        applies the plan's block-table deltas. `in_flight` (async scheduling): the item
+        index, in the step still running, of each request whose last token that step is
+        sampling; its row is filled from that step's output in `run`."""
+        token_ids, positions, slots, sample_rows = [], [], [], []
+        query_lens, context_lens, block_tables = [], [], []
+        image_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        pending_rows: list[tuple[int, int]] = []
+        row = 0
+        for item in plan.scheduled:
+            state = self._requests.setdefault(item.request_id, _RequestState())
+            table, delta = state.block_table, item.block_table
+            del table[delta.num_kept :]
+            table.extend(delta.new_block_ids)
+            n, start, end = item.num_new_tokens, item.num_computed_tokens, item.end
+            token_ids += item.token_ids
+            if len(item.token_ids) + len(item.draft_token_ids) < n:
+                assert in_flight is not None and item.request_id in in_flight, (
+                    f"{item.request_id}: no token"
+                )
+                assert len(item.token_ids) + 1 == n, f"{item.request_id}: more than one pending"
+                pending_rows.append((row + len(item.token_ids), in_flight[item.request_id]))
+                token_ids.append(0)  # a stand-in until `run`
+            token_ids += item.draft_token_ids
+            positions.extend(range(start, end))
+            slots.extend(_slots(table, start, end, self.block_size))
+            query_lens.append(n)
+            context_lens.append(end)
+            block_tables.append(table)
+            for chunk in item.images:
+                embeds = self._image_embeds[(item.request_id, chunk.index)]
+                rows = torch.tensor(chunk.positions, dtype=torch.long) - start + row
+                offsets = torch.arange(chunk.offset_start, chunk.offset_start + len(rows))
+                image_rows.append((rows, embeds, offsets))
+                if chunk.is_last:  # the tensors above hold on to the embeddings
+                    del self._image_embeds[(item.request_id, chunk.index)]
+            row += n
+            if item.sample:
+                sample_rows.extend(range(row - 1 - len(item.draft_token_ids), row))
+        batch = AttentionBatch(query_lens, context_lens, block_tables, self.block_size)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        metadata = self.backend.build_metadata(batch, slot_mapping, torch.device("cpu"))
+        nano = self.nano_batcher.plan(batch, slot_mapping) if self.nano_batcher else None
+        return StepInputs(
+            torch.tensor(token_ids, dtype=torch.long), pending_rows,
+            torch.tensor(positions, dtype=torch.long), metadata, image_rows,
+            torch.tensor(sample_rows, dtype=torch.long), nano,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def run(
+        self, inputs: StepInputs, previous: list[list[int] | Exception] | None = None
+    ) -> torch.Tensor:
+        """The forward pass of prepared inputs; returns logits [num_sampling_rows, vocab]
+        in plan order: one row per sampling item, 1 + len(draft_token_ids) rows for a
+        speculating one. `previous`: the tokens the step before emitted, per item (None
+        when it failed), for the pending rows."""
+        self._fill_pending_rows(inputs, previous)
+        device, decoder = self.device, self.model.decoder
+        ids = inputs.token_ids
+        if (
+            self.graphs is not None
+            and inputs.nano is None
+            and not inputs.image_rows
+            and self.graphs.fits(inputs.metadata)
+        ):
+            hidden = self.graphs.run(ids, inputs.positions, inputs.metadata)
+            return decoder.compute_logits(hidden[inputs.sample_rows.to(device)])
+        embeds = decoder.embed(ids.to(device))  # [num_tokens, hidden]
+        for rows, values, offsets in inputs.image_rows:
+            embeds[rows.to(device)] = values[offsets.to(device)]
+        metadata = inputs.metadata if device.type == "cpu" else _to_device(inputs.metadata, device)
+        nano = None
+        if inputs.nano is not None:
+            step = inputs.nano if device.type == "cpu" else _to_device(inputs.nano, device)
+            nano = functools.partial(self.nano_executor.run_layers, step=step)
+            self.num_nano_steps += 1
+        hidden = decoder(embeds, inputs.positions.to(device), metadata, self.kv_caches, nano)
+        return decoder.compute_logits(hidden[inputs.sample_rows.to(device)])
+
+    @staticmethod
+    def _fill_pending_rows(
+        inputs: StepInputs, previous: list[list[int] | Exception] | None
+    ) -> None:
+        """Write the tokens the step before sampled into `inputs`' pending rows, in place
+        (async scheduling); none left pending after."""
+        if not inputs.pending_rows:
+            return
+        rows, filled = [], []
+        for row, index in inputs.pending_rows:
+            tokens = previous[index] if previous is not None else None
+            # No token (that step or this request's sampling failed): the request is
+            # failed when the engine takes that step's output; this row is dropped.
+            rows.append(row)
+            filled.append(tokens[0] if isinstance(tokens, list) and tokens else 0)
+        inputs.token_ids[rows] = torch.tensor(filled, dtype=torch.long)
+
+    def close(self) -> None:
+        """Release what outlives the object (tensor-parallel worker processes); no-op here."""
+
+    def encode_images(self, plan: StepPlan) -> dict[str, Exception]:
+        """Run the vision tower once over every image this step's chunks need. Returns
+        the requests whose images failed (decode error, tower error, wrong embedding
+        count) by id: the engine fails those alone and runs the step without them."""
+        wanted: list[tuple[tuple[str, int], ImageChunk]] = []
+        for item in plan.scheduled:
+            for chunk in item.images:
+                key = (item.request_id, chunk.index)
+                if key not in self._image_embeds:
+                    wanted.append((key, chunk))
+                    state = self._requests.setdefault(item.request_id, _RequestState())
+                    state.images[chunk.index] = chunk.work
+        if not wanted:
+            return {}
+        try:
+            self._encode(wanted)
+            return {}
+        except Exception:  # noqa: BLE001 - find the culprits: each request's images alone
+            pass
+        failures: dict[str, Exception] = {}
+        for request_id in dict.fromkeys(key[0] for key, _ in wanted):
+            try:
+                self._encode([(key, chunk) for key, chunk in wanted if key[0] == request_id])
+            except Exception as e:  # noqa: BLE001 - this request's failure alone
+                failures[request_id] = e
+        return failures
+
+    def _encode(self, wanted: list[tuple[tuple[str, int], ImageChunk]]) -> None:
+        if self.encoder_stage is None:
+            raise RequestError("this model is text-only and cannot take images")
+        embeds = self.encoder_stage.encode([chunk.work for _, chunk in wanted])  # cache + tower
+        for (_, chunk), emb in zip(wanted, embeds, strict=True):
+            if emb.shape[0] != chunk.num_tokens:
+                raise RuntimeError(
+                    f"image gave {emb.shape[0]} embeddings for {chunk.num_tokens} placeholders"
+                )
+        for (key, _), emb in zip(wanted, embeds, strict=True):
+            self._image_embeds[key] = emb.to(self.dtype)
+        self.num_encoded_images += len(wanted)
+
+
+def _to_device(value: object, device: torch.device) -> object:
+    """`value` (a tensor, or lists and dataclasses holding them) with its tensors on
+    `device`: attention metadata built on the host, for the forward."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {
+            f.name: _to_device(getattr(value, f.name), device) for f in dataclasses.fields(value)
+        }
+        return dataclasses.replace(value, **fields)
+    return value
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end): slot = block * block_size + offset. A run of
+    slots per block, not a division per position (a decode is one slot, a chunk many)."""
+    slots: list[int] = []
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        take = min(block_size - offset, end - pos)
+        base = block_table[block] * block_size + offset
+        slots.extend(range(base, base + take))
+        pos += take
+    return slots
