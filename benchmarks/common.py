@@ -73,6 +73,10 @@ def machine() -> dict:
         "cpu": fields.get("model name", platform.processor()),
         "vector_isa": isa.removesuffix("f"),
         "amx": "amx_tile" in flags,
+        # native bfloat16 (kernels.cpu_build.native_bf16): what --dtype auto and the
+        # bfloat16 kernels' speed depend on
+        "amx_bf16": "amx_bf16" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
         "cores": os.cpu_count(),
     }
 

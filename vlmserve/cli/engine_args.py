@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from encoders.config import EncoderConfig
 from kernels.attention import BACKENDS
-from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
+from scheduler.config import KV_CACHE_DTYPES, CacheConfig, SchedulerConfig, SpeculativeConfig
+from vlmserve.config import DTYPE_CHOICES, EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 
 # Speculation is off unless asked for: benchmarks/spec_decode.py did not show adaptive γ
@@ -74,7 +74,16 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--device", type=_device, default=None, help="cpu, cuda (default: $VLMSERVE_DEVICE)"
     )
-    group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="weights and activations. auto (default): the checkpoint's dtype on a GPU; on a "
+        "CPU bfloat16 where the CPU has native bfloat16 (AMX or AVX-512 BF16) and the "
+        "checkpoint is 16-bit, float32 otherwise (`vlmserve info --model M` says which and "
+        "why). bfloat16 runs every CPU hot path with float32 accumulation; it is not "
+        "token-exact with float32",
+    )
     group.add_argument(
         "--max-model-len", type=_int_at_least(2), default=None, help="default: the checkpoint's"
     )
@@ -138,6 +147,13 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
         help="KV pool size in blocks (overrides the sizing above)",
     )
     group.add_argument("--block-size", type=_int_at_least(1), default=16, help="a power of two")
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's element type, independent of --dtype (default auto: the "
+        "model's); bfloat16 halves the KV bytes per token",
+    )
     group.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=2048)
     group.add_argument("--max-num-seqs", type=_int_at_least(1), default=64)
     group.add_argument("--no-prefix-caching", action="store_true")
@@ -335,9 +351,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
     )
     cache = _with_flags(
-        "--block-size / --num-kv-blocks",
+        "--block-size / --num-kv-blocks / --kv-cache-dtype",
         CacheConfig,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_blocks=args.num_kv_blocks,
         memory_bytes=args.kv_cache_mb << 20,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -24,10 +24,11 @@ from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
 from kernels.attention import AttentionBatch, select_backend
+from kernels.cpu_build import native_bf16
 from kernels.packed_linear import pack_linears
 from scheduler.config import kv_pool_num_blocks
 from scheduler.step_plan import ImageChunk, StepPlan
-from vlmserve.config import EngineConfig
+from vlmserve.config import EngineConfig, kv_cache_torch_dtype
 from vlmserve.worker.models.loader import LoadedModel, load_model
 from vlmserve.worker.parallel.layers import shard_decoder
 from vlmserve.worker.parallel.sharding import TPShard
@@ -61,6 +62,27 @@ def keep_activations_in_heap() -> bool:
     except (OSError, AttributeError, TypeError):
         log.info("no glibc mallopt here (%s): CPU activations use the default allocator", name)
         return False
+
+
+def check_dtypes(
+    config: EngineConfig, dtype: torch.dtype, kv_dtype: torch.dtype, backend: str
+) -> None:
+    """Log the dtype picked and why; say once where a CPU runs bfloat16 without native
+    bfloat16 (correct, but emulated: slower than float32). A KV dtype other than the
+    model's is read by the CPU and torch backends only."""
+    log.info("dtype %s (%s), KV cache %s", dtype, config.model.dtype_choice.reason, kv_dtype)
+    if config.model.device == "cpu" and torch.bfloat16 in (dtype, kv_dtype):
+        if native_bf16() is None:
+            log.warning(
+                "bfloat16 on a CPU without native bfloat16 (no amx_bf16 / avx512_bf16): "
+                "the kernels convert to float32 and run correctly, but slower than float32"
+            )
+    if kv_dtype != dtype and backend not in ("cpu", "cpu-sdpa", "torch"):
+        raise ValueError(
+            f"--kv-cache-dtype {config.cache.kv_cache_dtype} differs from the model's {dtype}: "
+            f"the {backend} attention backend reads the cache in the model's dtype only "
+            "(use the cpu or torch backend, or --kv-cache-dtype auto)"
+        )
 
 
 @dataclass
@@ -99,7 +121,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_activations_in_heap()
         self.dtype = config.model.torch_dtype
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.backend = select_backend(self.device, config.model.attention_backend, self.dtype)
+        check_dtypes(config, self.dtype, self.kv_dtype, self.backend.name)
         shard = None if group is None else TPShard(group.rank, group.size)
         self.model: LoadedModel = load_model(
             config.model.path, self.dtype, self.device, self.backend, shard
@@ -132,7 +156,8 @@ class ModelRunner:
             self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim
         )
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            for _ in range(cfg.num_layers)
         ]
         # Per request id: the block table and images, from the plans (StepPlan deltas).
         self._requests: dict[str, _RequestState] = {}
@@ -159,7 +184,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         cfg = self.model.decoder.cfg
-        elem = torch.finfo(self.dtype).bits // 8
+        elem = torch.finfo(self.kv_dtype).bits // 8
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     def _blocks_that_fit(self, config: EngineConfig) -> int:

@@ -27,6 +27,7 @@ FLAGS = [
     (["--device", "cuda:1"], "model.device", "cuda:1"),
     (["--num-kv-blocks", "77"], "cache.num_blocks", 77),
     (["--block-size", "8"], "cache.block_size", 8),
+    (["--kv-cache-dtype", "bfloat16"], "cache.kv_cache_dtype", "bfloat16"),
     (["--kv-cache-mb", "3"], "cache.memory_bytes", 3 << 20),
     (["--no-prefix-caching"], "cache.enable_prefix_caching", False),
     (["--max-num-batched-tokens", "300"], "scheduler.max_num_batched_tokens", 300),

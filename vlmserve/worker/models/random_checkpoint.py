@@ -200,3 +200,34 @@ def _make_idefics3(path, vision, vocab, hidden, layers, heads, kv_heads, tile, t
         chat_template=_IDEFICS3_TEMPLATE,
     )
     processor.save_pretrained(path)
+
+
+def to_bfloat16_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """A copy of the checkpoint at `src` stored in bfloat16, as real checkpoints ship:
+    every floating tensor rounded to bfloat16 and config.json's dtype (top level and
+    sub-configs) set to bfloat16. Tokenizer and processor files are copied as they are."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for file in src.iterdir():
+        if file.suffix == ".safetensors":
+            tensors = {
+                name: t.to(torch.bfloat16) if t.is_floating_point() else t
+                for name, t in load_file(file).items()
+            }
+            save_file(tensors, dst / file.name, metadata={"format": "pt"})
+        elif file.name == "config.json":
+            config = json.loads(file.read_text())
+            for part in (config, *(v for v in config.values() if isinstance(v, dict))):
+                for key in ("dtype", "torch_dtype"):
+                    if key in part:
+                        part[key] = "bfloat16"
+            config["dtype"] = "bfloat16"
+            (dst / file.name).write_text(json.dumps(config, indent=2))
+        elif file.is_file():
+            shutil.copy(file, dst / file.name)
+    return dst
