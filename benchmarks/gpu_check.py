@@ -4,6 +4,8 @@
    Triton kernels compiled, FlashInfer, CUDA graphs, token-exact against torch);
 2. the offline throughput benchmark on the GPU with a larger random model (bfloat16),
    engine against transformers `generate` in the same run;
+2b. the bfloat16 engine (decoder, tower, KV) on the GPU against transformers in bfloat16
+   (tests/vlmserve/worker/test_bf16_accuracy.py's bounds);
 3. benchmarks/kernels.py: decode attention's bandwidth per backend (torch, Triton,
    FlashInfer) as a share of copy bandwidth at 2k/8k/32k x batch 1/64, and decode at
    batch 1 of the same model sizes against its bandwidth bound per backend;
@@ -42,6 +44,18 @@ def gpu_tests() -> int:
     return subprocess.run(cmd, timeout=240).returncode
 
 
+def bf16_check() -> int:
+    """Issue 29: the engine on the GPU in bfloat16 (decoder, SigLIP tower and connector,
+    bfloat16 KV) against transformers in bfloat16: logits max-abs difference and top-1
+    agreement within the bounds tests/vlmserve/worker/test_bf16_accuracy.py states."""
+    import os
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/vlmserve/worker/test_bf16_accuracy.py",
+           "-p", "no:cacheprovider"]  # fmt: skip
+    env = {**os.environ, "VLMSERVE_DEVICE": "cuda"}
+    return subprocess.run(cmd, timeout=300, env=env).returncode
+
+
 def offline() -> dict:
     from benchmarks.offline_throughput import main as offline_main
 
@@ -67,11 +81,13 @@ def main() -> int:
     start = time.perf_counter()
     failures: list[str] = []
     tests = part("gpu tests", gpu_tests, failures)
+    bf16 = part("bf16 vs transformers bf16", bf16_check, failures)
     result = part("offline throughput", offline, failures)
     kern = part("kernels", kernels, failures)
     print("\n=== gpu_check summary ===")
     print(f"gpu                  {torch.cuda.get_device_name(0)}")
     print(f"gpu tests            {'passed' if tests == 0 else f'FAILED ({tests})'}")
+    print(f"bf16 accuracy        {'passed' if bf16 == 0 else f'FAILED ({bf16})'}")
     if result is not None:
         for name, row in {r["system"]: r for r in result["rows"]}.items():
             print(f"{name[:20]:<20} {row['output_tok_per_s']:,.0f} output tok/s")
@@ -92,7 +108,7 @@ def main() -> int:
     nanobatch_gpu()
     print(f"failed parts         {', '.join(failures) or 'none'}")
     print(f"wall time            {time.perf_counter() - start:.0f}s")
-    return 1 if failures or tests != 0 else 0
+    return 1 if failures or tests != 0 or bf16 != 0 else 0
 
 
 def nanobatch_gpu() -> None:

@@ -80,7 +80,7 @@ def run_engine(path: str, requests, args: argparse.Namespace) -> dict:
 def run_transformers(path: str, requests, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     _sync(args.device)
     start = time.perf_counter()

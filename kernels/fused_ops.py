@@ -132,7 +132,8 @@ def _linear_impl(device: torch.device, packed: bool, dtype: torch.dtype) -> str:
     if packed_linear.skinny_available() is not None:
         return "onednn packed"
     skinny, plain = packed_linear.plain_rows(dtype)
-    return f"onednn packed; skinny C++ at <= {skinny} rows, plain GEMM at >= {plain} rows"
+    large = "" if plain is None else f", plain GEMM at >= {plain} rows"
+    return f"onednn packed; skinny C++ at <= {skinny} rows{large}"
 
 
 def _impl(cpu_fused: bool, triton: bool) -> str:

@@ -39,10 +39,12 @@ __all__ = [
 SKINNY_MAX_ROWS = 16
 MKL_MIN_ROWS = 1536
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# bfloat16: the skinny kernel up to this many rows; no plain-weight GEMM at prefill sizes
-# (torch's bfloat16 F.linear is oneDNN too, on an unpacked weight: no faster than the
-# packed one at 512-2,048 rows on a Zen 5, benchmarks/bf16_gemm.py).
-BF16_SKINNY_MAX_ROWS = 16
+# bfloat16: the skinny kernel up to this many rows (on a Zen 5 with AVX-512 BF16, single
+# thread: 1.1x oneDNN's packed bfloat16 GEMM at 1 row, even at 4, 0.8x at 16); no
+# plain-weight GEMM at prefill sizes (torch's bfloat16 F.linear is oneDNN too, on an
+# unpacked weight: no faster than the packed one at 512-2,048 rows;
+# benchmarks/bf16_speedup.py, measured under heavy load).
+BF16_SKINNY_MAX_ROWS = 8
 
 
 def plain_rows(dtype: torch.dtype) -> tuple[int, int | None]:

@@ -149,3 +149,12 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off
     encoder: EncoderConfig = field(default_factory=EncoderConfig)  # preprocessing, cache
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP 1
+    # Run the step shapes live traffic will meet once at start-up (vlmserve/engine/warmup.py;
+    # no phase starts after warmup_max_seconds): `serve` turns it on, before /health
+    # answers 200.
+    warmup: bool = False
+    warmup_max_seconds: float = 20.0
+
+    def __post_init__(self) -> None:
+        if not self.warmup_max_seconds > 0:
+            raise ValueError(f"warmup_max_seconds={self.warmup_max_seconds} must be > 0")

@@ -104,6 +104,15 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         "RMSNorm / RoPE / SiLU-mul; on a GPU no CUDA graphs): the reference path, slower",
     )
     group.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the step shapes live traffic will meet (a full prefill chunk, each decode "
+        "batch bucket, a small and a large image) once at start-up, bounded to ~20 s, so the "
+        "first requests run as fast as later ones; default: on for serve (before /health "
+        "turns 200), off elsewhere",
+    )
+    group.add_argument(
         "--single-weight-copy",
         action="store_true",
         help="CPU: hold the decoder's linear weights once (oneDNN-packed), not also plain "
@@ -382,7 +391,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     parallel = _with_flags(
         "--tensor-parallel-size", ParallelConfig, tensor_parallel_size=args.tensor_parallel_size
     )
-    config = EngineConfig(model, cache, scheduler, speculative, encoder, parallel)
+    config = EngineConfig(
+        model, cache, scheduler, speculative, encoder, parallel, warmup=args.warmup
+    )
     if parallel.tensor_parallel_size > 1:
         from vlmserve.worker.parallel.executor import check_config
 

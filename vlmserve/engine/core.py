@@ -39,6 +39,7 @@ from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, ru
 from vlmserve.engine.image_wait import pending_images, poll_images, wait_for_images
 from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
 from vlmserve.engine.stats import engine_stats
+from vlmserve.engine.warmup import WarmupReport, warm_up
 from vlmserve.inputs.processing import (
     Request,
     check_prompt_chars,
@@ -108,6 +109,10 @@ class Engine:
         self.async_scheduling = config.scheduler.async_scheduling and not config.speculative.enabled
         self._forward = ForwardThread(self.runner, self.times) if self.async_scheduling else None
         self._in_flight: _InFlight | None = None
+        # The step shapes live traffic will meet, run once before any request (`serve`).
+        self.warmup: WarmupReport | None = (
+            warm_up(self, config.warmup_max_seconds) if config.warmup else None
+        )
 
     # -- requests ---------------------------------------------------------------------
 

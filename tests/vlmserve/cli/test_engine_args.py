@@ -146,3 +146,10 @@ def test_kv_flags_size_the_cpu_pool_of_the_default_model_through_a_door():
     assert num_blocks("--kv-cache-mb", "1") == 32  # the budget binds
     assert num_blocks("--max-num-seqs", "2", "--max-model-len", "64") == 8
     assert num_blocks("--num-kv-blocks", "5000") == 5000
+
+
+def test_warmup_is_on_for_serve_and_on_request_elsewhere():
+    assert config_for("serve").warmup is True
+    assert config_for("serve", "--no-warmup").warmup is False
+    assert config_for("generate").warmup is False
+    assert config_for("generate", "--warmup").warmup is True

@@ -1,5 +1,7 @@
 """The whole engine in bfloat16 against transformers run in bfloat16 (eager attention) on
-bfloat16 copies of the random checkpoints, images included: bfloat16 is not token-exact
+bfloat16 copies of the random checkpoints, images included (on the default device:
+`benchmarks/gpu_check.py` runs this file with VLMSERVE_DEVICE=cuda, transformers staying
+on the CPU): bfloat16 is not token-exact
 with float32 (nor with transformers' own op order), so the test states its bounds on the
 logits of every generated position (transformers teacher-forced on our tokens).
 
@@ -53,7 +55,8 @@ def engine_logits(  # noqa: PLR0913
 
     engine.runner.run = recording_run
     assert engine.runner.kv_caches[0].dtype == engine.runner.kv_dtype
-    if model.get("pack_weights", True) and torch.backends.mkldnn.is_available():
+    cpu = engine.runner.device.type == "cpu"
+    if cpu and model.get("pack_weights", True) and torch.backends.mkldnn.is_available():
         # the bf16 hot path really runs: packed oneDNN linears (and the skinny kernel)
         assert isinstance(engine.runner.model.decoder.layers[0].mlp.down_proj, PackedLinear)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -149,10 +152,13 @@ def test_a_bf16_kv_cache_under_float32_weights_stays_close_to_float32(llama_path
     """--kv-cache-dtype bfloat16 with float32 weights: K/V rounded once into the cache,
     everything else float32: the logits stay within the bound of the float32 engine's (up
     to the first position where the greedy tokens part, if any)."""
-    tokens, exact = engine_logits(llama_path, "llama", [], TEXT, NUM_TOKENS, "float32")
-    got, ours = engine_logits(
-        llama_path, "llama", [], TEXT, NUM_TOKENS, "float32", kv_cache_dtype="bfloat16"
+    tokens, exact = engine_logits(
+        llama_path, "llama", [], TEXT, NUM_TOKENS, "float32", device="cpu"
     )
+    got, ours = engine_logits(
+        llama_path, "llama", [], TEXT, NUM_TOKENS, "float32", kv_cache_dtype="bfloat16",
+        device="cpu",
+    )  # fmt: skip
     same = next((i for i, (a, b) in enumerate(zip(tokens, got, strict=True)) if a != b), None)
     upto = NUM_TOKENS if same is None else same + 1
     assert (ours[:upto] - exact[:upto]).abs().max() <= MAX_ABS_LOGIT_DIFF
