@@ -3,6 +3,7 @@
 Kernels: one decoder layer's linears of the offline-throughput model (fused qkv, o,
 gate/up, down) at decode and prefill row counts, GFLOP/s of
 - float32 `PackedLinear(plain=True)`, the engine's float32 path (skinny / oneDNN / MKL),
+  and float32 oneDNN packed alone,
 - bfloat16 `PackedLinear(plain=True)`, the engine's bfloat16 path (skinny / oneDNN),
 - bfloat16 oneDNN packed alone and bfloat16 `F.linear` (torch's plain path) for the choice
   of thresholds in kernels/packed_linear.py.
@@ -55,6 +56,7 @@ def contenders(model: argparse.Namespace) -> dict[str, tuple[torch.dtype, list]]
     packed_bf16 = [PackedLinear(layer) for layer in bf16]
     return {
         "fp32 engine path": (torch.float32, [PackedLinear(layer, plain=True) for layer in fp32]),
+        "fp32 onednn packed": (torch.float32, [PackedLinear(layer) for layer in fp32]),
         "bf16 engine path": (torch.bfloat16, [PackedLinear(layer, plain=True) for layer in bf16]),
         "bf16 onednn packed": (torch.bfloat16, packed_bf16),
         "bf16 F.linear": (
