@@ -16,6 +16,7 @@ whose greedy outputs are identical between the two.
 
     .venv/bin/python -m benchmarks.bf16_speedup               # short: kernels + quick engine
     .venv/bin/python -m benchmarks.bf16_speedup --full        # the full offline workload
+    .venv/bin/python -m benchmarks.bf16_speedup --threads 1 --name bf16_speedup_1thread
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--threads", type=int, default=0,
         help="torch threads (0: torch's default); 1 is steadier on a shared machine",
     )  # fmt: skip
+    p.add_argument("--name", default="bf16_speedup", help="result file name")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         print({k: engine[k] for k in ("tok_per_s", "speedup_bf16_over_fp32",
                                       "greedy_outputs_identical")})  # fmt: skip
     print("load average before / after:", result["load_average_before_after"])
-    write_result("bf16_speedup", result)
+    write_result(args.name, result)
     return result
 
 
