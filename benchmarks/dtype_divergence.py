@@ -149,16 +149,16 @@ def main(argv: list[str] | None = None) -> dict:
                          **same})  # fmt: skip
             print(table(rows[-3:], ["family", "system", "differ", "first_diff_median"]),
                   flush=True)  # fmt: skip
-    result = {
-        "command": " ".join(["python -m benchmarks.dtype_divergence", *sys.argv[1:]]),
-        "environment": environment(torch.device("cpu")),
-        "load_average_before_after": [load_before, os.getloadavg()],
-        "prompts_per_family": args.prompts,
-        "max_tokens": args.max_tokens,
-        "rows": rows,
-    }
+            result = {  # written after each family: a long run keeps what it measured
+                "command": " ".join(["python -m benchmarks.dtype_divergence", *sys.argv[1:]]),
+                "environment": environment(torch.device("cpu")),
+                "load_average_before_after": [load_before, os.getloadavg()],
+                "prompts_per_family": args.prompts,
+                "max_tokens": args.max_tokens,
+                "rows": rows,
+            }
+            write_result("dtype_divergence", result)
     print(table(rows, ["family", "system", "differ", "first_diff_median"]))
-    write_result("dtype_divergence", result)
     return result
 
 
