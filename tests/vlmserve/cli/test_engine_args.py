@@ -113,7 +113,10 @@ def test_a_bad_value_is_an_argparse_error_naming_the_flag(flags, message, capsys
     ("flags", "message"),
     [
         (["--speculative-ngram-min", "5"], "--speculative-ngram-min / --speculative-ngram-max:"),
-        (["--block-size", "12"], "--block-size / --num-kv-blocks: block_size=12 must be a power"),
+        (
+            ["--block-size", "12"],
+            "--block-size / --num-kv-blocks / --kv-cache-dtype: block_size=12",
+        ),
         (["--max-decode-pixels", "10", "--max-image-pixels", "20"], "--max-decode-pixels: max_"),
         # The default model has 6 attention heads.
         (["--tensor-parallel-size", "4"], "--tensor-parallel-size: tensor_parallel_size=4 does"),
