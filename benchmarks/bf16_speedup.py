@@ -22,6 +22,7 @@ whose greedy outputs are identical between the two.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -49,6 +50,10 @@ def layer_shapes(model: argparse.Namespace) -> list[tuple[int, int]]:
             (model.hidden, 2 * model.intermediate), (model.intermediate, model.hidden)]  # fmt: skip
 
 
+def plain(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
 def contenders(model: argparse.Namespace) -> dict[str, tuple[torch.dtype, list]]:
     """name -> (input dtype, one callable per layer)."""
     torch.manual_seed(0)
@@ -60,10 +65,8 @@ def contenders(model: argparse.Namespace) -> dict[str, tuple[torch.dtype, list]]
         "fp32 onednn packed": (torch.float32, [PackedLinear(layer) for layer in fp32]),
         "bf16 engine path": (torch.bfloat16, [PackedLinear(layer, plain=True) for layer in bf16]),
         "bf16 onednn packed": (torch.bfloat16, packed_bf16),
-        "bf16 F.linear": (
-            torch.bfloat16,
-            [lambda x, w=layer.weight.detach(): F.linear(x, w) for layer in bf16],
-        ),
+        "bf16 F.linear": (torch.bfloat16, [functools.partial(plain, layer.weight.detach())
+                                           for layer in bf16]),  # fmt: skip
     }
 
 
