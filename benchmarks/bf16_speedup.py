@@ -65,8 +65,10 @@ def contenders(model: argparse.Namespace) -> dict[str, tuple[torch.dtype, list]]
         "fp32 onednn packed": (torch.float32, [PackedLinear(layer) for layer in fp32]),
         "bf16 engine path": (torch.bfloat16, [PackedLinear(layer, plain=True) for layer in bf16]),
         "bf16 onednn packed": (torch.bfloat16, packed_bf16),
-        "bf16 F.linear": (torch.bfloat16, [functools.partial(plain, layer.weight.detach())
-                                           for layer in bf16]),  # fmt: skip
+        "bf16 F.linear": (
+            torch.bfloat16,
+            [functools.partial(plain, layer.weight.detach()) for layer in bf16],
+        ),
     }
 
 
