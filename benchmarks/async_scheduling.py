@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from benchmarks.common import environment, table, write_result
+from benchmarks.lib.common import environment, table, write_result
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine.core import Engine

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import environment, table, write_result
+from benchmarks.lib.common import environment, table, write_result
 from encoders.config import EncoderConfig
 from vlmserve.cli.caption import CaptionSummary, discover, run_caption
 from vlmserve.cli.caption_ray import RayConfig, ray_init_kwargs, run_caption_ray

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from benchmarks.common import environment, memory_bandwidth, sync_for, table, write_result
+from benchmarks.lib.common import environment, memory_bandwidth, sync_for, table, write_result
 from benchmarks.offline_throughput import make_engine
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request

@@ -17,7 +17,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import environment, table, write_result
+from benchmarks.lib.common import environment, table, write_result
 from benchmarks.offline_throughput import make_engine, parse_args, workload
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request

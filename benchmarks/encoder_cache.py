@@ -23,7 +23,7 @@ import time
 import numpy as np
 from PIL import Image
 
-from benchmarks.common import table, write_result
+from benchmarks.lib.common import table, write_result
 from encoders.config import EncoderConfig
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig

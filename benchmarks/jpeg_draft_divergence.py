@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import table, write_result
+from benchmarks.lib.common import table, write_result
 from encoders.config import EncoderConfig
 from encoders.image_io import decode_rgb, read_header
 from encoders.image_spec import ImageSpec

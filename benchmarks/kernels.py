@@ -30,7 +30,7 @@ import torch
 if not torch.cuda.is_available():  # read when triton is first imported: before anything else
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.common import environment, memory_bandwidth, table, write_result  # noqa: E402
+from benchmarks.lib.common import environment, memory_bandwidth, table, write_result  # noqa: E402
 from kernels.attention import AttentionBatch, TorchPagedAttention, select_backend  # noqa: E402
 
 CONTEXTS = (2048, 8192, 32768)

@@ -34,7 +34,7 @@ import dataclasses
 import time
 from collections import Counter
 
-from benchmarks.common import RESULTS, table, write_result
+from benchmarks.lib.common import RESULTS, table, write_result
 from scheduler.config import SchedulerConfig
 from search.costmodel.presets import get_accelerator, get_encoder, get_model
 from search.sim.capacity import Slo, Summary, summarize

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import environment, matmul_peak, memory_bandwidth, table, write_result
+from benchmarks.lib.common import environment, matmul_peak, memory_bandwidth, table, write_result
 from scheduler.config import CacheConfig, SchedulerConfig
 from search.costmodel.cost_model import optimal_throughput
 from search.nanoflow.handmade_schedules import DurationUs, four_two_schedule, two_way_schedule

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from benchmarks.common import table, write_result
+from benchmarks.lib.common import table, write_result
 from search.costmodel.presets import ModelShape, get_accelerator, get_model
 from search.nanoflow.auto_search import search_schedule
 from search.nanoflow.milp import solve_stage1, solve_stage2, split_groups

@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import median_time, table, write_result
+from benchmarks.lib.common import median_time, table, write_result
 from kernels.attention import AttentionBatch, TorchAttentionMetadata, TorchPagedAttention
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import environment, table, write_result
+from benchmarks.lib.common import environment, table, write_result
 from benchmarks.offline_throughput import make_engine, parse_args, workload
 from kernels.attention import AttentionBatch, select_backend
 from vlmserve.engine.core import Engine

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, features
 
-from benchmarks.common import table, write_result
+from benchmarks.lib.common import table, write_result
 from encoders.image_spec import ImageSpec
 from encoders.preprocess import PreprocessPool
 from vlmserve.cli.info import dist_version, pil_variant

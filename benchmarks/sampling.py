@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from benchmarks.common import environment, table, write_result
+from benchmarks.lib.common import environment, table, write_result
 from scheduler.step_plan import ScheduledSeq
 from vlmserve.sample.params import SamplerState, SamplingParams, filtered_probs
 from vlmserve.sample.verify import sample_plan, verify_greedy

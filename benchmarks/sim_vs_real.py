@@ -7,7 +7,7 @@ tiles each), each asking for about twice the KV pool. Each request's send time, 
 prompt and image token counts (from the response's usage) and output length are
 recorded, and that trace is replayed by `search/sim/trace_sim.py` with the server's
 scheduler config and pool. Step-time models, each measured in this run before the load
-(benchmarks/engine_calibration.py):
+(benchmarks/lib/engine_calibration.py):
 
 - ``cpu-roofline``: the CPU preset as `vlmserve estimate` uses it (this machine's matmul
   peak and copy bandwidth, measured now; §17's efficiency and preprocessing constants).
@@ -33,7 +33,7 @@ repeats (each repeat's figures are in the JSON). The machine is shared: a step n
 then stalls for tens of ms (the fits leave such steps out, `num_stalled`; the real run
 cannot), and a repeat during which other processes took over 15% of the CPU (measured
 from /proc, `other_cpu_share`) is reported but left out of the medians. The load itself
-is in benchmarks/lumpy_load.py.
+is in benchmarks/lib/lumpy_load.py.
 
     python -m benchmarks.sim_vs_real   # → benchmarks/results/sim_vs_real.json"""
 
@@ -51,9 +51,9 @@ import time
 
 import numpy as np
 
-from benchmarks import engine_calibration as calib
-from benchmarks.common import table, write_result
-from benchmarks.lumpy_load import (
+from benchmarks.lib import engine_calibration as calib
+from benchmarks.lib.common import table, write_result
+from benchmarks.lib.lumpy_load import (
     BURST_WINDOW_S,
     BURSTS_AT,
     DURATION_S,

@@ -21,7 +21,7 @@ import time
 import torch
 from torch import nn
 
-from benchmarks.common import table, write_result
+from benchmarks.lib.common import table, write_result
 from benchmarks.offline_throughput import parse_args as offline_args
 from kernels.packed_linear import MKL_MIN_ROWS, SKINNY_MAX_ROWS, PackedLinear, skinny_available
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import vs_vllm_workloads as workload
-from benchmarks.common import environment, matmul_peak, table, write_result
+from benchmarks.lib import vs_vllm_workloads as workload
+from benchmarks.lib.common import environment, matmul_peak, table, write_result
 from encoders.siglip_fused import default_tiles_per_chunk
 from encoders.vision import VisionEncoder, VisionInput, vision_inputs_from_hf
 from encoders.weights import load_tensors, read_config

@@ -32,15 +32,15 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import vlmserve
-from benchmarks import vllm_cpu
-from benchmarks.common import table, write_result
-from benchmarks.vs_vllm_serve import run_serving
+from benchmarks.lib import vllm_cpu
+from benchmarks.lib.common import table, write_result
+from benchmarks.lib.vs_vllm_serve import run_serving
 
 System = Literal["vllm", "vlmserve"]
 SERVE_RATES_TEXT = [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0]  # requests/s
 SERVE_RATES_IMAGE = [0.02, 0.05, 0.1, 0.2, 0.4]
 REPO = Path(__file__).resolve().parent.parent
-VLLM_WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+VLLM_WORKER = Path(__file__).resolve().parent / "lib" / "vllm_worker.py"
 # What vLLM said about the checkpoint layouts it refused (the workloads write what it takes).
 VLLM_REFUSALS = {
     "image": "ValueError: There is no module or parameter named 'vision_tower.embeddings' in "
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.worker:
         vlmserve_worker(*args.worker)
         return None
-    from benchmarks import vs_vllm_workloads as workloads
+    from benchmarks.lib import vs_vllm_workloads as workloads
 
     args.vllm_python = vllm_cpu.ensure_venv(args.vllm_venv, args.python311)
     loadavg_start = os.getloadavg()

@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from benchmarks.common import RESULTS, table
+from benchmarks.lib.common import RESULTS, table
 from benchmarks.serve_load import WORDS
 
 ROOT = Path(__file__).resolve().parents[2]

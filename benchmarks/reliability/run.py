@@ -20,7 +20,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks.common import table
+from benchmarks.lib.common import table
 from benchmarks.reliability.common import RESULT_PATH, git_rev, load_average
 
 SECTIONS = ("fuzz", "ssrf", "soak", "chaos")

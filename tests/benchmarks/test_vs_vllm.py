@@ -10,15 +10,15 @@ import textwrap
 
 import pytest
 
-from benchmarks.vllm_cpu import core_list
-from benchmarks.vs_vllm import agreement, last_error, matched_prefix, round_order, summarize
-from benchmarks.vs_vllm_serve import (
+from benchmarks.lib.vllm_cpu import core_list
+from benchmarks.lib.vs_vllm_serve import (
     chat_payloads,
     is_saturated,
     median_point,
     pass_order,
     process_cpu_s,
 )  # fmt: skip
+from benchmarks.vs_vllm import agreement, last_error, matched_prefix, round_order, summarize
 
 
 def test_matched_prefix_stops_at_first_difference():

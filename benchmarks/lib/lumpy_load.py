@@ -28,7 +28,7 @@ from benchmarks.reliability.common import (
 )
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = "where is the red star and how many blue circles are on the left of a green square"
 # The lumpy_admission mix scaled down (there: 10 text req/s with 20-400 prompt and 32-256
 # output tokens; 40 requests of 4 x 13-tile images, 3.2x the pool). The embedded model's

@@ -105,7 +105,7 @@ class StepRecorder:
 
 
 def _png(size: tuple[int, int], seed: int) -> bytes:
-    from benchmarks.lumpy_load import png
+    from benchmarks.lib.lumpy_load import png
 
     return png(*size, seed)
 

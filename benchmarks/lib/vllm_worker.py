@@ -1,7 +1,7 @@
 """The vLLM side of `benchmarks/vs_vllm.py`: run by the vLLM virtual environment's Python
 (never by the project's), so it imports nothing from this repository.
 
-    VENV/bin/python benchmarks/vllm_worker.py SPEC.json RESULT.json
+    VENV/bin/python benchmarks/lib/vllm_worker.py SPEC.json RESULT.json
 
 SPEC (written by vs_vllm.py): the checkpoint folder, the engine settings, the warm-up and
 measured requests (token ids, or a prompt and a JPEG path). RESULT: load, warm-up and

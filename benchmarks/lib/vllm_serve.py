@@ -1,7 +1,7 @@
 """`vllm serve` for the vLLM environment of `benchmarks/vs_vllm.py`: run by that
 environment's Python with vLLM's own arguments.
 
-    VENV/bin/python benchmarks/vllm_serve.py serve MODEL --port 8001 ...
+    VENV/bin/python benchmarks/lib/vllm_serve.py serve MODEL --port 8001 ...
 
 The `vllm` console command fails before parsing anything ("PackageNotFoundError: No
 package metadata was found for vllm"): it asks for the version of a distribution named

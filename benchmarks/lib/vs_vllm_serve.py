@@ -36,12 +36,12 @@ from pathlib import Path
 import httpx
 
 import vlmserve
-from benchmarks import vllm_cpu
+from benchmarks.lib import vllm_cpu
+from benchmarks.lib.vs_vllm_workloads import kv_bytes_per_token, synthetic_jpeg
 from benchmarks.serve_load import one_request, percentiles
-from benchmarks.vs_vllm_workloads import kv_bytes_per_token, synthetic_jpeg
 from vlmserve.worker.models.random_checkpoint import WORDS
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VLLM_SERVE = Path(__file__).resolve().parent / "vllm_serve.py"
 # vLLM's CPU attention takes multiples of 32 only ("ValueError: No common block size for
 # 16 (CPU_ATTN: [MultipleOf(32)])"; its default is 128): both serve with 32.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent.parent / "results"
 
 
 def median_time(fn: Callable[[], object], repeat: int = 5, sync: Callable[[], None] = lambda: None):
