@@ -30,6 +30,8 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from benchmarks.lib.common import write_json
+
 KINDS = (("text", 0.4), ("one_image", 0.3), ("multi_image", 0.15), ("repeated_image", 0.15))
 WORDS = "where is the red star and how many blue circles are on the left".split()
 
@@ -227,10 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(results, wall_s, args)
     print(render(summary))
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
-    out.write_text(json.dumps({"config": config, "summary": summary,
-                               "results": [asdict(r) for r in results]}, indent=1))  # fmt: skip
+    write_json(out, {"config": config, "summary": summary,
+                     "results": [asdict(r) for r in results]})  # fmt: skip
     print(f"wrote {out}")
     return 0 if summary["all"]["errors"] == 0 else 1
 

@@ -31,7 +31,6 @@ benchmarks/results/spec_decode.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.lib.common import write_json
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine.core import Engine
@@ -239,8 +239,7 @@ def main() -> None:
         "load_average_after": load_average(),
         "elapsed_s": elapsed,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2))
+    write_json(RESULTS, report)
     print(f"\nwrote {RESULTS}")
 
 
