@@ -56,6 +56,26 @@ def test_info_reports_versions_pil_device_and_backend():
         assert ops["linear"].startswith("onednn packed; skinny C++")
 
 
+@pytest.mark.slow
+def test_info_build_kernels_builds_each_cpu_kernel_ahead_of_the_engine():
+    from kernels import cpu_build
+
+    first = vlmserve("info", "--build-kernels", "--json")
+    if first.returncode != 0 and "unavailable" in first.stdout:
+        pytest.skip("no C++ compiler here")
+    assert first.returncode == 0, first.stderr
+    assert "building the C++ CPU kernels" in first.stderr  # says so while it happens
+    kernels = json.loads(first.stdout)["cpu_kernels"]
+    assert set(kernels) == set(cpu_build.KERNELS) and len(kernels) >= 4
+    assert all(v == "already built" or v.startswith("built in") for v in kernels.values())
+    # Built where an engine in this environment looks: a later process compiles nothing.
+    for name in cpu_build.KERNELS:
+        directory = cpu_build.build_directory(name, cpu_build.CSRC / f"{name}.cpp")
+        assert any(directory.glob("*.so")), name
+    second = json.loads(vlmserve("info", "--build-kernels", "--json").stdout)["cpu_kernels"]
+    assert set(second.values()) == {"already built"}
+
+
 def test_info_reports_how_tensor_parallelism_splits_a_model(llava_ov_path, capsys):
     # LLaVA-OV random: 2 layers, 4 heads over 2 KV heads, head_dim 16, float32 on CPU.
     # 4 ranks: one query head each, each KV head on two ranks (article §16).
