@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 import torch
-from test_engine import chat, make_engine, mixed_requests, run_checked
 
-from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from vlmserve.config import EngineConfig, ModelConfig
+from scheduler.config import SpeculativeConfig
+from tests.helpers import chat, make_engine, run_checked
+from tests.vlmserve.engine.test_engine import mixed_requests
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
@@ -147,13 +147,11 @@ def first_new(token_ids: list[int], start: int) -> int:
 def test_speculation_falls_back_to_sync_and_keeps_its_tokens(llama_path):
     requests = [Request(prompt=t + " " + t, sampling=SamplingParams(
         max_tokens=20, temperature=0.0, ignore_eos=True)) for t in TEXTS]  # fmt: skip
-    spec = Engine(
-        EngineConfig(
-            ModelConfig(str(llama_path)),
-            CacheConfig(num_blocks=256, block_size=4),
-            SchedulerConfig(max_num_batched_tokens=64, async_scheduling=True),
-            speculative=SpeculativeConfig(num_speculative_tokens=3, min_n=1, adaptive=False),
-        )
+    spec = make_engine(
+        llama_path,
+        max_num_seqs=64,
+        scheduler={"async_scheduling": True},
+        speculative=SpeculativeConfig(num_speculative_tokens=3, min_n=1, adaptive=False),
     )
     assert not spec.async_scheduling  # drafts need the tokens of the step before
     with_spec = run_checked(spec, requests)

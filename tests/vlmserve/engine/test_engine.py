@@ -11,45 +11,9 @@ from encoders.errors import (
     RequestError,
     TooManyImagesError,
 )
-from scheduler.config import CacheConfig, SchedulerConfig
-from vlmserve.config import EngineConfig, ModelConfig
-from vlmserve.engine.core import Engine
+from tests.helpers import GREEDY_32, chat, make_engine, run_checked
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
-
-GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-
-
-def make_engine(
-    path, *, num_blocks=256, block_size=4, budget=64, scheduler=None, **model
-) -> Engine:
-    return Engine(
-        EngineConfig(
-            ModelConfig(str(path), **model),
-            CacheConfig(num_blocks=num_blocks, block_size=block_size),
-            SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, **(scheduler or {})),
-        )
-    )
-
-
-def run_checked(engine: Engine, requests: list[Request]) -> list:
-    """generate(), checking the block manager after every step and on drain."""
-    outputs = []
-    for request in requests:
-        rid = engine.add_request(request)
-        outputs.append(engine._states[rid].output)
-    while engine.has_unfinished():
-        engine.step()
-        engine.scheduler.block_manager.check_integrity()
-    bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked after the queue drained"
-    return outputs
-
-
-def chat(images, text: str, params: SamplingParams = GREEDY_32, **kw) -> Request:
-    content = [{"type": "image", "image": image} for image in images]
-    content.append({"type": "text", "text": text})
-    return Request(messages=[{"role": "user", "content": content}], sampling=params, **kw)
 
 
 def hf_greedy(path, family: str, images, text: str, max_new_tokens: int = 32) -> list[int]:

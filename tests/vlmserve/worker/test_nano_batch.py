@@ -12,7 +12,6 @@ import functools
 
 import pytest
 import torch
-from test_engine import make_engine, run_checked
 
 from kernels.attention import AttentionBatch, select_backend
 from kernels.packed_linear import pack_linears
@@ -23,6 +22,7 @@ from search.nanoflow.handmade_schedules import (
     two_way_schedule,
 )
 from search.nanoflow.schedule import NanoOp, Schedule
+from tests.helpers import make_engine, run_checked
 from vlmserve.cli.engine_args import engine_config_from_args
 from vlmserve.cli.main import build_parser
 from vlmserve.inputs.processing import Request
