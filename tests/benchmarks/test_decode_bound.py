@@ -8,6 +8,7 @@ from benchmarks.decode_bound import decode_batch1
 from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 
 
+@pytest.mark.slow
 def test_decode_bound_counts_every_weight_a_step_reads(tmp_path) -> None:
     hidden, layers, heads, kv_heads, vocab, inter = 64, 2, 4, 2, 500, 96
     make_text_checkpoint(

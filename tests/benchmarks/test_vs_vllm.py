@@ -153,6 +153,7 @@ def test_chat_payload_variants_share_lengths_not_content(tmp_path):
     assert chat0[0]["content"][0] != chat1[0]["content"][0]
 
 
+@pytest.mark.slow  # real processes burning CPU
 def test_process_cpu_s_counts_a_server_session_and_its_children():
     # A "server" in its own session: it and a child each burn 0.3 s of CPU (process_time,
     # the kernel's own count), say so, then sleep. Their session's total must hold both.

@@ -68,6 +68,7 @@ def ask(image, before: str, after: str = "what colour is the star", **kw) -> Req
     return helpers.chat([image], after, helpers.greedy(6), before=before, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llava_onevision", "idefics3"])
 def test_a_cache_hit_gives_the_same_tokens_as_a_miss(family, request, random_image) -> None:
     path = request.getfixturevalue("llava_ov_path" if family == "llava_onevision"
@@ -100,6 +101,7 @@ def test_the_tower_runs_once_for_two_requests_with_the_same_image_in_one_step(
     assert stage.num_tower_images == 1
 
 
+@pytest.mark.slow
 def test_pool_workers_serve_the_same_tokens_as_inline(idefics3_path, random_image) -> None:
     data = png_bytes(random_image(8, 70, 45))
     pooled = helpers.make_engine(idefics3_path, encoder={"num_workers": 2, "cache_bytes": 0})

@@ -24,7 +24,12 @@ NAN = float("nan")
 
 @pytest.mark.parametrize(
     "heads, kv_heads, dim, block, seed",
-    [(4, 4, 64, 16, 0), (4, 2, 128, 32, 1), (8, 2, 64, 32, 2), (8, 1, 128, 16, 3)],
+    [
+        pytest.param(4, 4, 64, 16, 0, marks=pytest.mark.slow),
+        (4, 2, 128, 32, 1),  # the fast lane's case (Triton's interpreter on a CPU)
+        pytest.param(8, 2, 64, 32, 2, marks=pytest.mark.slow),
+        pytest.param(8, 1, 128, 16, 3, marks=pytest.mark.slow),
+    ],
 )  # GQA ratios 1, 2, 4, 8
 def test_paged_attention_matches_sdpa(heads, kv_heads, dim, block, seed):
     """Two steps over scattered blocks: decodes over ragged contexts (1 token, a block
@@ -38,6 +43,7 @@ def test_paged_attention_matches_sdpa(heads, kv_heads, dim, block, seed):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_long_context_decode_splits_and_merges():
     """One sequence decoding at 4,000 tokens: split-K over the context, then the merge. The
     prefix is written by hand (a 4,000-row prefill is slow in the interpreter)."""
@@ -124,6 +130,7 @@ def test_rope_and_cache_write_match_eager(heads, kv_heads, dim):
     torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+@pytest.mark.slow
 def test_engine_with_the_triton_backend_gives_the_torch_tokens(llava_ov_path, random_image):
     """The whole runner path on the Triton backend (fused RoPE + K/V write, decode and
     extend kernels; in the interpreter on a CPU): greedy tokens equal the torch backend's
@@ -143,6 +150,7 @@ def test_engine_with_the_triton_backend_gives_the_torch_tokens(llava_ov_path, ra
     assert tokens["triton"] == tokens["torch"]
 
 
+@pytest.mark.slow
 def test_decode_graph_buffers_and_padding_give_the_unpadded_logits(llava_ov_path):
     """The CUDA-graph decode path minus the capture (vlmserve/worker/cuda_graphs.py with
     capture=False): a 3-sequence decode step copied into the persistent buffers of the

@@ -55,6 +55,7 @@ def count_rows(engine: Engine) -> list[int]:
     return rows
 
 
+@pytest.mark.slow
 def test_mixed_batch_of_images_and_chunked_prefills_gives_the_sync_tokens(
     llava_ov_path, random_image
 ):
@@ -63,6 +64,7 @@ def test_mixed_batch_of_images_and_chunked_prefills_gives_the_sync_tokens(
     assert engine.times.wait_s > 0 and engine.times.forward_s > 0
 
 
+@pytest.mark.slow
 def test_preemption_under_a_tiny_pool_gives_the_sync_tokens(llava_ov_path, random_image):
     fcfs = {"admission": "fcfs"}
     reference = run_checked(
@@ -86,6 +88,7 @@ def test_second_question_about_an_image_still_hits_the_prefix_cache(llava_ov_pat
     assert second.token_ids == fresh.token_ids
 
 
+@pytest.mark.slow
 def test_seeded_sampling_gives_the_sync_tokens(llama_path):
     def requests():
         return [
@@ -100,6 +103,7 @@ def test_seeded_sampling_gives_the_sync_tokens(llama_path):
     same(sync, fast)
 
 
+@pytest.mark.slow
 def test_stops_are_seen_a_step_late_and_the_extra_token_is_never_emitted(llama_path):
     def requests(params: list[SamplingParams]):
         return lambda: [

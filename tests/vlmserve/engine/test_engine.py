@@ -43,11 +43,11 @@ def hf_greedy(path, family: str, images, text: str, max_new_tokens: int = 32) ->
 
 @pytest.mark.parametrize(
     ("family", "sizes"),
-    [
-        ("llava_onevision", [(90, 50)]),  # anyres grid with unpadding
+    [  # one case per family in the fast lane
+        pytest.param("llava_onevision", [(90, 50)], marks=pytest.mark.slow),  # anyres, unpadding
         ("llava_onevision", [(40, 40), (100, 30)]),  # multi-image: base tile + newline each
         ("idefics3", [(70, 45)]),
-        ("idefics3", [(33, 90), (64, 64)]),
+        pytest.param("idefics3", [(33, 90), (64, 64)], marks=pytest.mark.slow),
     ],
 )
 def test_greedy_matches_transformers(family, sizes, request, random_image):
@@ -66,7 +66,9 @@ def test_greedy_matches_transformers(family, sizes, request, random_image):
                                        for p in range(len(ref_ids)))  # fmt: skip
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["fused-packed", "eager"])
+@pytest.mark.parametrize(
+    "eager", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fused-packed", "eager"]
+)
 def test_text_only_llama_gqa_matches_transformers(llama_path, eager):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -94,6 +96,7 @@ def mixed_requests(random_image) -> list[Request]:
     return requests
 
 
+@pytest.mark.slow
 def test_concurrent_requests_match_each_alone(llava_ov_path, random_image):
     alone = []
     for request in mixed_requests(random_image):
@@ -106,6 +109,7 @@ def test_concurrent_requests_match_each_alone(llava_ov_path, random_image):
     assert [len(t) for t in alone] == [4 + 3 * i for i in range(8)]
 
 
+@pytest.mark.slow
 def test_second_question_about_same_image_reuses_its_blocks(llava_ov_path, random_image):
     image = random_image(7, 80, 50)
     engine = make_engine(llava_ov_path, budget=512)
@@ -121,6 +125,7 @@ def test_second_question_about_same_image_reuses_its_blocks(llava_ov_path, rando
     assert second.token_ids == fresh.token_ids
 
 
+@pytest.mark.slow
 def test_tiny_kv_pool_preempts_and_still_gives_the_same_tokens(llava_ov_path, random_image):
     reference = run_checked(make_engine(llava_ov_path, budget=64), mixed_requests(random_image))
     # FCFS reserves only the prompt, so the burst of 8 image requests thrashes the pool.
@@ -147,6 +152,7 @@ def test_request_that_can_never_fit_the_pool_is_refused_at_arrival(llava_ov_path
     assert not engine.has_unfinished()  # nothing was queued
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_images_still_decoding_are_waited_for_and_a_late_bad_one_fails_alone(
     llava_ov_path, random_image, async_scheduling
@@ -195,6 +201,7 @@ def test_too_many_images_is_rejected(llava_ov_path, random_image):
         engine.add_request(chat(images, "describe"))
 
 
+@pytest.mark.slow
 def test_unreadable_image_fails_only_its_request(llava_ov_path, random_image):
     engine = make_engine(llava_ov_path)
     good = [chat([random_image(1, 40, 40)], "describe this", request_id="good-1"),
@@ -208,6 +215,7 @@ def test_unreadable_image_fails_only_its_request(llava_ov_path, random_image):
         engine.add_request(chat([b""], "describe"))
 
 
+@pytest.mark.slow
 def test_requests_prepared_on_other_threads_give_the_same_tokens(llava_ov_path, random_image):
     from concurrent.futures import ThreadPoolExecutor
 

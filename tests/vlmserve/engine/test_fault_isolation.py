@@ -39,6 +39,7 @@ def alone(engine: Engine, request: Request) -> list[int]:
     return drain(engine, [rid])[rid].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_an_image_failing_at_encode_time_fails_only_its_request(
     llava_ov_path, random_image, async_scheduling
@@ -63,6 +64,7 @@ def test_an_image_failing_at_encode_time_fails_only_its_request(
     assert outs["good"].token_ids == want["good"] and outs["text"].token_ids == want["text"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_placeholder_count_mismatch_fails_only_its_request(
     llava_ov_path, random_image, async_scheduling

@@ -64,6 +64,7 @@ def text_requests(params: list[SamplingParams]) -> list[Request]:
     ]
 
 
+@pytest.mark.slow
 def test_greedy_with_speculation_equals_without(llama_path):
     params = [greedy(40), greedy(5), greedy(17), greedy(33), greedy(1), greedy(40)] * 2
     first = make_engine(llama_path)
@@ -89,6 +90,7 @@ def test_greedy_with_speculation_equals_without(llama_path):
     assert engine.num_steps < plain_engine.num_steps
 
 
+@pytest.mark.slow
 def test_greedy_with_images_and_adaptive_policy_equals_without(llava_ov_path, random_image):
     def requests():
         out = []
@@ -105,6 +107,7 @@ def test_greedy_with_images_and_adaptive_policy_equals_without(llava_ov_path, ra
     assert engine.spec_metrics.num_accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_greedy_with_speculation_equals_without_on_the_embedded_model():
     from vlmserve.embedded.evaluate import CAPTION_PROMPT, heldout_scenes
     from vlmserve.embedded.scenes import render_scene
@@ -122,6 +125,7 @@ def test_greedy_with_speculation_equals_without_on_the_embedded_model():
     assert engine.spec_metrics.num_accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_rejected_drafts_roll_back_and_every_block_returns(llama_path):
     # Sampling among 3 tokens repeats n-grams, so drafts come often and fail often; a small
     # pool adds preemption on top. run_checked checks the block tables after every step.
@@ -207,6 +211,7 @@ def homogeneity_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2))  # chi2 sf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [TEMPERATURE_1, {"temperature": 0.7, "top_k": 6, "top_p": 0.9, "ignore_eos": True}],
@@ -221,6 +226,7 @@ def test_sampling_distribution_is_unchanged_by_speculation(vocab16_path, plain_s
         assert p > 1e-3, f"position {position}: p = {p:.2e}"
 
 
+@pytest.mark.slow
 def test_the_chi_square_test_catches_a_wrong_acceptance_rule(
     vocab16_path, plain_samples, monkeypatch
 ):
