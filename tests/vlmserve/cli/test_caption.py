@@ -56,6 +56,7 @@ def test_discover_walks_the_folder_recursively(folder):
         discover(folder / "missing")
 
 
+@pytest.mark.slow
 def test_folder_with_a_corrupt_file(engine, folder, tmp_path):
     out = tmp_path / "captions.jsonl"
     summary = run_caption(engine, discover(folder), out, GREEDY, max_in_flight=3, progress=False)
@@ -173,6 +174,7 @@ def test_bad_jsonl_names_the_line(tmp_path):
         discover(spec)
 
 
+@pytest.mark.slow
 def test_cli_captions_a_folder(llava_ov_path, folder, tmp_path, capsys):
     import argparse
 
@@ -188,6 +190,7 @@ def test_cli_captions_a_folder(llava_ov_path, folder, tmp_path, capsys):
     assert "5 captioned, 1 failed" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_embedded_model_captions_match_the_scenes(tmp_path):
     from vlmserve.embedded.evaluate import heldout_scenes
     from vlmserve.embedded.scenes import caption, render_scene
@@ -219,6 +222,7 @@ def test_embedded_model_captions_match_the_scenes(tmp_path):
     assert right >= 7, (got, [caption(s) for s in scenes])
 
 
+@pytest.mark.slow
 def test_cli_speculates_and_captions_as_without(tmp_path, capsys):
     from vlmserve.cli.main import main
     from vlmserve.embedded.evaluate import heldout_scenes

@@ -30,6 +30,7 @@ def vlmserve(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_info_reports_versions_pil_device_and_backend():
     result = vlmserve("info", "--json")
     assert result.returncode == 0, result.stderr
@@ -92,6 +93,7 @@ def jpeg(tmp_path_factory, random_image):
     return path
 
 
+@pytest.mark.slow
 def test_generate_answers_about_an_image_file(llava_ov_path, jpeg):
     result = vlmserve("generate", "--model", str(llava_ov_path), "--image", str(jpeg),
                       "--prompt", "where is the star", "--max-tokens", "5")  # fmt: skip
@@ -100,6 +102,7 @@ def test_generate_answers_about_an_image_file(llava_ov_path, jpeg):
     assert "prompt tokens" in result.stderr and "5 output" in result.stderr
 
 
+@pytest.mark.slow
 def test_generate_with_a_corrupt_image_is_a_message_not_a_traceback(llava_ov_path, tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
@@ -136,6 +139,7 @@ def scene_png(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_generate_speculates_and_answers_as_without(scene_png, capsys):
     args = ["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
             "--max-tokens", "40"]  # fmt: skip
@@ -154,6 +158,7 @@ def test_generate_speculates_and_answers_as_without(scene_png, capsys):
     assert num_drafted(always.err) > 0
 
 
+@pytest.mark.slow
 def test_generate_with_async_scheduling_answers_as_without(scene_png, capsys):
     args = ["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
             "--max-tokens", "40"]  # fmt: skip
@@ -164,6 +169,7 @@ def test_generate_with_async_scheduling_answers_as_without(scene_png, capsys):
     assert plain.out.strip() and overlapped.out == plain.out
 
 
+@pytest.mark.slow
 def test_demo_speculates_and_answers_as_without(capsys):
     def answers(text: str) -> list[str]:
         return [line for line in text.splitlines() if line.strip().startswith("A:")]
@@ -180,6 +186,7 @@ def test_demo_speculates_and_answers_as_without(capsys):
     assert re.search(r"encoder cache 5 hits, 3 misses, [1-9]\d* KiB held", plain)
 
 
+@pytest.mark.slow
 def test_preprocess_and_encoder_cache_flags_reach_the_engine(llava_ov_path, jpeg, capsys):
     args = ["generate", "--model", str(llava_ov_path), "--image", str(jpeg), "--prompt",
             "where is the star", "--max-tokens", "3"]  # fmt: skip
@@ -227,6 +234,7 @@ def metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.slow
 def test_serve_speculates_and_answers_as_generate(scene_png, capsys):
     assert main(["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
                  "--max-tokens", "40"]) == 0  # fmt: skip
@@ -250,6 +258,7 @@ def test_serve_speculates_and_answers_as_generate(scene_png, capsys):
     assert metric(metrics, "vlmserve_num_kv_blocks") == 64 * 512 / 16
 
 
+@pytest.mark.slow
 def test_serve_exits_non_zero_when_its_engine_dies(tmp_path):
     """A checkpoint whose weights are cut short: the engine fails to load on the engine
     thread, and the server stops and exits 1 instead of keeping a port open."""

@@ -38,6 +38,7 @@ def queries(scenes) -> list[tuple[object, str, str, str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_engine_answers_equal_transformers_and_captions_are_right(engine):
     rows = queries(heldout_scenes(20))
     outputs = engine.generate([ask(image, prompt) for image, _, prompt, _ in rows])
@@ -55,6 +56,7 @@ def test_engine_answers_equal_transformers_and_captions_are_right(engine):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.slow
 def test_multi_tile_scene_prefix_cache_and_images_counted(engine):
     [scene] = heldout_scenes(1, multi_tile=True)
     image = render_scene(scene)
@@ -73,6 +75,7 @@ def _engine(**encoder) -> Engine:
     )
 
 
+@pytest.mark.slow
 def test_files_go_through_the_pool_and_the_encoder_cache(tmp_path):
     """The default model takes the same image path as every other: header-only token
     count, tiles from the pool, embeddings from the encoder cache on a repeat; the token
