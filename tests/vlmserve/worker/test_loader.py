@@ -61,6 +61,7 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
         assert torch.equal(x, y), name
 
 
+@pytest.mark.slow
 def test_tied_qwen2_embeddings_serve_like_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -239,6 +239,7 @@ def text_requests() -> list[Request]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads", ["gqa", "mha"])
 def test_engine_greedy_tokens_equal_the_unsplit_engine(heads, llama_path, mha_path, schedule_dir):
     path = llama_path if heads == "gqa" else mha_path
@@ -253,6 +254,7 @@ def test_engine_greedy_tokens_equal_the_unsplit_engine(heads, llama_path, mha_pa
     assert any(max(lens) > 1 and min(lens) == 1 for lens in split)
 
 
+@pytest.mark.slow
 def test_auto_runs_the_searched_schedules_and_keeps_the_tokens(llama_path, tmp_path, monkeypatch):
     from search.nanoflow import profiles
     from vlmserve.worker.nano_schedules import engine_schedules
