@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Callable
 
 from encoders.config import EncoderConfig
-from kernels.attention import BACKENDS
+from kernels.backends import BACKENDS
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR

@@ -39,12 +39,8 @@ from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, ru
 from vlmserve.engine.image_wait import pending_images, poll_images, wait_for_images
 from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
 from vlmserve.engine.stats import engine_stats
-from vlmserve.inputs.processing import (
-    Request,
-    check_prompt_chars,
-    eos_token_ids,
-    make_prompt_processor,
-)
+from vlmserve.inputs.processing import Request, check_prompt_chars, eos_token_ids
+from vlmserve.inputs.prompt_processor import make_prompt_processor
 from vlmserve.sample.params import SamplerState, SamplingParams
 from vlmserve.sample.verify import ridge_batch_for
 from vlmserve.worker.parallel.executor import make_runner

@@ -169,24 +169,6 @@ def check_image_count(num_images: int, max_images: int) -> None:
         raise TooManyImagesError(f"request has {num_images} images, the limit is {max_images}")
 
 
-def make_prompt_processor(
-    path: str,
-    model: LoadedModel,
-    max_images: int,
-    encoder: EncoderConfig | None = None,
-    encoder_cache: EncoderCache | None = None,
-):
-    """The processor a checkpoint folder asks for: the embedded model's own (its
-    preprocessor_config.json names `SceneProcessor`) or the HF processor."""
-    config_path = Path(path) / "preprocessor_config.json"
-    if config_path.is_file():
-        if json.loads(config_path.read_text()).get("processor_class") == "SceneProcessor":
-            from vlmserve.inputs.scene_prompts import ScenePromptProcessor
-
-            return ScenePromptProcessor(path, model, max_images, encoder, encoder_cache)
-    return HFPromptProcessor(path, model, max_images, encoder, encoder_cache)
-
-
 class HFPromptProcessor:
     """Wraps the checkpoint's HF processor (or tokenizer, for text-only models)."""
 

@@ -23,7 +23,8 @@ import torch
 from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
-from kernels.attention import AttentionBatch, select_backend
+from kernels.attention import AttentionBatch
+from kernels.backends import select_backend
 from kernels.packed_linear import pack_linears
 from scheduler.config import kv_pool_num_blocks
 from scheduler.step_plan import ImageChunk, StepPlan
