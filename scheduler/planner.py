@@ -38,7 +38,7 @@ from scheduler.kv_blocks import BlockManager
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
-from scheduler.spec_policy import SpecPolicy
+from scheduler.spec_policy import SpecPolicy, SpeedupFn
 from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
 
 
@@ -74,6 +74,7 @@ class Scheduler:
         admission: AdmissionPolicy | None = None,
         speculative: SpeculativeConfig | None = None,
         encoder_cached: Callable[[bytes], bool] | None = None,
+        spec_speedup: SpeedupFn | None = None,
     ) -> None:
         self.config = config
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
@@ -92,7 +93,7 @@ class Scheduler:
             self.proposer = NgramProposer(speculative.min_n, speculative.max_n)
             # The engine fills in B* for its device; without one the ridge never gates.
             ridge = speculative.ridge_batch if speculative.ridge_batch is not None else math.inf
-            self.spec_policy = SpecPolicy(speculative, ridge)
+            self.spec_policy = SpecPolicy(speculative, ridge, spec_speedup)
         # request id -> the most tokens (prompt + output) the sequence may reach.
         self._max_num_tokens: dict[str, int] = {}
         # request id -> the position its current admission started computing at.

@@ -33,6 +33,7 @@ from scheduler.planner import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecMetrics
 from scheduler.step_plan import ScheduledSeq, StepPlan
+from search.costmodel.cost_model import spec_speedup
 from vlmserve.config import EngineConfig
 from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, run_step
@@ -91,7 +92,7 @@ class Engine:
         cache = self.runner.encoder_cache  # pool images: content_hash is the cache key
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.runner.num_blocks, speculative=speculative,
-            encoder_cached=cache.__contains__,
+            encoder_cached=cache.__contains__, spec_speedup=spec_speedup,
         )  # fmt: skip
         self.eos_token_ids = eos_token_ids(config.model.path, model.config, self.tokenizer)
         self._states: dict[str, _State] = {}
