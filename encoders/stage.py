@@ -76,7 +76,7 @@ class ImageWork:
 
 def _tile_now(source: bytes | Image.Image, spec: ImageSpec, layout: ImageLayout,
               max_pixels: int) -> TileResult:  # fmt: skip
-    from encoders.preprocess import _to_tensor
+    from encoders.preprocess_worker import _to_tensor
 
     start = time.perf_counter()
     if isinstance(source, Image.Image):
