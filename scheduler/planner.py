@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from scheduler.admission import AdmissionPolicy, Candidate, FcfsAdmission, LumpyAdmission
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from scheduler.encoder_budget import cut_chunk, needs_tower
+from scheduler.in_flight import LaunchedStep, advance, resolve
 from scheduler.kv_blocks import BlockManager
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
-from scheduler.spec_policy import SpecPolicy, SpeedupFn
+from scheduler.spec_policy import SpecMetrics, SpecPolicy, SpeedupFn
 from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
 
 
@@ -87,6 +88,8 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed KV thrown away by preemption
+        # Finished since the last plan, for the next one (`StepPlan.finished`); in order.
+        self._finished_ids: dict[str, None] = {}
         self.proposer: NgramProposer | None = None
         self.spec_policy: SpecPolicy | None = None
         if speculative is not None and speculative.enabled:
@@ -142,11 +145,37 @@ class Scheduler:
         seq.num_waiting_steps = 0
         self.waiting.append(seq)
         self.seqs[seq.request_id] = seq
+        self._finished_ids.pop(seq.request_id, None)  # a new request under a finished id
         if max_num_tokens is not None:
             self._max_num_tokens[seq.request_id] = max_num_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Async scheduling: `plan`'s step goes in flight (`in_flight.advance`)."""
+        return advance(plan, self.seqs)
+
+    def land(self, step: LaunchedStep, sampled: list[list[int]]) -> None:
+        """A launched step came back with `sampled` per item (`in_flight.resolve`)."""
+        resolve(step, sampled, self.seqs, self.block_manager)
+
+    def stats(self) -> dict[str, float]:
+        """Queue and KV-pool gauges, preemption counters (the engine's `stats()`)."""
+        bm = self.block_manager
+        used = bm.num_blocks - bm.num_free_blocks
+        return {
+            "waiting": float(len(self.waiting)), "running": float(len(self.running)),
+            "num_blocks": float(bm.num_blocks), "free_blocks": float(bm.num_free_blocks),
+            "used_blocks": float(used), "kv_usage": used / bm.num_blocks,
+            "num_preemptions": float(self.num_preemptions),
+            "recomputed_tokens_total": float(self.num_recomputed_tokens),
+        }  # fmt: skip
+
+    @property
+    def spec_metrics(self) -> SpecMetrics | None:
+        """Speculation counters; None when off."""
+        return self.spec_policy.metrics if self.spec_policy is not None else None
 
     def finish(self, seq: Sequence) -> None:
         """Retire `seq` (done, aborted or failed): its blocks return to the pool."""
@@ -157,6 +186,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = "finished"
         self.seqs.pop(seq.request_id, None)
+        self._finished_ids[seq.request_id] = None
         self._max_num_tokens.pop(seq.request_id, None)
         self._admitted_at.pop(seq.request_id, None)
         self._quick_ids.discard(seq.request_id)
@@ -230,7 +260,8 @@ class Scheduler:
         for seq in self.waiting:
             if seq.ready:
                 seq.num_waiting_steps += 1
-        return StepPlan(scheduled, tuple(seq.request_id for seq in preempted))
+        finished, self._finished_ids = tuple(self._finished_ids), {}
+        return StepPlan(scheduled, tuple(seq.request_id for seq in preempted), finished)
 
     def _has_quick(self) -> bool:
         """A quick request is running, or waits ready to start as one."""

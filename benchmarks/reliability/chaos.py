@@ -215,9 +215,10 @@ def _faulty_engine_factory(model_config_kwargs: dict):
 
         def add_request(self, request):
             prepared = request if not isinstance(request, Request) else self.prepare(request)
-            for image in prepared.prompt.images:
+            prompt = prepared.prompt
+            for image, work in zip(prompt.images, prompt.works, strict=True):
                 if image.content_hash == self.marker_hash:
-                    self.marked[id(image.data)] = image.data
+                    self.marked[id(work)] = work
             return super().add_request(prepared)
 
     def factory() -> Engine:
