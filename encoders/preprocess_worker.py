@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from encoders.errors import ImageDecodeError, RequestError, RetryableError
+from kernels.malloc_tuning import PORTABLE_MMAP_THRESHOLD, keep_freed_memory
 
 if TYPE_CHECKING:
     import torch
@@ -82,22 +83,6 @@ class _TileArena:
             self.block = None
 
 
-def _keep_freed_memory(mmap_max: int = 32 << 20, keep: int = 256 << 20) -> None:
-    """glibc malloc: serve buffers up to `mmap_max` from the heap and keep up to `keep`
-    bytes of it when freed, instead of mapping and unmapping each large buffer (its
-    adaptive threshold does not settle in a worker). Each image is then decoded and
-    resized in pages already mapped: no page faults, about a third less CPU per tile on
-    a VM. The worker keeps its peak heap. A no-op without glibc."""
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(-1, keep)  # M_TRIM_THRESHOLD
-    mallopt(-3, mmap_max)  # M_MMAP_THRESHOLD (32 MiB: the largest every glibc accepts)
-
-
 def _unlink_blocks(prefix: str) -> None:
     """Unlink every shared block whose name starts with `prefix` (Linux lists them in
     /dev/shm; elsewhere only the blocks the parent mapped are unlinked)."""
@@ -120,7 +105,9 @@ def _worker_main(conn: Any, process_fn: Callable, prefix: str) -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
-    _keep_freed_memory()
+    # Each image is decoded and resized in heap pages already mapped (glibc's adaptive
+    # threshold does not settle in a worker): no page faults, less CPU per tile.
+    keep_freed_memory(PORTABLE_MMAP_THRESHOLD, 256 << 20)
     arena = _TileArena(prefix)
     try:
         while True:

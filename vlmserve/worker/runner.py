@@ -9,8 +9,6 @@ and each of its 1 + len(drafts) rows returns logits, for verification."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import functools
 import logging
@@ -25,6 +23,7 @@ from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
 from kernels.attention import AttentionBatch
 from kernels.backends import select_backend
+from kernels.malloc_tuning import keep_freed_memory
 from kernels.packed_linear import pack_linears
 from scheduler.config import kv_pool_num_blocks
 from scheduler.step_plan import StepPlan
@@ -40,28 +39,18 @@ from vlmserve.worker.nano_exec import NanoExecutor
 
 log = logging.getLogger(__name__)
 
-# glibc mallopt parameters, and ours: a prefill step's activations (up to 32 MiB each at
-# 2,048 tokens) stay in the heap between steps, and up to 512 MiB of free heap is kept.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# A prefill step's activations stay in the heap between steps (each is at most tens of
+# MiB at the step budget), and up to 512 MiB of freed heap is kept (kernels/malloc_tuning).
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 64 << 20, 512 << 20
 
 
 @functools.cache
-def keep_activations_in_heap() -> bool:
-    """By default glibc serves each allocation over 32 MiB with fresh zeroed pages from the
-    kernel and returns them on free: at a 2,048-token prefill step that is ~120k page
-    faults (~470 MB of page zeroing) per step on this CPU, about 5% of the step. Raising
-    the mmap and trim thresholds lets freed activations be reused (the fault count drops
-    to ~0), as tcmalloc, which vLLM's CPU build preloads, does. Process-wide, once;
-    False where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
-        return ok and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
-    except (OSError, AttributeError, TypeError):
-        log.info("no glibc mallopt here (%s): CPU activations use the default allocator", name)
-        return False
+def keep_activations_in_heap() -> int | None:
+    """Freed activations are reused from the heap instead of glibc handing each large one
+    fresh zeroed pages and unmapping it on free (page faults and page zeroing every
+    step). Process-wide, once; the mmap threshold set, None where the C library is not
+    glibc."""
+    return keep_freed_memory(_MMAP_THRESHOLD, _TRIM_THRESHOLD)
 
 
 @dataclass
