@@ -27,20 +27,18 @@ from pathlib import Path
 
 from benchmarks.reliability.common import (
     Outcome,
-    ServerProcess,
     chat_body,
     client,
     count,
     data_url,
     gather_limited,
-    in_process_server,
     png_bytes,
     print_table,
     prompt_text,
     send,
-    shm_blocks,
     user_message,
 )
+from benchmarks.reliability.server import ServerProcess, in_process_server, shm_blocks
 
 
 def _section(name: str, outcomes: list[Outcome], extra: dict, ok: bool) -> dict:

@@ -20,16 +20,15 @@ from benchmarks.reliability.chaos import _faulty_engine_factory
 from benchmarks.reliability.common import (
     Outcome,
     chat_body,
-    children_of,
     client,
     count,
     data_url,
     gather_limited,
-    in_process_server,
     png_bytes,
     send,
     user_message,
 )
+from benchmarks.reliability.server import children_of, in_process_server
 from benchmarks.reliability.soak import SoakConfig, drive, fallback_bad_images
 from benchmarks.reliability.ssrf_http import (
     Canary,
