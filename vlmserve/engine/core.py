@@ -84,8 +84,7 @@ class Engine:
         self.tokenizer = self.processor.tokenizer
         # The engine thread's own copy: preparer threads tokenise with theirs meanwhile.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
-        context = model.decoder.cfg.max_position_embeddings
-        self.max_model_len = min(config.model.max_model_len or context, context)
+        self.max_model_len = self.runner.max_model_len  # the flag, capped by the context
         speculative = config.speculative
         if speculative.enabled and speculative.adaptive and speculative.ridge_batch is None:
             ridge = ridge_batch_for(self.runner.device, self.runner.dtype)

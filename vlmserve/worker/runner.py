@@ -98,6 +98,10 @@ class ModelRunner:
         )
         if group is not None:
             shard_decoder(self.model.decoder, group)
+        # The longest prompt + output served: the flag, capped by the checkpoint's context
+        # (the one place this is decided; the engine reads it here).
+        context = self.model.decoder.cfg.max_position_embeddings
+        self.max_model_len = min(config.model.max_model_len or context, context)
         if config.model.pack_weights and self.device.type == "cpu":
             pack_linears(self.model.decoder, plain=config.model.plain_weights)
             if self.model.vision is not None:
@@ -135,7 +139,7 @@ class ModelRunner:
 
                 self.graphs = DecodeGraphs(
                     self.model.decoder, self.kv_caches, config.scheduler.max_num_seqs,
-                    self._max_model_len(config), self.block_size,
+                    self.max_model_len, self.block_size,
                 )  # fmt: skip
         # Pooled image embeddings of prompts still in prefill, by (request id, image index).
         self._image_embeds: dict[tuple[str, int], torch.Tensor] = {}
@@ -162,15 +166,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(1, int(free * 0.85) // self.block_bytes)
-        max_model_len = self._max_model_len(config)
         return kv_pool_num_blocks(
             config.cache.memory_bytes, self.block_bytes, self.block_size,
-            config.scheduler.max_num_seqs, max_model_len,
+            config.scheduler.max_num_seqs, self.max_model_len,
         )  # fmt: skip
-
-    def _max_model_len(self, config: EngineConfig) -> int:
-        context = self.model.decoder.cfg.max_position_embeddings
-        return min(config.model.max_model_len or context, context)
 
     def add_request(self, request_id: str, images: Sequence[object] = ()) -> None:
         """A new request under `request_id` and the encoder records of its images, in
