@@ -153,8 +153,8 @@ _start_lock = threading.Lock()
 def _main_module_hidden() -> Iterator[None]:
     """Start a worker without multiprocessing re-importing the parent's __main__ in it.
     Workers need nothing from it, and under `vlmserve` it is the whole CLI (transformers,
-    the model code): seconds per worker on this 2-core machine, which made a pool-backed
-    demo three times slower than decoding inline."""
+    the model code): seconds per worker on a small machine, which made a pool-backed demo
+    slower than decoding inline."""
     main = sys.modules.get("__main__")
     with _start_lock:
         if main is None:

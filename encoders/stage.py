@@ -156,7 +156,7 @@ def configured_pool(config: EncoderConfig) -> PreprocessPool | None:
 
 def warm_pool(config: EncoderConfig) -> None:
     """Start the shared pool now, on a background thread, so its worker start (the
-    forkserver imports the decode stack: seconds on a loaded 2-core machine) overlaps the
+    forkserver imports the decode stack: seconds on a small loaded machine) overlaps the
     rest of engine start-up instead of the first image request."""
     if config.resolved_num_workers:
         threading.Thread(target=configured_pool, args=(config,), daemon=True).start()
