@@ -24,11 +24,11 @@ from benchmarks.reliability.common import (
     count,
     data_url,
     gather_limited,
-    in_process_server,
     png_bytes,
     send,
     user_message,
 )
+from benchmarks.reliability.server import children_of, in_process_server
 from benchmarks.reliability.soak import SoakConfig, drive, fallback_bad_images
 from benchmarks.reliability.ssrf_http import (
     Canary,
