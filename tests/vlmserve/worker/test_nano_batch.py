@@ -13,7 +13,8 @@ import functools
 import pytest
 import torch
 
-from kernels.attention import AttentionBatch, select_backend
+from kernels.attention import AttentionBatch
+from kernels.backends import select_backend
 from kernels.packed_linear import pack_linears
 from search.nanoflow.handmade_schedules import (
     four_two_schedule,
