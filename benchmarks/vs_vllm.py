@@ -34,8 +34,8 @@ from typing import Literal, NamedTuple
 import vlmserve
 from benchmarks.lib import vllm_cpu
 from benchmarks.lib.common import write_result
+from benchmarks.lib.vs_vllm_report import report, report_serving
 from benchmarks.lib.vs_vllm_serve import run_serving
-from benchmarks.vs_vllm_report import report, report_serving
 
 System = Literal["vllm", "vlmserve"]
 SERVE_RATES_TEXT = [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0]  # requests/s
