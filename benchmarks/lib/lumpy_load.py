@@ -1,4 +1,4 @@
-"""The scaled-down lumpy mix over HTTP, for benchmarks/sim_vs_real.py.
+"""The scaled-down lumpy mix over HTTP, for benchmarks/serving/sim_vs_real.py.
 
 Requests are built before the clock starts (text chat as Poisson arrivals, bursts of
 3-image requests with real PNGs of 13 tiles each), sent at their times by one asyncio

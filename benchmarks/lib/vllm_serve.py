@@ -1,4 +1,4 @@
-"""`vllm serve` for the vLLM environment of `benchmarks/vs_vllm.py`: run by that
+"""`vllm serve` for the vLLM environment of `benchmarks/serving/vs_vllm.py`: run by that
 environment's Python with vLLM's own arguments.
 
     VENV/bin/python benchmarks/lib/vllm_serve.py serve MODEL --port 8001 ...
@@ -15,8 +15,8 @@ import importlib.metadata
 import sys
 from pathlib import Path
 
-# This script's folder is first on sys.path: benchmarks/kernels.py would pass for the
-# `kernels` hub package vLLM probes for (see vllm_worker.py).
+# This script's folder is first on sys.path: keep it off, as vllm_worker.py does (a module
+# there would pass for the `kernels` hub package vLLM probes for).
 _HERE = Path(__file__).resolve().parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 _version = importlib.metadata.version

@@ -1,4 +1,4 @@
-"""The vLLM side of `benchmarks/vs_vllm.py`: run by the vLLM virtual environment's Python
+"""The vLLM side of `benchmarks/serving/vs_vllm.py`: run by the vLLM virtual environment's Python
 (never by the project's), so it imports nothing from this repository.
 
     VENV/bin/python benchmarks/lib/vllm_worker.py SPEC.json RESULT.json
@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-# Python puts this script's folder first on sys.path, where benchmarks/kernels.py would be
-# taken for the `kernels` hub package that transformers and vLLM probe for.
+# Python puts this script's folder first on sys.path, where a module named like a package
+# transformers and vLLM probe for (the `kernels` hub package) would be taken for it.
 _HERE = Path(__file__).resolve().parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 

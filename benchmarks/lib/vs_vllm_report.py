@@ -1,4 +1,4 @@
-"""The tables `benchmarks/vs_vllm.py` prints from its results: the offline workloads
+"""The tables `benchmarks/serving/vs_vllm.py` prints from its results: the offline workloads
 (time, tokens/s, ratio, greedy agreement) and the serving sweeps."""
 
 from __future__ import annotations

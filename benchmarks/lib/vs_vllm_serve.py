@@ -1,6 +1,6 @@
-"""The serving part of `benchmarks/vs_vllm.py` (--serve): `vllm serve` and `vlmserve serve`
+"""The serving part of `benchmarks/serving/vs_vllm.py` (--serve): `vllm serve` and `vlmserve serve`
 on the same checkpoint under the same Poisson load from one streaming client
-(`benchmarks/serve_load.py`'s request loop), with the same KV block size and cache budget.
+(`benchmarks/serving/serve_load.py`'s request loop), with the same KV block size and cache budget.
 Both servers are up for the whole sweep and the load alternates between them pass by pass:
 each rate is offered `repeats` times to each server, in the order ABBA... that
 `pass_order` gives (it flips from rate to rate as well), each pass with its own prompts
@@ -38,7 +38,7 @@ import httpx
 import vlmserve
 from benchmarks.lib import vllm_cpu
 from benchmarks.lib.vs_vllm_workloads import kv_bytes_per_token, synthetic_jpeg
-from benchmarks.serve_load import one_request, percentiles
+from benchmarks.serving.serve_load import one_request, percentiles
 from vlmserve.worker.models.random_checkpoint import WORDS
 
 REPO = Path(__file__).resolve().parents[2]

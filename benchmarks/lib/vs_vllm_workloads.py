@@ -1,7 +1,7 @@
-"""The two workloads of `benchmarks/vs_vllm.py`, written to disk for both contenders: a
+"""The two workloads of `benchmarks/serving/vs_vllm.py`, written to disk for both contenders: a
 checkpoint folder and a spec (engine settings, warm-up and measured requests).
 
-- text: the offline-throughput workload (`benchmarks/offline_throughput.py`), prompts
+- text: the offline-throughput workload (`benchmarks/engine/offline_throughput.py`), prompts
   given as token ids.
 - image: a LLaVA-OneVision-shaped random checkpoint (SigLIP tower at the family's tile
   384 / patch 14, anyres grids up to 6 x 6 with `anyres_max_9`, the text workload's decoder
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from benchmarks.offline_throughput import parse_args as offline_args
-from benchmarks.offline_throughput import workload as offline_workload
+from benchmarks.engine.offline_throughput import parse_args as offline_args
+from benchmarks.engine.offline_throughput import workload as offline_workload
 from encoders.tiling.anyres import anyres_layout
 from vlmserve.worker.models.random_checkpoint import (
     WORDS,

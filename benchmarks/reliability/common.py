@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image
 
 from benchmarks.lib.common import RESULTS, table
-from benchmarks.serve_load import WORDS
+from benchmarks.serving.serve_load import WORDS
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULT_PATH = RESULTS / "reliability.json"

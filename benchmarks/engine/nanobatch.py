@@ -23,8 +23,8 @@ the makespan beat the sequential time) is reported next to the measured ratio; t
 splits either way. Every --check-every-th timed step is run again in the other mode and
 the greedy tokens compared.
 
-    .venv/bin/python -m benchmarks.nanobatch            # ~2 minutes
-    .venv/bin/python -m benchmarks.nanobatch --quick    # smoke-sized
+    .venv/bin/python -m benchmarks.engine.nanobatch            # ~2 minutes
+    .venv/bin/python -m benchmarks.engine.nanobatch --quick    # smoke-sized
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def make_schedule(args: argparse.Namespace, one_core: DurationUs, all_cores: Dur
     # The unsplit layer runs on every core; the split one's nano-operations on one each.
     unsplit = sum(all_cores(n.op, args.batch) for n in sequential.nano_ops if n.row_start == 0)
     return Schedule(split.model, split.device, split.dense_batch, split.nano_ops, unsplit,
-                    {"source": f"benchmarks.nanobatch {args.schedule}, CPU roofline"})  # fmt: skip
+                    {"source": f"benchmarks.engine.nanobatch {args.schedule}, "
+                               "CPU roofline"})  # fmt: skip
 
 
 def run(path: str, schedule_path: Path, args: argparse.Namespace) -> dict:

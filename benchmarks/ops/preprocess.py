@@ -13,8 +13,8 @@ machine does not inflate it). Medians of --repeat rounds, each round running eve
 contender once (a slow spell of a shared machine hits all of them); the speed-up's
 spread over the rounds is reported beside it.
 
-    .venv/bin/python -m benchmarks.preprocess                  # 200 images
-    .venv/bin/python -m benchmarks.preprocess --num-images 24  # a quick run
+    .venv/bin/python -m benchmarks.ops.preprocess                  # 200 images
+    .venv/bin/python -m benchmarks.ops.preprocess --num-images 24  # a quick run
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from encoders.image_spec import ImageSpec
 from encoders.preprocess import PreprocessPool
 from vlmserve.cli.info import dist_version, pil_variant
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SIZES = [(640, 480), (1024, 768), (1280, 960), (1920, 1080), (2048, 1536), (4000, 3000),
          (4000, 1000), (2400, 600), (1170, 2532), (750, 1334)]  # fmt: skip
 
@@ -207,7 +207,8 @@ def plain_pillow_runs(args: argparse.Namespace, family: str) -> dict[str, dict]:
             print(f"[preprocess] could not install {spec} into {target}: no stock-pillow rows")
             return {}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target.resolve()), str(ROOT)])}
-    command = [sys.executable, "-m", "benchmarks.preprocess", "--ours-only", "--families", family,
+    command = [sys.executable, "-m", "benchmarks.ops.preprocess", "--ours-only",
+               "--families", family,
                "--num-images", str(args.num_images), "--seed", str(args.seed),
                "--repeat", str(args.repeat)]  # fmt: skip
     out = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, check=False)

@@ -15,8 +15,8 @@ round, medians; 2-thread wall times are printed beside them, with the load avera
 GFLOP/s counts the causal attention's useful FLOPs (4 * head_dim * heads per visible
 query-key pair).
 
-    .venv/bin/python -m benchmarks.prefill_attention
-    .venv/bin/python -m benchmarks.prefill_attention --rounds 3 --skip-steps
+    .venv/bin/python -m benchmarks.ops.prefill_attention
+    .venv/bin/python -m benchmarks.ops.prefill_attention --rounds 3 --skip-steps
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.engine.offline_throughput import make_engine, parse_args, workload
 from benchmarks.lib.common import environment, table, write_result
-from benchmarks.offline_throughput import make_engine, parse_args, workload
 from kernels.attention import AttentionBatch
 from kernels.backends import select_backend
 from vlmserve.engine.core import Engine

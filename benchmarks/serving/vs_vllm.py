@@ -10,10 +10,10 @@ Opt-in: never in CI nor the README's commands. The first run builds vLLM's own v
 environment (about 4 minutes, 3.5 GB) in ~/.cache/vlmserve/vllm-cpu-venv (--vllm-venv or
 VLMSERVE_VLLM_VENV elsewhere) from a Python 3.11 (--python311 / VLMSERVE_VLLM_PYTHON).
 
-    .venv/bin/python -m benchmarks.vs_vllm                        # both workloads, 2 rounds
-    .venv/bin/python -m benchmarks.vs_vllm --quick                # smoke-sized, 1 round
-    .venv/bin/python -m benchmarks.vs_vllm --workload text --rounds 3
-    .venv/bin/python -m benchmarks.vs_vllm --serve --workload text --serve-requests 32
+    .venv/bin/python -m benchmarks.serving.vs_vllm                        # both workloads, 2 rounds
+    .venv/bin/python -m benchmarks.serving.vs_vllm --quick                # smoke-sized, 1 round
+    .venv/bin/python -m benchmarks.serving.vs_vllm --workload text --rounds 3
+    .venv/bin/python -m benchmarks.serving.vs_vllm --serve --workload text --serve-requests 32
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from benchmarks.lib.vs_vllm_serve import run_serving
 System = Literal["vllm", "vlmserve"]
 SERVE_RATES_TEXT = [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0]  # requests/s
 SERVE_RATES_IMAGE = [0.02, 0.05, 0.1, 0.2, 0.4]
-REPO = Path(__file__).resolve().parent.parent
-VLLM_WORKER = Path(__file__).resolve().parent / "lib" / "vllm_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+VLLM_WORKER = Path(__file__).resolve().parents[1] / "lib" / "vllm_worker.py"
 # What vLLM said about the checkpoint layouts it refused (the workloads write what it takes).
 VLLM_REFUSALS = {
     "image": "ValueError: There is no module or parameter named 'vision_tower.embeddings' in "
@@ -127,7 +127,7 @@ def run_contender(system: System, spec: dict, args: argparse.Namespace, tag: str
         cmd = [
             sys.executable,
             "-m",
-            "benchmarks.vs_vllm",
+            "benchmarks.serving.vs_vllm",
             "--worker",
             spec["path"],
             str(result_path),
@@ -179,7 +179,7 @@ def last_error(log: str) -> str:
 
 def vlmserve_worker(spec_path: str, result_path: str) -> None:
     """The vlmserve side: the engine offline_throughput measures, same KV sizing rule."""
-    from benchmarks.offline_throughput import make_engine
+    from benchmarks.engine.offline_throughput import make_engine
     from vlmserve.inputs.processing import Request
     from vlmserve.sample.params import SamplingParams
 

@@ -1,5 +1,5 @@
 """Vision work per image: vlmserve's fused SigLIP forward against the old one and
-transformers', on `benchmarks/vs_vllm.py`'s image workload.
+transformers', on `benchmarks/serving/vs_vllm.py`'s image workload.
 
 The workload's LLaVA-OneVision-shaped random checkpoint (SigLIP tower at tile 384 /
 patch 14, hidden 768, 12 heads, `--vision-layers` layers; the projector into the text
@@ -15,8 +15,8 @@ interleaved rounds; medians of wall time and of process CPU time (all threads) p
   more)
 - fused+packed, 1-tile chunks / all tiles at once: the other chunking
 
-    .venv/bin/python -m benchmarks.vision_tower           # ~3 minutes on 2 cores
-    .venv/bin/python -m benchmarks.vision_tower --quick   # 2 layers, 2 rounds
+    .venv/bin/python -m benchmarks.ops.vision_tower           # ~3 minutes on 2 cores
+    .venv/bin/python -m benchmarks.ops.vision_tower --quick   # 2 layers, 2 rounds
 """
 
 from __future__ import annotations

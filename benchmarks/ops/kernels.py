@@ -7,13 +7,13 @@ model (32 query heads over 8 KV heads, head dim 128, bfloat16, 16-token blocks s
 over the cache) at contexts 2k / 8k / 32k and batch 1 / 64, for the torch backend (gather
 + batched matmul, the reference), Triton and FlashInfer side by side, each checked
 against the torch backend's output first. Then decode at batch 1 of the gpu_check model
-as a share of its bandwidth bound (weight bytes / copy bandwidth; benchmarks/decode_bound.py)
+as a share of its bandwidth bound (weight bytes / copy bandwidth; benchmarks/ops/decode_bound.py)
 per backend: the article's §10 quotes 50-65% for vLLM, the issue's target is >= 80%.
 
 Without a GPU it runs the correctness comparison (Triton in its interpreter against the
 torch backend) and says that no GPU figure was measured.
 
-    .venv/bin/python -m benchmarks.kernels        # writes benchmarks/results/kernels.json
+    .venv/bin/python -m benchmarks.ops.kernels        # writes benchmarks/results/kernels.json
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _on(meta, device: torch.device):
 def decode_bound_rows(args) -> list[dict]:
     """Decode at batch 1 of a random Llama-shaped model per backend (and Triton with and
     without CUDA graphs), as a share of weight bytes / copy bandwidth."""
-    from benchmarks.decode_bound import decode_batch1
+    from benchmarks.ops.decode_bound import decode_batch1
     from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 
     rows = []

@@ -9,7 +9,7 @@ warm-up request on another image:
   * text before the image, encoder cache off: the baseline for the row above.
 Medians over --repeat runs; the target is >= 5x lower TTFT for the second question.
 
-    .venv/bin/python -m benchmarks.encoder_cache
+    .venv/bin/python -m benchmarks.engine.encoder_cache
 """
 
 from __future__ import annotations

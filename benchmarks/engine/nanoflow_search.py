@@ -7,7 +7,7 @@ The reference's 70B structure (4 nano-operations over KQV, attention and the col
 after it, 2 over the rest) is also solved with its counts forced, from the searched
 schedule cut to them, for comparison. Writes benchmarks/results/nanoflow_search.json.
 
-    .venv/bin/python -m benchmarks.nanoflow_search [--time-limit 30] [--skip-cpu]
+    .venv/bin/python -m benchmarks.engine.nanoflow_search [--time-limit 30] [--skip-cpu]
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ The model is a random decoder (~28M parameters by default) built with
 which is what lets n-gram drafts be accepted; read `copy` as "what the machinery delivers
 when drafts are right", not as a prediction for a trained model on real text.
 
-    .venv/bin/python benchmarks/spec_decode.py [--quick]
+    .venv/bin/python -m benchmarks.engine.spec_decode [--quick]
 
 Prints the load average before and after (the host may be shared) and writes
 benchmarks/results/spec_decode.json.
@@ -49,7 +49,7 @@ from vlmserve.sample.params import SamplingParams
 from vlmserve.sample.verify import ridge_batch_for
 from vlmserve.worker.models.random_checkpoint import NUM_FILLER_WORDS, make_text_checkpoint
 
-RESULTS = Path(__file__).parent / "results" / "spec_decode.json"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "spec_decode.json"
 FILLER = [f"w{i}" for i in range(NUM_FILLER_WORDS)]
 
 
@@ -223,7 +223,7 @@ def main() -> None:
     print(f"load average after: {load_average()}; {elapsed:.0f} s")
 
     report = {
-        "command": "benchmarks/spec_decode.py" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.engine.spec_decode" + (" --quick" if args.quick else ""),
         "model": {"hidden": args.hidden, "layers": args.layers, "num_params": num_params},
         "gamma_max": args.gamma,
         "ridge_batch": ridge,

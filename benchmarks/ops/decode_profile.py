@@ -3,8 +3,8 @@ offline-throughput workload (same model, requests and engine settings; every pro
 fully prefilled before the profiled steps). Prints self-CPU share per op and writes the
 table to benchmarks/results/<name>.json.
 
-    .venv/bin/python -m benchmarks.decode_profile                # full workload, 30 steps
-    .venv/bin/python -m benchmarks.decode_profile --quick --steps 10
+    .venv/bin/python -m benchmarks.ops.decode_profile                # full workload, 30 steps
+    .venv/bin/python -m benchmarks.ops.decode_profile --quick --steps 10
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.engine.offline_throughput import make_engine, parse_args, workload
 from benchmarks.lib.common import environment, table, write_result
-from benchmarks.offline_throughput import make_engine, parse_args, workload
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams

@@ -35,7 +35,7 @@ cannot), and a repeat during which other processes took over 15% of the CPU (mea
 from /proc, `other_cpu_share`) is reported but left out of the medians. The load itself
 is in benchmarks/lib/lumpy_load.py.
 
-    python -m benchmarks.sim_vs_real   # → benchmarks/results/sim_vs_real.json"""
+    python -m benchmarks.serving.sim_vs_real   # → benchmarks/results/sim_vs_real.json"""
 
 from __future__ import annotations
 
@@ -178,7 +178,15 @@ def warm_up(url: str, seed: int) -> None:
 
 def load_from_another_process(url: str, seed: int) -> None:
     """The calibration load, sent by a client process (not competing for this one's GIL)."""
-    cmd = [sys.executable, "-m", "benchmarks.sim_vs_real", "--client", url, "--seed", str(seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.serving.sim_vs_real",
+        "--client",
+        url,
+        "--seed",
+        str(seed),
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 

@@ -7,8 +7,8 @@ static batches, each running to its longest output. Both run in this process, an
 device's matmul peak and memory bandwidth are measured in the same run for the roofline
 fraction.
 
-    .venv/bin/python -m benchmarks.offline_throughput            # the full workload
-    .venv/bin/python -m benchmarks.offline_throughput --quick    # a smoke-sized run
+    .venv/bin/python -m benchmarks.engine.offline_throughput            # the full workload
+    .venv/bin/python -m benchmarks.engine.offline_throughput --quick    # a smoke-sized run
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Two workloads, both reported:
   is where the two policies should differ by 1.3x or more. It is also the harder case
   for the text p99 target, since three times as many text requests arrive mid-burst.
 
-    python -m benchmarks.lumpy_admission   # → benchmarks/results/lumpy_admission.{json,png}
+    python -m benchmarks.serving.lumpy_admission   # → benchmarks/results/lumpy_admission.{json,png}
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Load test of `/v1/chat/completions`: Poisson arrivals of a request mix, streamed.
 
-    .venv/bin/python benchmarks/serve_load.py                      # in-process server, tiny model
-    .venv/bin/python benchmarks/serve_load.py --model CKPT --num-requests 300 --rate 4
-    .venv/bin/python benchmarks/serve_load.py --url http://127.0.0.1:8000 --api-key KEY
+    .venv/bin/python -m benchmarks.serving.serve_load              # in-process server, tiny model
+    .venv/bin/python -m benchmarks.serving.serve_load --model CKPT --num-requests 300 --rate 4
+    .venv/bin/python -m benchmarks.serving.serve_load --url http://127.0.0.1:8000 --api-key KEY
 
 The mix: text-only, one image, several images, and a repeated image (drawn from a pool
 of three, so later asks hit the prefix cache). Reports request throughput, TTFT and TPOT
@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tpot-slo", type=float, default=0.2, help="TPOT target, seconds")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=str(Path(__file__).parent / "results" / "serve_load.json"))
+    p.add_argument(
+        "--output", default=str(Path(__file__).resolve().parents[1] / "results" / "serve_load.json")
+    )
     args = p.parse_args(argv)
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(local_server(args.model))

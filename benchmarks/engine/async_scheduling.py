@@ -17,8 +17,8 @@ core and the engine thread the other, as a host and its GPU would. Each (batch, 
 --rounds times, the mode order alternating per round; the table shows medians. Outputs
 must be identical between the modes (greedy); the run stops if they are not.
 
-    .venv/bin/python -m benchmarks.async_scheduling            # ~2-3 minutes
-    .venv/bin/python -m benchmarks.async_scheduling --quick    # batch 16, one round
+    .venv/bin/python -m benchmarks.engine.async_scheduling            # ~2-3 minutes
+    .venv/bin/python -m benchmarks.engine.async_scheduling --quick    # batch 16, one round
 """
 
 from __future__ import annotations

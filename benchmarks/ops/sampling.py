@@ -10,7 +10,7 @@ median of 3 tokens, 5 at the 90th percentile, hundreds in the widest 1%) and "fl
 (2·N(0,1): a nucleus of ~7600, the worst case for the CPU's top-p, which then sorts).
 Per repeat every case runs old then new or new then old, alternating; medians reported.
 
-    .venv/bin/python -m benchmarks.sampling --repeat 7   # ~2 min on 1 CPU thread
+    .venv/bin/python -m benchmarks.ops.sampling --repeat 7   # ~2 min on 1 CPU thread
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def main() -> None:
     path = write_result(args.out, {
         "what": "sampling time per step (ms, median): row-by-row host sampler (old) vs "
                 "batched sampler where the logits are (new), interleaved",
-        "command": "python -m benchmarks.sampling " + " ".join(
+        "command": "python -m benchmarks.ops.sampling " + " ".join(
             f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
             for k, v in vars(args).items()),
         "environment": environment(device),

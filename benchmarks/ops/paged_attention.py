@@ -7,7 +7,7 @@ the backend before it was rewritten: per context bucket, index the cache by slot
 tensor each call) and call SDPA with `enable_gqa` and a boolean mask. Outputs are checked
 equal before timing; medians over --repeat calls.
 
-    .venv/bin/python -m benchmarks.paged_attention
+    .venv/bin/python -m benchmarks.ops.paged_attention
 """
 
 from __future__ import annotations

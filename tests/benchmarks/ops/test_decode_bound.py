@@ -1,10 +1,10 @@
-"""benchmarks/decode_bound.py on a tiny checkpoint: the weight bytes a decode step reads."""
+"""benchmarks/ops/decode_bound.py on a tiny checkpoint: the weight bytes a decode step reads."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.decode_bound import decode_batch1
+from benchmarks.ops.decode_bound import decode_batch1
 from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 
 

@@ -3,7 +3,7 @@ every weight once, so it can take no less than weight bytes / measured copy band
 (article §11: at batch 1 decode is memory-bound). Reports ms per step and the bound as a
 share of it. `benchmarks/gpu_check.py` runs it on the GPU; on a CPU:
 
-    .venv/bin/python -m benchmarks.decode_bound              # the offline workload's model
+    .venv/bin/python -m benchmarks.ops.decode_bound              # the offline workload's model
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 
 import torch
 
+from benchmarks.engine.offline_throughput import make_engine
 from benchmarks.lib.common import environment, memory_bandwidth, sync_for, table, write_result
-from benchmarks.offline_throughput import make_engine
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams

@@ -8,7 +8,7 @@ more than the caches, read from memory as in a real step. The two contenders alt
 pass by pass; medians over --rounds passes; the outputs are checked equal first. The achieved weight
 bandwidth is set against a plain read of 0.4 GB (`torch.sum`).
 
-    .venv/bin/python -m benchmarks.skinny_linear
+    .venv/bin/python -m benchmarks.ops.skinny_linear
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 import torch
 from torch import nn
 
+from benchmarks.engine.offline_throughput import parse_args as offline_args
 from benchmarks.lib.common import table, write_result
-from benchmarks.offline_throughput import parse_args as offline_args
 from kernels.packed_linear import MKL_MIN_ROWS, SKINNY_MAX_ROWS, PackedLinear, skinny_available
 
 

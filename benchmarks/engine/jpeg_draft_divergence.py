@@ -10,7 +10,7 @@ share of requests whose output differs; and, as the baseline in the same run, dr
 against the reference image processor (the HF processor, or SceneProcessor for the
 embedded model), which must be 0%.
 
-    .venv/bin/python -m benchmarks.jpeg_draft_divergence [--num-requests 50]
+    .venv/bin/python -m benchmarks.engine.jpeg_draft_divergence [--num-requests 50]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The pure parts of benchmarks/vs_vllm.py (no vLLM here: CI never runs it)."""
+"""The pure parts of benchmarks/serving/vs_vllm.py (no vLLM here: CI never runs it)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from benchmarks.lib.vs_vllm_serve import (
     pass_order,
     process_cpu_s,
 )  # fmt: skip
-from benchmarks.vs_vllm import agreement, last_error, matched_prefix, round_order, summarize
+from benchmarks.serving.vs_vllm import agreement, last_error, matched_prefix, round_order, summarize
 
 
 def test_matched_prefix_stops_at_first_difference():

@@ -26,8 +26,8 @@ the pipeline's read map, object store, batching and the engine draining at each 
 end). The driver's own CPU per image (it parses and appends every line) bounds how far
 one driver scales. Captions must agree across the modes (the run stops if not).
 
-    .venv/bin/python -m benchmarks.caption_scale             # ~8 minutes here
-    .venv/bin/python -m benchmarks.caption_scale --quick     # 96 images, one round
+    .venv/bin/python -m benchmarks.engine.caption_scale             # ~8 minutes here
+    .venv/bin/python -m benchmarks.engine.caption_scale --quick     # 96 images, one round
 """
 
 from __future__ import annotations
