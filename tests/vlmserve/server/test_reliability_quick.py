@@ -28,7 +28,7 @@ from benchmarks.reliability.common import (
     send,
     user_message,
 )
-from benchmarks.reliability.server import children_of, in_process_server
+from benchmarks.reliability.server import in_process_server
 from benchmarks.reliability.soak import SoakConfig, drive, fallback_bad_images
 from benchmarks.reliability.ssrf_http import (
     Canary,
