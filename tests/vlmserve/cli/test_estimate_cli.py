@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmserve.cli.estimate.main import read_image_size, register
+from vlmserve.cli.estimate.labs import read_image_size
+from vlmserve.cli.estimate.main import register
 
 REPO = Path(__file__).resolve().parents[3]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -223,6 +224,7 @@ def run_process(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # two `vlmserve estimate` subprocesses
 def test_subprocess_json_and_error_exit():
     ok = run_process("batching", "--context", "131072", "--json")
     assert ok.returncode == 0, ok.stderr
@@ -236,6 +238,7 @@ def test_subprocess_json_and_error_exit():
 # --- capacity (trace simulator) ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_capacity_table_per_class(capsys):
     argv = ["capacity", "--mix", "vlm", "--num-requests", "80", "--rate", "2"]
     code, out, err = run_cli(capsys, *argv)

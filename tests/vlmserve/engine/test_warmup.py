@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from benchmarks.reliability.common import free_port
+from benchmarks.reliability.server import free_port
 from scheduler.config import CacheConfig, SchedulerConfig
 from tests.vlmserve.engine.test_engine import chat
 from vlmserve.config import EngineConfig, ModelConfig
