@@ -12,10 +12,11 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from benchmarks.reliability.server import free_port
 from scheduler.config import CacheConfig, SchedulerConfig
-from tests.vlmserve.engine.test_engine import chat
+from tests.helpers import chat
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine.core import Engine
 from vlmserve.engine.warmup import decode_buckets
@@ -40,6 +41,7 @@ def test_decode_buckets():
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
 
 
+@pytest.mark.slow
 def test_warmup_runs_every_phase_and_changes_no_output(llava_ov_path, random_image):
     warm = engine(llava_ov_path, warmup=True)
     report = warm.warmup
@@ -59,6 +61,7 @@ def test_warmup_runs_every_phase_and_changes_no_output(llava_ov_path, random_ima
     assert after.token_ids == cold.token_ids
 
 
+@pytest.mark.slow
 def test_serve_answers_503_until_the_warmup_is_done(llama_path, tmp_path):
     """`vlmserve serve` on a loopback port: /health is 503 while the engine loads and
     warms up, and the warm-up's line is in the log when it first answers 200."""

@@ -21,7 +21,7 @@ import torch
 
 from kernels.packed_linear import PackedLinear
 from scheduler.config import CacheConfig, SchedulerConfig
-from tests.vlmserve.engine.test_engine import chat
+from tests.helpers import chat
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
@@ -122,6 +122,7 @@ def check_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert agree.float().mean() >= 0.9, f"top-1 agreement {agree.float().mean():.2f}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "sizes"),
     [("llama", []), ("llava_onevision", [(90, 50)]), ("idefics3", [(70, 45)])],
@@ -148,6 +149,7 @@ def test_auto_dtype_picks_bf16_for_a_bf16_checkpoint_only_on_native_bf16(bf16_pa
     assert ModelConfig(str(bf16_paths["llama"]), device="cuda").torch_dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_a_bf16_kv_cache_under_float32_weights_stays_close_to_float32(llama_path):
     """--kv-cache-dtype bfloat16 with float32 weights: K/V rounded once into the cache,
     everything else float32: the logits stay within the bound of the float32 engine's (up
