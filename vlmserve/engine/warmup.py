@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image
 
+from vlmserve.config import EngineConfig
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
-
-if TYPE_CHECKING:
-    from vlmserve.engine.core import Engine
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +36,22 @@ DEFAULT_MAX_SECONDS = 20.0
 _SHORT_PROMPT = 8  # tokens of each decode-bucket request (under a block: never cached)
 _MAX_CHUNK = 2048  # the prefill phase's cap (a larger budget's chunks: met live)
 _IMAGE_SIZES = ((48, 48), (1536, 1024))  # the fewest and (capped by the tiling) most tiles
+
+
+class Engine(Protocol):
+    """What the warm-up uses of the Engine (vlmserve/engine/core.py, which calls it: a
+    protocol here, not an import back)."""
+
+    config: EngineConfig
+    tokenizer: Any
+    eos_token_ids: Any
+    max_model_len: int
+    runner: Any
+    num_steps: int
+
+    def has_unfinished(self) -> bool: ...
+
+    def generate(self, requests: list[Request]) -> list: ...
 
 
 @dataclass
@@ -85,7 +100,7 @@ def warm_up(engine: Engine, max_seconds: float = DEFAULT_MAX_SECONDS) -> WarmupR
     return report
 
 
-def _phases(engine: Engine):
+def _phases(engine: Engine) -> Iterator[tuple[str, list[Request]]]:
     """(name, requests) per phase, built lazily (in phase order)."""
     sched = engine.config.scheduler
     ids = engine.tokenizer("describe the picture please", add_special_tokens=False).input_ids
