@@ -11,13 +11,14 @@ recompute; fcfs: the newest). A victim loses its KV, goes to the front of the wa
 queue and is recomputed later (article §19); a step that preempts admits no one.
 
 Prefill chunks stop before an image that would take the step's vision-tower work past
-`encoder_tiles_per_step` (`scheduler.encoder_budget`). Under lumpy admission, sequences not
-admitted as quick share `lump_prefill_tokens_per_step` prefill tokens a step while a
-quick request is running or ready to start (with none, they take the whole budget), quick
-ones may use the KV headroom lumps must leave, and a step that carries a quick request's
-first token leaves the lumps out (`scheduler.admission`): it plans the running
-non-lumps, then starts quick requests, and only when none needs its first token does it
-go on to the lumps and the other admissions.
+the step's tile budget (`scheduler.encoder_budget`). Under lumpy admission, sequences not
+admitted as quick share the step's lump allowance (`scheduler.lump_budget`: the prefill
+and tile caps while a quick request needs them, the whole budget otherwise, with
+hysteresis; with a TPOT target and a step-cost model, only what keeps a step carrying
+decodes under the target), quick ones may use the KV headroom lumps must leave, and a
+step that carries a quick request's first token leaves the lumps out
+(`scheduler.admission`): it plans the running non-lumps, then starts quick requests, and
+only when none needs its first token does it go on to the lumps and the other admissions.
 
 With speculation on, a decode may also carry n-gram drafts (article §15): its query rows
 are its last token plus the drafts, they count against the budget, and blocks are grown
@@ -32,9 +33,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler.admission import AdmissionPolicy, Candidate, FcfsAdmission, LumpyAdmission
-from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig, request_class
 from scheduler.encoder_budget import cut_chunk, needs_tower
 from scheduler.kv_blocks import BlockManager
+from scheduler.lump_budget import (
+    TPOT_MARGIN,
+    URGENT_SLACK_SHARE,
+    LumpBudget,
+    StepCost,
+    TpotGuard,
+    largest_chunk,
+)
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
@@ -44,12 +53,18 @@ from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
 
 @dataclass
 class _Room:
-    """What is left of the step being planned: dense tokens, tower tiles spent, and the
-    prefill tokens sequences not admitted as quick may still take (None: no cap)."""
+    """What is left of the step being planned: dense tokens, tower tiles spent, the
+    prefill tokens sequences not admitted as quick may still take (None: no cap), the
+    step's tile budget (None: none), the TPOT guard (None: off) and the lump tokens it
+    can never refuse (what the caps would give: lumps always progress)."""
 
     tokens: int
     tiles_used: int
     lump_tokens: int | None
+    tile_budget: int | None = None
+    guard: TpotGuard | None = None
+    lump_floor: int = 0
+    capped: bool = True  # the quick requests' caps are fully on: lumps may yield
 
 
 def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> AdmissionPolicy:
@@ -74,8 +89,13 @@ class Scheduler:
         admission: AdmissionPolicy | None = None,
         speculative: SpeculativeConfig | None = None,
         encoder_cached: Callable[[bytes], bool] | None = None,
+        step_cost: StepCost | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
+        # Seconds a step of a given shape takes (TPOT guard) and the time now (slack
+        # against TTFT targets): injected by the engine and the simulator.
+        self.step_cost, self.clock = step_cost, clock
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.admission = admission or make_admission(config, cache, num_blocks)
         # Whether the encoder cache holds an image (by ImagePlaceholder.content_hash).
@@ -101,6 +121,12 @@ class Scheduler:
         # prefill is not capped.
         self._quick_ids: set[str] = set()
         self._yielded = False  # the previous step held lumps back for a quick request
+        self.lump_budget: LumpBudget | None = None
+        if config.admission == "lumpy":
+            self.lump_budget = LumpBudget(
+                self.admission.lump_prefill_tokens, config.encoder_tiles_per_step,
+                config.max_num_batched_tokens, config.lump_release_steps,
+            )  # fmt: skip
 
     @property
     def block_size(self) -> int:
@@ -139,6 +165,8 @@ class Scheduler:
         """Queue `seq`; `max_num_tokens` caps prompt + output (drafts never pass it)."""
         seq.status = "waiting"
         seq.num_waiting_steps = 0
+        if seq.arrival_time is None and self.clock is not None:
+            seq.arrival_time = self.clock()
         self.waiting.append(seq)
         self.seqs[seq.request_id] = seq
         if max_num_tokens is not None:
@@ -189,23 +217,32 @@ class Scheduler:
     def _is_cached(self, image: ImagePlaceholder) -> bool:
         return self.encoder_cached(image.content_hash)
 
-    def _cut_for_tiles(self, seq: Sequence, start: int, end: int, tiles_used: int):
+    def _cut_for_tiles(self, seq: Sequence, start: int, end: int, room: _Room):
         return cut_chunk(
             seq.images, start, end, self._admitted_at.get(seq.request_id, start),
-            self._is_cached, tiles_used, self.config.encoder_tiles_per_step,
+            self._is_cached, room.tiles_used, room.tile_budget,
         )  # fmt: skip
 
+    def _new_room(self) -> _Room:
+        """The step's budgets: under lumpy admission the lump allowance of this step."""
+        tokens, tile_cap = self.config.max_num_batched_tokens, self.config.encoder_tiles_per_step
+        if self.lump_budget is None:
+            return _Room(tokens, 0, None, tile_cap)
+        guard, tpot = None, self.config.slo.tpot_s
+        if self.step_cost is not None and tpot is not None and self.config.enable_chunked_prefill:
+            guard = TpotGuard(self.step_cost, tpot * TPOT_MARGIN)
+        allowance = self.lump_budget.next_step(self._quick_needs_caps(guard is not None))
+        floor = self.admission.lump_prefill_tokens or 0
+        return _Room(tokens, 0, allowance.tokens, allowance.tiles, guard, floor, allowance.capped)
+
     def schedule(self) -> StepPlan:
-        # The lump cap keeps steps short for quick requests: with none in the system (an
-        # image-only batch), lumps take the whole step budget.
-        cap = self.admission.lump_prefill_tokens
-        room = _Room(self.config.max_num_batched_tokens, 0, cap if self._has_quick() else None)
+        room = self._new_room()
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         queue = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
         step_gamma = self._step_gamma(queue, room.tokens)
         # Lumps may sit this step out for a quick request's first token, never two running.
-        may_yield = self.admission.yields_to_quick and not self._yielded
+        may_yield = self.admission.yields_to_quick and not self._yielded and room.capped
         lumps = [s for s in queue if may_yield and self._is_lump(s)]
         queue = [s for s in queue if s not in lumps] if lumps else queue
         self._run(queue, lumps, room, step_gamma, scheduled, preempted)
@@ -226,16 +263,33 @@ class Scheduler:
         self._yielded = yielded
         if not preempted and not yielded:
             scheduled += self._admit(room)
+        now = self.clock() if self.clock is not None else None
         for seq in self.waiting:
-            if seq.ready:
+            # With a TTFT target the aging clock starts at the deadline: before it, the
+            # slack order serves the request (an earlier deadline always goes first).
+            slack = self._slack(seq, now) if seq.ready else None
+            if seq.ready and (slack is None or slack < 0):
                 seq.num_waiting_steps += 1
         return StepPlan(scheduled, tuple(seq.request_id for seq in preempted))
 
-    def _has_quick(self) -> bool:
-        """A quick request is running, or waits ready to start as one."""
-        if any(s.request_id in self._quick_ids for s in self.running):
-            return True
-        return any(c.quick for c, _ in self._candidates())
+    def _quick_needs_caps(self, guarded: bool) -> bool:
+        """A quick request waits ready to start or runs without its first token yet, and
+        (with a TTFT target) has used up `URGENT_SLACK_SHARE` of it; or one decodes with
+        no TPOT guard to keep its steps short (`guarded`: there is one)."""
+        now = self.clock() if self.clock is not None else None
+        for s in self.running:
+            if s.request_id not in self._quick_ids:
+                continue
+            if not guarded or (s.num_output_tokens == 0 and self._urgent(s, now)):
+                return True
+        return any(c.quick and self._urgent(c.seq, now) for c, _ in self._candidates())
+
+    def _urgent(self, seq: Sequence, now: float | None) -> bool:
+        """Whether a quick request waiting for its first token needs protecting: without a
+        TTFT target always; with one, once less than its urgent share of it is left."""
+        slack = self._slack(seq, now)
+        target = self.config.slo.ttft_for(request_class(len(seq.images)))
+        return slack is None or target is None or slack < URGENT_SLACK_SHARE * target
 
     def _is_lump(self, seq: Sequence) -> bool:
         """A running prefill not admitted as quick (its chunks share the lump cap)."""
@@ -267,14 +321,19 @@ class Scheduler:
                 num_new = min(num_new, room.lump_tokens)
             if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
                 continue
+            start, tiles = seq.num_computed_tokens, 0
             if seq.images:
-                start = seq.num_computed_tokens
-                end, tiles = self._cut_for_tiles(seq, start, start + num_new, room.tiles_used)
+                end, tiles = self._cut_for_tiles(seq, start, start + num_new, room)
                 if end < start + num_new and not self.config.enable_chunked_prefill:
                     continue
                 if end == start:
                     continue  # its next image waits for a step with tower room
-                num_new, room.tiles_used = end - start, room.tiles_used + tiles
+                num_new = end - start
+            if lump and room.guard is not None:
+                num_new, tiles = self._guarded_chunk(seq, start, num_new, room)
+                if num_new == 0:
+                    continue
+            room.tiles_used += tiles
             total = seq.num_computed_tokens + num_new
             sample = total == seq.num_tokens
             drafts: tuple[int, ...] = ()
@@ -297,13 +356,41 @@ class Scheduler:
                 continue
             self.block_manager.grow(seq, total)
             scheduled.append(schedule_item(seq, num_new, sample, drafts))
-            room.tokens -= num_new
-            if lump and room.lump_tokens is not None:
+            self._spend(room, start, num_new, tiles, lump, decode=seq.num_uncomputed_tokens <= 1)
+
+    def _spend(
+        self, room: _Room, start: int, num_new: int, tiles: int, lump: bool, decode: bool
+    ) -> None:
+        room.tokens -= num_new
+        if lump:
+            room.lump_floor = max(0, room.lump_floor - num_new)
+            if room.lump_tokens is not None:
                 room.lump_tokens -= num_new
+        if room.guard is not None:
+            room.guard.add(start, num_new, tiles, decode)
+
+    def _guarded_chunk(
+        self, seq: Sequence, start: int, max_new: int, room: _Room
+    ) -> tuple[int, int]:
+        """(tokens, tiles) of a lump's chunk of at most `max_new` tokens that keeps the
+        step under the TPOT guard, never less than the caps' share (`room.lump_floor`)."""
+        assert room.guard is not None
+        guard = room.guard
+
+        def chunk(n: int) -> tuple[int, int]:
+            if not seq.images or n == 0:
+                return n, 0
+            end, tiles = self._cut_for_tiles(seq, start, start + n, room)
+            return end - start, tiles
+
+        return largest_chunk(
+            max_new, room.lump_floor, chunk, lambda n, tiles: guard.fits(start, n, tiles)
+        )
 
     def _candidates(self) -> list[tuple[Candidate, list[int]]]:
         """Ready waiting sequences, each with its prefix-cache match (blocks)."""
         bm, out = self.block_manager, []
+        now = self.clock() if self.clock is not None else None
         for seq in self.waiting:
             # (Preempted while its last token is in flight: that token is unknown yet.)
             if not seq.ready or seq.num_pending_tokens:
@@ -318,8 +405,15 @@ class Scheduler:
             )
             quick = not tower and seq.num_tokens - num_cached <= self.config.max_num_batched_tokens
             aged = seq.num_waiting_steps >= self.config.max_wait_steps
-            out.append((Candidate(seq, quick, aged), matched))
+            out.append((Candidate(seq, quick, aged, self._slack(seq, now)), matched))
         return out
+
+    def _slack(self, seq: Sequence, now: float | None) -> float | None:
+        """Seconds until `seq` misses its class's TTFT target; None without one."""
+        target = self.config.slo.ttft_for(request_class(len(seq.images)))
+        if target is None or now is None or seq.arrival_time is None:
+            return None
+        return seq.arrival_time + target - now
 
     def _admit(self, room: _Room, quick_only: bool = False) -> list[ScheduledSeq]:
         """Start waiting sequences in the policy's order while `room` and the pool allow;
@@ -356,7 +450,7 @@ class Scheduler:
             step_room = (
                 room.tokens if cand.quick or lump_tokens is None else min(room.tokens, lump_tokens)
             )
-            chunk = self._first_chunk(seq, num_cached, step_room, room.tiles_used)
+            chunk = self._first_chunk(seq, num_cached, step_room, room, not cand.quick)
             fits = chunk is not None and policy.can_admit(cand, cost, available, quick_blocks)
             if not fits or (quick_only and not cand.quick):
                 if policy.may_overtake(cand):
@@ -369,29 +463,31 @@ class Scheduler:
             room.tiles_used += tiles
             self._start(seq, matched, num_cached, num_new, cand.quick)
             scheduled.append(schedule_item(seq, num_new, num_cached + num_new == seq.num_tokens))
-            room.tokens -= num_new
             available -= cost
             if cand.quick:
                 quick_blocks += cost
-            elif room.lump_tokens is not None:
-                room.lump_tokens -= num_new
+            self._spend(room, num_cached, num_new, tiles, not cand.quick, decode=False)
         return scheduled
 
     def _first_chunk(
-        self, seq: Sequence, num_cached: int, room: int, tiles_used: int
+        self, seq: Sequence, num_cached: int, step_room: int, room: _Room, lump: bool
     ) -> tuple[int, int] | None:
-        """(tokens, tiles) of the first chunk of a waiting sequence given `room` tokens
+        """(tokens, tiles) of the first chunk of a waiting sequence given `step_room` tokens
         this step, or None when it cannot start this step (chunking off, no tower room)."""
         todo = seq.num_tokens - num_cached
-        num_new, tiles = min(todo, room), 0
+        num_new, tiles = min(todo, step_room), 0
         chunked = self.config.enable_chunked_prefill
         if num_new == 0 or (num_new < todo and not chunked):
             return None
         if seq.images:
-            end, tiles = self._cut_for_tiles(seq, num_cached, num_cached + num_new, tiles_used)
+            end, tiles = self._cut_for_tiles(seq, num_cached, num_cached + num_new, room)
             if end == num_cached or (end < num_cached + num_new and not chunked):
                 return None
             num_new = end - num_cached
+        if lump and room.guard is not None:
+            num_new, tiles = self._guarded_chunk(seq, num_cached, num_new, room)
+            if num_new == 0:
+                return None
         return num_new, tiles
 
     def _start(
