@@ -30,41 +30,18 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from scheduler.admission import AdmissionPolicy, Candidate, FcfsAdmission, LumpyAdmission
-from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig, request_class
+from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from scheduler.encoder_budget import cut_chunk, needs_tower
 from scheduler.kv_blocks import BlockManager
-from scheduler.lump_budget import (
-    TPOT_MARGIN,
-    URGENT_SLACK_SHARE,
-    LumpBudget,
-    StepCost,
-    TpotGuard,
-    largest_chunk,
-)
+from scheduler.lump_budget import LumpBudget, StepCost
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spec_policy import SpecPolicy
 from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
-
-
-@dataclass
-class _Room:
-    """What is left of the step being planned: dense tokens, tower tiles spent, the
-    prefill tokens sequences not admitted as quick may still take (None: no cap), the
-    step's tile budget (None: none), the TPOT guard (None: off) and the lump tokens it
-    can never refuse (what the caps would give: lumps always progress)."""
-
-    tokens: int
-    tiles_used: int
-    lump_tokens: int | None
-    tile_budget: int | None = None
-    guard: TpotGuard | None = None
-    lump_floor: int = 0
-    capped: bool = True  # the quick requests' caps are fully on: lumps may yield
+from scheduler.step_room import Room, guarded_chunk, is_urgent, new_room, slack_s
 
 
 def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> AdmissionPolicy:
@@ -217,23 +194,26 @@ class Scheduler:
     def _is_cached(self, image: ImagePlaceholder) -> bool:
         return self.encoder_cached(image.content_hash)
 
-    def _cut_for_tiles(self, seq: Sequence, start: int, end: int, room: _Room):
+    def _cut_for_tiles(self, seq: Sequence, start: int, end: int, room: Room):
         return cut_chunk(
             seq.images, start, end, self._admitted_at.get(seq.request_id, start),
             self._is_cached, room.tiles_used, room.tile_budget,
         )  # fmt: skip
 
-    def _new_room(self) -> _Room:
-        """The step's budgets: under lumpy admission the lump allowance of this step."""
-        tokens, tile_cap = self.config.max_num_batched_tokens, self.config.encoder_tiles_per_step
-        if self.lump_budget is None:
-            return _Room(tokens, 0, None, tile_cap)
-        guard, tpot = None, self.config.slo.tpot_s
-        if self.step_cost is not None and tpot is not None and self.config.enable_chunked_prefill:
-            guard = TpotGuard(self.step_cost, tpot * TPOT_MARGIN)
-        allowance = self.lump_budget.next_step(self._quick_needs_caps(guard is not None))
-        floor = self.admission.lump_prefill_tokens or 0
-        return _Room(tokens, 0, allowance.tokens, allowance.tiles, guard, floor, allowance.capped)
+    def _chunk_cut(self, seq: Sequence, start: int, room: Room):
+        """n -> (tokens, tiles) of `seq`'s chunk of n tokens from `start` this step."""
+
+        def cut(n: int) -> tuple[int, int]:
+            if not seq.images or n == 0:
+                return n, 0
+            end, tiles = self._cut_for_tiles(seq, start, start + n, room)
+            return end - start, tiles
+
+        return cut
+
+    def _new_room(self) -> Room:
+        cap = self.admission.lump_prefill_tokens
+        return new_room(self.config, self.lump_budget, cap, self.step_cost, self._needs_caps)
 
     def schedule(self) -> StepPlan:
         room = self._new_room()
@@ -267,29 +247,22 @@ class Scheduler:
         for seq in self.waiting:
             # With a TTFT target the aging clock starts at the deadline: before it, the
             # slack order serves the request (an earlier deadline always goes first).
-            slack = self._slack(seq, now) if seq.ready else None
+            slack = slack_s(seq, self.config.slo, now) if seq.ready else None
             if seq.ready and (slack is None or slack < 0):
                 seq.num_waiting_steps += 1
         return StepPlan(scheduled, tuple(seq.request_id for seq in preempted))
 
-    def _quick_needs_caps(self, guarded: bool) -> bool:
+    def _needs_caps(self, guarded: bool) -> bool:
         """A quick request waits ready to start or runs without its first token yet, and
-        (with a TTFT target) has used up `URGENT_SLACK_SHARE` of it; or one decodes with
-        no TPOT guard to keep its steps short (`guarded`: there is one)."""
-        now = self.clock() if self.clock is not None else None
+        is urgent (`step_room.is_urgent`); or one decodes with no TPOT guard to keep its
+        steps short (`guarded`: there is one)."""
+        slo, now = self.config.slo, self.clock() if self.clock is not None else None
         for s in self.running:
             if s.request_id not in self._quick_ids:
                 continue
-            if not guarded or (s.num_output_tokens == 0 and self._urgent(s, now)):
+            if not guarded or (s.num_output_tokens == 0 and is_urgent(s, slo, now)):
                 return True
-        return any(c.quick and self._urgent(c.seq, now) for c, _ in self._candidates())
-
-    def _urgent(self, seq: Sequence, now: float | None) -> bool:
-        """Whether a quick request waiting for its first token needs protecting: without a
-        TTFT target always; with one, once less than its urgent share of it is left."""
-        slack = self._slack(seq, now)
-        target = self.config.slo.ttft_for(request_class(len(seq.images)))
-        return slack is None or target is None or slack < URGENT_SLACK_SHARE * target
+        return any(c.quick and is_urgent(c.seq, slo, now) for c, _ in self._candidates())
 
     def _is_lump(self, seq: Sequence) -> bool:
         """A running prefill not admitted as quick (its chunks share the lump cap)."""
@@ -299,7 +272,7 @@ class Scheduler:
         self,
         queue: list[Sequence],
         spare: list[Sequence],
-        room: _Room,
+        room: Room,
         step_gamma: int,
         scheduled: list[ScheduledSeq],
         preempted: list[Sequence],
@@ -330,7 +303,9 @@ class Scheduler:
                     continue  # its next image waits for a step with tower room
                 num_new = end - start
             if lump and room.guard is not None:
-                num_new, tiles = self._guarded_chunk(seq, start, num_new, room)
+                num_new, tiles = guarded_chunk(
+                    room, start, num_new, self._chunk_cut(seq, start, room)
+                )
                 if num_new == 0:
                     continue
             room.tiles_used += tiles
@@ -356,36 +331,7 @@ class Scheduler:
                 continue
             self.block_manager.grow(seq, total)
             scheduled.append(schedule_item(seq, num_new, sample, drafts))
-            self._spend(room, start, num_new, tiles, lump, decode=seq.num_uncomputed_tokens <= 1)
-
-    def _spend(
-        self, room: _Room, start: int, num_new: int, tiles: int, lump: bool, decode: bool
-    ) -> None:
-        room.tokens -= num_new
-        if lump:
-            room.lump_floor = max(0, room.lump_floor - num_new)
-            if room.lump_tokens is not None:
-                room.lump_tokens -= num_new
-        if room.guard is not None:
-            room.guard.add(start, num_new, tiles, decode)
-
-    def _guarded_chunk(
-        self, seq: Sequence, start: int, max_new: int, room: _Room
-    ) -> tuple[int, int]:
-        """(tokens, tiles) of a lump's chunk of at most `max_new` tokens that keeps the
-        step under the TPOT guard, never less than the caps' share (`room.lump_floor`)."""
-        assert room.guard is not None
-        guard = room.guard
-
-        def chunk(n: int) -> tuple[int, int]:
-            if not seq.images or n == 0:
-                return n, 0
-            end, tiles = self._cut_for_tiles(seq, start, start + n, room)
-            return end - start, tiles
-
-        return largest_chunk(
-            max_new, room.lump_floor, chunk, lambda n, tiles: guard.fits(start, n, tiles)
-        )
+            room.spend(start, num_new, tiles, lump, decode=seq.num_uncomputed_tokens <= 1)
 
     def _candidates(self) -> list[tuple[Candidate, list[int]]]:
         """Ready waiting sequences, each with its prefix-cache match (blocks)."""
@@ -405,17 +351,10 @@ class Scheduler:
             )
             quick = not tower and seq.num_tokens - num_cached <= self.config.max_num_batched_tokens
             aged = seq.num_waiting_steps >= self.config.max_wait_steps
-            out.append((Candidate(seq, quick, aged, self._slack(seq, now)), matched))
+            out.append((Candidate(seq, quick, aged, slack_s(seq, self.config.slo, now)), matched))
         return out
 
-    def _slack(self, seq: Sequence, now: float | None) -> float | None:
-        """Seconds until `seq` misses its class's TTFT target; None without one."""
-        target = self.config.slo.ttft_for(request_class(len(seq.images)))
-        if target is None or now is None or seq.arrival_time is None:
-            return None
-        return seq.arrival_time + target - now
-
-    def _admit(self, room: _Room, quick_only: bool = False) -> list[ScheduledSeq]:
+    def _admit(self, room: Room, quick_only: bool = False) -> list[ScheduledSeq]:
         """Start waiting sequences in the policy's order while `room` and the pool allow;
         `quick_only`: quick ones alone; the others count as not fitting, so quick ones pass
         an aged lump only where the policy lets them pass one that does not fit."""
@@ -466,11 +405,11 @@ class Scheduler:
             available -= cost
             if cand.quick:
                 quick_blocks += cost
-            self._spend(room, num_cached, num_new, tiles, not cand.quick, decode=False)
+            room.spend(num_cached, num_new, tiles, not cand.quick, decode=False)
         return scheduled
 
     def _first_chunk(
-        self, seq: Sequence, num_cached: int, step_room: int, room: _Room, lump: bool
+        self, seq: Sequence, num_cached: int, step_room: int, room: Room, lump: bool
     ) -> tuple[int, int] | None:
         """(tokens, tiles) of the first chunk of a waiting sequence given `step_room` tokens
         this step, or None when it cannot start this step (chunking off, no tower room)."""
@@ -485,7 +424,9 @@ class Scheduler:
                 return None
             num_new = end - num_cached
         if lump and room.guard is not None:
-            num_new, tiles = self._guarded_chunk(seq, num_cached, num_new, room)
+            num_new, tiles = guarded_chunk(
+                room, num_cached, num_new, self._chunk_cut(seq, num_cached, room)
+            )
             if num_new == 0:
                 return None
         return num_new, tiles

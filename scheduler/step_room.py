@@ -1,0 +1,98 @@
+"""The budgets of the step being planned (`Room`) and the SLO arithmetic the planner
+plans with: a waiting request's slack against its class's TTFT target, whether a quick
+request is urgent enough to need the lump caps, and a lump's chunk sized by the TPOT guard.
+Pure: the planner owns the sequences and passes what these need."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler.config import SchedulerConfig, SloConfig, request_class
+from scheduler.lump_budget import (
+    TPOT_MARGIN,
+    URGENT_SLACK_SHARE,
+    LumpBudget,
+    StepCost,
+    TpotGuard,
+    largest_chunk,
+)
+from scheduler.sequence import Sequence
+
+
+@dataclass
+class Room:
+    """What is left of the step being planned: dense tokens, tower tiles spent, the
+    prefill tokens sequences not admitted as quick may still take (None: no cap), the
+    step's tile budget (None: none), the TPOT guard (None: off) and the lump tokens it
+    can never refuse (what the caps would give: lumps always progress)."""
+
+    tokens: int
+    tiles_used: int
+    lump_tokens: int | None
+    tile_budget: int | None = None
+    guard: TpotGuard | None = None
+    lump_floor: int = 0
+    capped: bool = True  # the quick requests' caps are fully on: lumps may yield
+
+    def spend(self, start: int, num_new: int, tiles: int, lump: bool, decode: bool) -> None:
+        """Book a chunk of `num_new` rows after `start` computed tokens (tiles are booked
+        by the caller as it cuts chunks)."""
+        self.tokens -= num_new
+        if lump:
+            self.lump_floor = max(0, self.lump_floor - num_new)
+            if self.lump_tokens is not None:
+                self.lump_tokens -= num_new
+        if self.guard is not None:
+            self.guard.add(start, num_new, tiles, decode)
+
+
+def new_room(
+    config: SchedulerConfig,
+    budget: LumpBudget | None,
+    cap_tokens: int | None,
+    step_cost: StepCost | None,
+    needs_caps: Callable[[bool], bool],
+) -> Room:
+    """The budgets of a step: under lumpy admission (`budget`) this step's lump allowance,
+    asking `needs_caps(guarded)` whether a quick request needs the caps now, and the TPOT
+    guard where a target and a step-cost model are given."""
+    tokens, tile_cap = config.max_num_batched_tokens, config.encoder_tiles_per_step
+    if budget is None:
+        return Room(tokens, 0, None, tile_cap)
+    guard, tpot = None, config.slo.tpot_s
+    if step_cost is not None and tpot is not None and config.enable_chunked_prefill:
+        guard = TpotGuard(step_cost, tpot * TPOT_MARGIN)
+    allowance = budget.next_step(needs_caps(guard is not None))
+    return Room(
+        tokens, 0, allowance.tokens, allowance.tiles, guard, cap_tokens or 0, allowance.capped
+    )
+
+
+def slack_s(seq: Sequence, slo: SloConfig, now: float | None) -> float | None:
+    """Seconds until `seq` misses its class's TTFT target; None without one or a clock."""
+    target = slo.ttft_for(request_class(len(seq.images)))
+    if target is None or now is None or seq.arrival_time is None:
+        return None
+    return seq.arrival_time + target - now
+
+
+def is_urgent(seq: Sequence, slo: SloConfig, now: float | None) -> bool:
+    """Whether a quick request waiting for its first token needs the lump caps: without a
+    TTFT target always; with one, once it has less than `URGENT_SLACK_SHARE` of it left."""
+    slack = slack_s(seq, slo, now)
+    target = slo.ttft_for(request_class(len(seq.images)))
+    return slack is None or target is None or slack < URGENT_SLACK_SHARE * target
+
+
+def guarded_chunk(
+    room: Room, start: int, max_new: int, cut: Callable[[int], tuple[int, int]]
+) -> tuple[int, int]:
+    """(tokens, tiles) of a lump's chunk of at most `max_new` tokens from `start` that
+    keeps the step under the TPOT guard, never less than the caps' share
+    (`room.lump_floor`); `cut(n)`: the (tokens, tiles) a chunk of n tokens cuts to."""
+    guard = room.guard
+    assert guard is not None
+    return largest_chunk(
+        max_new, room.lump_floor, cut, lambda n, tiles: guard.fits(start, n, tiles)
+    )
