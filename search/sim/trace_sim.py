@@ -99,6 +99,7 @@ class RequestRecord:
     finish_s: float | None = None
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    num_images: int = 0  # its class for SLO purposes: text (none) or image
 
     @property
     def ttft_s(self) -> float | None:
@@ -266,7 +267,12 @@ class _Sim:
         if "arrival_time" in _SEQ_FIELDS:  # its TTFT counts from the client's send
             seq.arrival_time = req.arrival_s
         rec = RequestRecord(
-            req.request_id, req.request_class, req.arrival_s, seq.num_prompt_tokens, req.max_tokens
+            req.request_id,
+            req.request_class,
+            req.arrival_s,
+            seq.num_prompt_tokens,
+            req.max_tokens,
+            num_images=len(req.images),
         )
         self.records[req.request_id] = rec
         rec.refused = refusal(
