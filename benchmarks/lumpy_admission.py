@@ -254,12 +254,13 @@ def main() -> None:
         )
         print(table(section["rows"], lumpy_mixes.COLUMNS))
     print("\nchecks:", ", ".join(f"{k}={'pass' if v else 'FAIL'}" for k, v in checks.items()))
-    png = RESULTS / "lumpy_admission.png"
+    png = RESULTS / "lumpy_admission.png"  # only the burst workloads are plotted
     RESULTS.mkdir(parents=True, exist_ok=True)
     if runs:
         plot(png, runs, title)
+    # A partial run (--quick / --only-mixes) never overwrites the full run's file.
     path = write_result(
-        "lumpy_admission",
+        "lumpy_admission" if not (args.quick or args.only_mixes) else "lumpy_admission_quick",
         {
             "title": title,
             "scenario": {
