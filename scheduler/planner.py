@@ -10,15 +10,13 @@ sequences this step has not visited yet and the sequence itself (lumpy: the leas
 recompute; fcfs: the newest). A victim loses its KV, goes to the front of the waiting
 queue and is recomputed later (article §19); a step that preempts admits no one.
 
-Prefill chunks stop before an image that would take the step's vision-tower work past
-the step's tile budget (`scheduler.encoder_budget`). Under lumpy admission, sequences not
-admitted as quick share the step's lump allowance (`scheduler.lump_budget`: the prefill
-and tile caps while a quick request needs them, the whole budget otherwise, with
-hysteresis; with a TPOT target and a step-cost model, only what keeps a step carrying
-decodes under the target), quick ones may use the KV headroom lumps must leave, and a
-step that carries a quick request's first token leaves the lumps out
-(`scheduler.admission`): it plans the running non-lumps, then starts quick requests, and
-only when none needs its first token does it go on to the lumps and the other admissions.
+Prefill chunks stop before an image that would pass the step's tile budget
+(`scheduler.encoder_budget`). Under lumpy admission, sequences not admitted as quick
+share the step's lump allowance (`scheduler.lump_budget`, `scheduler.step_room`), quick
+ones may use the KV headroom lumps must leave, and a step that carries a quick request's
+first token leaves the lumps out (`scheduler.admission`): it plans the running non-lumps,
+then starts quick requests, and only when none needs its first token does it go on to the
+lumps and the other admissions.
 
 With speculation on, a decode may also carry n-gram drafts (article §15): its query rows
 are its last token plus the drafts, they count against the budget, and blocks are grown
@@ -41,7 +39,7 @@ from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spec_policy import SpecPolicy
 from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
-from scheduler.step_room import Room, guarded_chunk, is_urgent, new_room, slack_s
+from scheduler.step_room import Room, is_urgent, new_room, size_chunk, slack_s
 
 
 def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> AdmissionPolicy:
@@ -194,22 +192,21 @@ class Scheduler:
     def _is_cached(self, image: ImagePlaceholder) -> bool:
         return self.encoder_cached(image.content_hash)
 
-    def _cut_for_tiles(self, seq: Sequence, start: int, end: int, room: Room):
-        return cut_chunk(
-            seq.images, start, end, self._admitted_at.get(seq.request_id, start),
-            self._is_cached, room.tiles_used, room.tile_budget,
-        )  # fmt: skip
+    def _chunk(self, seq: Sequence, start: int, room: Room, lump: bool) -> tuple[int, int] | None:
+        """(tokens, tiles) of `seq`'s chunk from `start` this step, or None: none fits."""
+        admitted_at = self._admitted_at.get(seq.request_id, start)
 
-    def _chunk_cut(self, seq: Sequence, start: int, room: Room):
-        """n -> (tokens, tiles) of `seq`'s chunk of n tokens from `start` this step."""
-
-        def cut(n: int) -> tuple[int, int]:
+        def cut(n: int) -> tuple[int, int]:  # stop before an image past the tile budget
             if not seq.images or n == 0:
                 return n, 0
-            end, tiles = self._cut_for_tiles(seq, start, start + n, room)
+            end, tiles = cut_chunk(
+                seq.images, start, start + n, admitted_at, self._is_cached,
+                room.tiles_used, room.tile_budget,
+            )  # fmt: skip
             return end - start, tiles
 
-        return cut
+        todo, chunked = seq.num_tokens - start, self.config.enable_chunked_prefill
+        return size_chunk(start, todo, room.room_for(lump), chunked, cut, room, lump)
 
     def _new_room(self) -> Room:
         cap = self.admission.lump_prefill_tokens
@@ -244,11 +241,10 @@ class Scheduler:
         if not preempted and not yielded:
             scheduled += self._admit(room)
         now = self.clock() if self.clock is not None else None
-        for seq in self.waiting:
+        for seq in (s for s in self.waiting if s.ready):
             # With a TTFT target the aging clock starts at the deadline: before it, the
             # slack order serves the request (an earlier deadline always goes first).
-            slack = slack_s(seq, self.config.slo, now) if seq.ready else None
-            if seq.ready and (slack is None or slack < 0):
+            if (slack := slack_s(seq, self.config.slo, now)) is None or slack < 0:
                 seq.num_waiting_steps += 1
         return StepPlan(scheduled, tuple(seq.request_id for seq in preempted))
 
@@ -286,28 +282,11 @@ class Scheduler:
                 seq.request_id, math.inf
             ):
                 continue  # async: its last token is in flight, it finishes when that lands
-            num_new = min(seq.num_uncomputed_tokens, room.tokens)
-            lump = self._is_lump(seq)
-            if lump and room.lump_tokens is not None:
-                if room.lump_tokens == 0:
-                    continue
-                num_new = min(num_new, room.lump_tokens)
-            if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
-                continue
-            start, tiles = seq.num_computed_tokens, 0
-            if seq.images:
-                end, tiles = self._cut_for_tiles(seq, start, start + num_new, room)
-                if end < start + num_new and not self.config.enable_chunked_prefill:
-                    continue
-                if end == start:
-                    continue  # its next image waits for a step with tower room
-                num_new = end - start
-            if lump and room.guard is not None:
-                num_new, tiles = guarded_chunk(
-                    room, start, num_new, self._chunk_cut(seq, start, room)
-                )
-                if num_new == 0:
-                    continue
+            lump, start = self._is_lump(seq), seq.num_computed_tokens
+            chunk = self._chunk(seq, start, room, lump)
+            if chunk is None:
+                continue  # chunking off, or its next image waits for a step with tower room
+            num_new, tiles = chunk
             room.tiles_used += tiles
             total = seq.num_computed_tokens + num_new
             sample = total == seq.num_tokens
@@ -385,11 +364,7 @@ class Scheduler:
             if blocked is not None and not policy.may_pass(*blocked, cand, cost, quick_blocks):
                 continue
             num_cached = len(matched) * self.block_size
-            lump_tokens = room.lump_tokens
-            step_room = (
-                room.tokens if cand.quick or lump_tokens is None else min(room.tokens, lump_tokens)
-            )
-            chunk = self._first_chunk(seq, num_cached, step_room, room, not cand.quick)
+            chunk = self._chunk(seq, num_cached, room, not cand.quick)
             fits = chunk is not None and policy.can_admit(cand, cost, available, quick_blocks)
             if not fits or (quick_only and not cand.quick):
                 if policy.may_overtake(cand):
@@ -407,29 +382,6 @@ class Scheduler:
                 quick_blocks += cost
             room.spend(num_cached, num_new, tiles, not cand.quick, decode=False)
         return scheduled
-
-    def _first_chunk(
-        self, seq: Sequence, num_cached: int, step_room: int, room: Room, lump: bool
-    ) -> tuple[int, int] | None:
-        """(tokens, tiles) of the first chunk of a waiting sequence given `step_room` tokens
-        this step, or None when it cannot start this step (chunking off, no tower room)."""
-        todo = seq.num_tokens - num_cached
-        num_new, tiles = min(todo, step_room), 0
-        chunked = self.config.enable_chunked_prefill
-        if num_new == 0 or (num_new < todo and not chunked):
-            return None
-        if seq.images:
-            end, tiles = self._cut_for_tiles(seq, num_cached, num_cached + num_new, room)
-            if end == num_cached or (end < num_cached + num_new and not chunked):
-                return None
-            num_new = end - num_cached
-        if lump and room.guard is not None:
-            num_new, tiles = guarded_chunk(
-                room, num_cached, num_new, self._chunk_cut(seq, num_cached, room)
-            )
-            if num_new == 0:
-                return None
-        return num_new, tiles
 
     def _start(
         self, seq: Sequence, matched: list[int], num_cached: int, num_new: int, quick: bool

@@ -35,6 +35,12 @@ class Room:
     lump_floor: int = 0
     capped: bool = True  # the quick requests' caps are fully on: lumps may yield
 
+    def room_for(self, lump: bool) -> int:
+        """Tokens a chunk may take: lumps also within their allowance."""
+        if lump and self.lump_tokens is not None:
+            return min(self.tokens, self.lump_tokens)
+        return self.tokens
+
     def spend(self, start: int, num_new: int, tiles: int, lump: bool, decode: bool) -> None:
         """Book a chunk of `num_new` rows after `start` computed tokens (tiles are booked
         by the caller as it cuts chunks)."""
@@ -83,6 +89,30 @@ def is_urgent(seq: Sequence, slo: SloConfig, now: float | None) -> bool:
     slack = slack_s(seq, slo, now)
     target = slo.ttft_for(request_class(len(seq.images)))
     return slack is None or target is None or slack < URGENT_SLACK_SHARE * target
+
+
+def size_chunk(
+    start: int,
+    todo: int,
+    max_new: int,
+    chunked: bool,
+    cut: Callable[[int], tuple[int, int]],
+    room: Room,
+    lump: bool,
+) -> tuple[int, int] | None:
+    """(tokens, tiles) of the next chunk of a sequence with `todo` tokens left from
+    `start`, given `max_new` tokens of room: `cut(n)` stops it before an image past the
+    step's tile budget, and a lump's is then sized by the TPOT guard. None when nothing
+    can run this step (no room, no tower room, or a cut prompt with chunking off)."""
+    num_new = min(todo, max_new)
+    if num_new <= 0 or (num_new < todo and not chunked):
+        return None
+    num_new, tiles = cut(num_new)
+    if num_new == 0 or (num_new < min(todo, max_new) and not chunked):
+        return None
+    if lump and room.guard is not None:
+        num_new, tiles = guarded_chunk(room, start, num_new, cut)
+    return (num_new, tiles) if num_new > 0 else None
 
 
 def guarded_chunk(
