@@ -260,7 +260,9 @@ def main() -> None:
         plot(png, runs, title)
     # A partial run (--quick / --only-mixes) never overwrites the full run's file.
     path = write_result(
-        "lumpy_admission" if not (args.quick or args.only_mixes) else "lumpy_admission_quick",
+        "lumpy_admission"
+        + ("_quick" if args.quick else "")
+        + ("_mixes" if args.only_mixes else ""),
         {
             "title": title,
             "scenario": {
