@@ -29,17 +29,18 @@ import math
 from collections import deque
 from collections.abc import Callable
 
+from scheduler import step_room
 from scheduler.admission import AdmissionPolicy, Candidate, FcfsAdmission, LumpyAdmission
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from scheduler.encoder_budget import cut_chunk, needs_tower
 from scheduler.kv_blocks import BlockManager
-from scheduler.lump_budget import LumpBudget, StepCost
+from scheduler.lump_budget import StepCost
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spec_policy import SpecPolicy
 from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
-from scheduler.step_room import Room, is_urgent, new_room, size_chunk, slack_s
+from scheduler.step_room import Room
 
 
 def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> AdmissionPolicy:
@@ -96,12 +97,7 @@ class Scheduler:
         # prefill is not capped.
         self._quick_ids: set[str] = set()
         self._yielded = False  # the previous step held lumps back for a quick request
-        self.lump_budget: LumpBudget | None = None
-        if config.admission == "lumpy":
-            self.lump_budget = LumpBudget(
-                self.admission.lump_prefill_tokens, config.encoder_tiles_per_step,
-                config.max_num_batched_tokens, config.lump_release_steps,
-            )  # fmt: skip
+        self.lump_budget = step_room.make_lump_budget(config, self.admission.lump_prefill_tokens)
 
     @property
     def block_size(self) -> int:
@@ -206,14 +202,11 @@ class Scheduler:
             return end - start, tiles
 
         todo, chunked = seq.num_tokens - start, self.config.enable_chunked_prefill
-        return size_chunk(start, todo, room.room_for(lump), chunked, cut, room, lump)
-
-    def _new_room(self) -> Room:
-        cap = self.admission.lump_prefill_tokens
-        return new_room(self.config, self.lump_budget, cap, self.step_cost, self._needs_caps)
+        return step_room.size_chunk(start, todo, room.room_for(lump), chunked, cut, room, lump)
 
     def schedule(self) -> StepPlan:
-        room = self._new_room()
+        cap, cost = self.admission.lump_prefill_tokens, self.step_cost
+        room = step_room.new_room(self.config, self.lump_budget, cap, cost, self._needs_caps)
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         queue = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
@@ -244,7 +237,7 @@ class Scheduler:
         for seq in (s for s in self.waiting if s.ready):
             # With a TTFT target the aging clock starts at the deadline: before it, the
             # slack order serves the request (an earlier deadline always goes first).
-            if (slack := slack_s(seq, self.config.slo, now)) is None or slack < 0:
+            if (slack := step_room.slack_s(seq, self.config.slo, now)) is None or slack < 0:
                 seq.num_waiting_steps += 1
         return StepPlan(scheduled, tuple(seq.request_id for seq in preempted))
 
@@ -256,9 +249,9 @@ class Scheduler:
         for s in self.running:
             if s.request_id not in self._quick_ids:
                 continue
-            if not guarded or (s.num_output_tokens == 0 and is_urgent(s, slo, now)):
+            if not guarded or (s.num_output_tokens == 0 and step_room.is_urgent(s, slo, now)):
                 return True
-        return any(c.quick and is_urgent(c.seq, slo, now) for c, _ in self._candidates())
+        return any(c.quick and step_room.is_urgent(c.seq, slo, now) for c, _ in self._candidates())
 
     def _is_lump(self, seq: Sequence) -> bool:
         """A running prefill not admitted as quick (its chunks share the lump cap)."""
@@ -316,6 +309,7 @@ class Scheduler:
         """Ready waiting sequences, each with its prefix-cache match (blocks)."""
         bm, out = self.block_manager, []
         now = self.clock() if self.clock is not None else None
+        token_s = step_room.prefill_token_s(self.step_cost, self.config.max_num_batched_tokens)
         for seq in self.waiting:
             # (Preempted while its last token is in flight: that token is unknown yet.)
             if not seq.ready or seq.num_pending_tokens:
@@ -330,7 +324,9 @@ class Scheduler:
             )
             quick = not tower and seq.num_tokens - num_cached <= self.config.max_num_batched_tokens
             aged = seq.num_waiting_steps >= self.config.max_wait_steps
-            out.append((Candidate(seq, quick, aged, slack_s(seq, self.config.slo, now)), matched))
+            prefill_s = (seq.num_tokens - num_cached) * token_s
+            slack = step_room.slack_s(seq, self.config.slo, now, prefill_s)
+            out.append((Candidate(seq, quick, aged, slack), matched))
         return out
 
     def _admit(self, room: Room, quick_only: bool = False) -> list[ScheduledSeq]:

@@ -5,6 +5,7 @@ Pure: the planner owns the sequences and passes what these need."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from scheduler.lump_budget import (
     URGENT_SLACK_SHARE,
     LumpBudget,
     StepCost,
+    StepShape,
     TpotGuard,
     largest_chunk,
 )
@@ -53,6 +55,16 @@ class Room:
             self.guard.add(start, num_new, tiles, decode)
 
 
+def make_lump_budget(config: SchedulerConfig, cap_tokens: int | None) -> LumpBudget | None:
+    """The adaptive lump budget of lumpy admission (None under FCFS: no lump caps)."""
+    if config.admission != "lumpy":
+        return None
+    return LumpBudget(
+        cap_tokens, config.encoder_tiles_per_step, config.max_num_batched_tokens,
+        config.lump_release_steps,
+    )  # fmt: skip
+
+
 def new_room(
     config: SchedulerConfig,
     budget: LumpBudget | None,
@@ -75,12 +87,26 @@ def new_room(
     )
 
 
-def slack_s(seq: Sequence, slo: SloConfig, now: float | None) -> float | None:
-    """Seconds until `seq` misses its class's TTFT target; None without one or a clock."""
+def slack_s(
+    seq: Sequence, slo: SloConfig, now: float | None, prefill_s: float = 0.0
+) -> float | None:
+    """Seconds until `seq` misses its class's TTFT target; None without one or a clock.
+    A request whose prefill alone (`prefill_s`) outlasts its slack can no longer make it:
+    its slack is then lowered below zero, so it is ordered with the late ones."""
     target = slo.ttft_for(request_class(len(seq.images)))
     if target is None or now is None or seq.arrival_time is None:
         return None
-    return seq.arrival_time + target - now
+    slack = seq.arrival_time + target - now
+    return slack - prefill_s if 0 <= slack < prefill_s else slack
+
+
+def prefill_token_s(step_cost: StepCost | None, step_tokens: int) -> float:
+    """Seconds a prefill token takes in whole-budget steps by the step-cost model; 0
+    without a model or before it can price a step (the engine's until its first fit)."""
+    if step_cost is None:
+        return 0.0
+    seconds = step_cost(StepShape(step_tokens, 0, step_tokens**2, step_tokens, 0, 1))
+    return seconds / step_tokens if math.isfinite(seconds) else 0.0
 
 
 def is_urgent(seq: Sequence, slo: SloConfig, now: float | None) -> bool:
