@@ -22,12 +22,14 @@ SLO = Slo(ttft_s=2.0, tpot_s=0.1)  # the issue's default
 # Seeds chosen once, before any run of these mixes; never changed to make a mix pass.
 SEEDS = (101, 202)
 SHAPES = (
-    TraceShape("img10-pareto-steady", 8.0, 120.0, 0.10, (1, 4), output="pareto"),
-    TraceShape("img30-lognormal-bursts", 7.0, 120.0, 0.30, (1, 4), output="lognormal",
+    # Rates set for a loaded card (first tried at 5-8 req/s, where FCFS met the SLO for
+    # all but the never-fits on every mix and nothing could be compared).
+    TraceShape("img10-pareto-steady", 16.0, 90.0, 0.10, (1, 4), output="pareto"),
+    TraceShape("img30-lognormal-bursts", 10.0, 90.0, 0.30, (1, 4), output="lognormal",
                output_scale=80.0, output_shape=0.8, burst_size=10, burst_period_s=30.0),
-    TraceShape("img50-pareto-bursts", 5.0, 120.0, 0.50, (1, 2), output="pareto",
+    TraceShape("img50-pareto-bursts", 7.0, 90.0, 0.50, (1, 2), output="pareto",
                burst_size=15, burst_period_s=20.0),
-    TraceShape("img50-lognormal-steady", 5.0, 120.0, 0.50, (2, 4), output="lognormal",
+    TraceShape("img50-lognormal-steady", 7.0, 90.0, 0.50, (2, 4), output="lognormal",
                output_scale=64.0, output_shape=1.0),
 )  # fmt: skip
 GOAL_GOODPUT_RATIO = 1.15
@@ -105,7 +107,7 @@ def mixes(quick: bool) -> list[tuple[str, list[TraceRequest]]]:
     out = []
     for shape in SHAPES:
         for seed in SEEDS[:1] if quick else SEEDS:
-            s = dataclasses.replace(shape, duration_s=60.0) if quick else shape
+            s = dataclasses.replace(shape, duration_s=45.0) if quick else shape
             out.append((f"{shape.name}/seed{seed}", shaped_trace(s, seed)))
     return out
 
