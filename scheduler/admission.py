@@ -34,8 +34,10 @@ preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
   not fitting: quick requests pass it only inside the headroom, which leaves its condition
   as it was, so it starts at most one step later than it would have.
 - slack (with TTFT targets, `SloConfig`): after the aged ones, least slack against the
-  class's target first among those that can still meet it, then the late ones by arrival.
-  The aging bound is unchanged: an aged request goes first whatever its slack.
+  class's target first among those that can still meet it, then the late ones by arrival
+  (late: past the target, or, with a step-cost model, with less slack than its prefill
+  alone takes). The aging bound holds: with targets its clock starts at the deadline, and
+  an aged request goes first whatever its slack.
 - victim: the running sequence whose preemption throws away the least computed KV not
   kept by the prefix cache (`recompute_cost`), newest first among equals (§19).
 """
