@@ -23,6 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from scheduler.sequence import Sequence
+from scheduler.step_plan import StepPlan
+
 # The guard plans steps to this share of the TPOT target: the step-cost model is a fit, and
 # a request's TPOT also takes the steps that start quick requests.
 TPOT_MARGIN = 0.9
@@ -54,6 +57,25 @@ def chunk_shape(num_computed: int, num_new: int, num_tiles: int, decode: bool) -
         0 if decode else num_new, num_new if decode else 0,
         num_new * (num_computed + num_new), num_computed + num_new, num_tiles, 1,
     )  # fmt: skip
+
+
+def plan_shape(plan: StepPlan, seqs: dict[str, Sequence]) -> StepShape:
+    """The shape of `plan` (before `update`), as the TPOT guard prices one: what the
+    engine records for each step it times (`Scheduler.step_shape`)."""
+    prefill = decode = pairs = kv = tiles = 0
+    for item in plan.scheduled:
+        seq, n, start = seqs[item.request_id], item.num_new_tokens, item.num_computed_tokens
+        if n == 1 and start >= seq.num_prompt_tokens:
+            decode += 1
+        else:
+            prefill += n
+        pairs += n * (start + n)
+        kv += start + n
+        # An image's tower runs in the chunk that reaches its first placeholder.
+        tiles += sum(
+            max(1, seq.images[c.index].num_tiles) for c in item.images if c.offset_start == 0
+        )
+    return StepShape(prefill, decode, pairs, kv, tiles, len(plan.scheduled))
 
 
 def add_shapes(a: StepShape, b: StepShape) -> StepShape:

@@ -30,15 +30,17 @@ from collections import deque
 from collections.abc import Callable
 
 from scheduler import step_room
-from scheduler.admission import AdmissionPolicy, Candidate, FcfsAdmission, LumpyAdmission
+from scheduler.admission import AdmissionPolicy, FcfsAdmission, LumpyAdmission
+from scheduler.admit_waiting import WaitingAdmission
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from scheduler.encoder_budget import cut_chunk, needs_tower
+from scheduler.encoder_budget import cut_chunk
+from scheduler.in_flight import LaunchedStep, advance, resolve
 from scheduler.kv_blocks import BlockManager
-from scheduler.lump_budget import StepCost
+from scheduler.lump_budget import StepCost, StepShape, plan_shape
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
-from scheduler.spec_policy import SpecPolicy
+from scheduler.spec_policy import SpecMetrics, SpecPolicy, SpeedupFn
 from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
 from scheduler.step_room import Room
 
@@ -54,7 +56,7 @@ def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int)
     )  # fmt: skip
 
 
-class Scheduler:
+class Scheduler(WaitingAdmission):
     """Plans each step over the waiting and running sequences; owns the block manager."""
 
     def __init__(
@@ -65,6 +67,7 @@ class Scheduler:
         admission: AdmissionPolicy | None = None,
         speculative: SpeculativeConfig | None = None,
         encoder_cached: Callable[[bytes], bool] | None = None,
+        spec_speedup: SpeedupFn | None = None,
         step_cost: StepCost | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -82,13 +85,15 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed KV thrown away by preemption
+        # Finished since the last plan, for the next one (`StepPlan.finished`); in order.
+        self._finished_ids: dict[str, None] = {}
         self.proposer: NgramProposer | None = None
         self.spec_policy: SpecPolicy | None = None
         if speculative is not None and speculative.enabled:
             self.proposer = NgramProposer(speculative.min_n, speculative.max_n)
             # The engine fills in B* for its device; without one the ridge never gates.
             ridge = speculative.ridge_batch if speculative.ridge_batch is not None else math.inf
-            self.spec_policy = SpecPolicy(speculative, ridge)
+            self.spec_policy = SpecPolicy(speculative, ridge, spec_speedup)
         # request id -> the most tokens (prompt + output) the sequence may reach.
         self._max_num_tokens: dict[str, int] = {}
         # request id -> the position its current admission started computing at.
@@ -140,11 +145,37 @@ class Scheduler:
             seq.arrival_time = self.clock()
         self.waiting.append(seq)
         self.seqs[seq.request_id] = seq
+        self._finished_ids.pop(seq.request_id, None)  # a new request under a finished id
         if max_num_tokens is not None:
             self._max_num_tokens[seq.request_id] = max_num_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Async scheduling: `plan`'s step goes in flight (`in_flight.advance`)."""
+        return advance(plan, self.seqs)
+
+    def land(self, step: LaunchedStep, sampled: list[list[int]]) -> None:
+        """A launched step came back with `sampled` per item (`in_flight.resolve`)."""
+        resolve(step, sampled, self.seqs, self.block_manager)
+
+    def stats(self) -> dict[str, float]:
+        """Queue and KV-pool gauges, preemption counters (the engine's `stats()`)."""
+        bm = self.block_manager
+        used = bm.num_blocks - bm.num_free_blocks
+        return {
+            "waiting": float(len(self.waiting)), "running": float(len(self.running)),
+            "num_blocks": float(bm.num_blocks), "free_blocks": float(bm.num_free_blocks),
+            "used_blocks": float(used), "kv_usage": used / bm.num_blocks,
+            "num_preemptions": float(self.num_preemptions),
+            "recomputed_tokens_total": float(self.num_recomputed_tokens),
+        }  # fmt: skip
+
+    @property
+    def spec_metrics(self) -> SpecMetrics | None:
+        """Speculation counters; None when off."""
+        return self.spec_policy.metrics if self.spec_policy is not None else None
 
     def finish(self, seq: Sequence) -> None:
         """Retire `seq` (done, aborted or failed): its blocks return to the pool."""
@@ -155,6 +186,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = "finished"
         self.seqs.pop(seq.request_id, None)
+        self._finished_ids[seq.request_id] = None
         self._max_num_tokens.pop(seq.request_id, None)
         self._admitted_at.pop(seq.request_id, None)
         self._quick_ids.discard(seq.request_id)
@@ -204,6 +236,10 @@ class Scheduler:
         todo, chunked = seq.num_tokens - start, self.config.enable_chunked_prefill
         return step_room.size_chunk(start, todo, room.room_for(lump), chunked, cut, room, lump)
 
+    def step_shape(self, plan: StepPlan) -> StepShape:
+        """The shape of `plan` (call before `update`): what a step-cost model prices."""
+        return plan_shape(plan, self.seqs)
+
     def schedule(self) -> StepPlan:
         cap, cost = self.admission.lump_prefill_tokens, self.step_cost
         room = step_room.new_room(self.config, self.lump_budget, cap, cost, self._needs_caps)
@@ -239,7 +275,8 @@ class Scheduler:
             # slack order serves the request (an earlier deadline always goes first).
             if (slack := step_room.slack_s(seq, self.config.slo, now)) is None or slack < 0:
                 seq.num_waiting_steps += 1
-        return StepPlan(scheduled, tuple(seq.request_id for seq in preempted))
+        finished, self._finished_ids = tuple(self._finished_ids), {}
+        return StepPlan(scheduled, tuple(seq.request_id for seq in preempted), finished)
 
     def _needs_caps(self, guarded: bool) -> bool:
         """A quick request waits ready to start or runs without its first token yet, and
@@ -304,102 +341,6 @@ class Scheduler:
             self.block_manager.grow(seq, total)
             scheduled.append(schedule_item(seq, num_new, sample, drafts))
             room.spend(start, num_new, tiles, lump, decode=seq.num_uncomputed_tokens <= 1)
-
-    def _candidates(self) -> list[tuple[Candidate, list[int]]]:
-        """Ready waiting sequences, each with its prefix-cache match (blocks)."""
-        bm, out = self.block_manager, []
-        now = self.clock() if self.clock is not None else None
-        token_s = step_room.prefill_token_s(self.step_cost, self.config.max_num_batched_tokens)
-        for seq in self.waiting:
-            # (Preempted while its last token is in flight: that token is unknown yet.)
-            if not seq.ready or seq.num_pending_tokens:
-                continue
-            hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
-            # Keep at least one token to compute: its logits give the next token.
-            matched = bm.match_prefix(hashes)[: (seq.num_tokens - 1) // self.block_size]
-            num_cached = len(matched) * self.block_size
-            tower = any(
-                needs_tower(img, num_cached, seq.num_tokens, num_cached, self._is_cached(img))
-                for img in seq.images
-            )
-            quick = not tower and seq.num_tokens - num_cached <= self.config.max_num_batched_tokens
-            aged = seq.num_waiting_steps >= self.config.max_wait_steps
-            prefill_s = (seq.num_tokens - num_cached) * token_s
-            slack = step_room.slack_s(seq, self.config.slo, now, prefill_s)
-            out.append((Candidate(seq, quick, aged, slack), matched))
-        return out
-
-    def _admit(self, room: Room, quick_only: bool = False) -> list[ScheduledSeq]:
-        """Start waiting sequences in the policy's order while `room` and the pool allow;
-        `quick_only`: quick ones alone; the others count as not fitting, so quick ones pass
-        an aged lump only where the policy lets them pass one that does not fit."""
-        bm, policy, scheduled = self.block_manager, self.admission, []
-        found = self._candidates()
-        if not found:  # nothing to admit: skip the reservations' sums over every runner
-            return scheduled
-        # Blocks that admitted sequences have yet to take are spoken for: the rest of
-        # their prompt and (lumpy) their expected growth.
-        # (A speculating sequence may hold more than its tokens need: that is not a credit.)
-        reserved = sum(
-            max(0, bm.blocks_for(self._reserve(s)) - len(s.block_table)) for s in self.running
-        )
-        available = bm.num_free_blocks - reserved
-        quick_blocks = sum(
-            max(len(s.block_table), bm.blocks_for(self._reserve(s)))
-            for s in self.running
-            if s.request_id in self._quick_ids
-        )
-        matches = {id(c.seq): m for c, m in found}
-        blocked: tuple[Candidate, int] | None = None  # an aged candidate that did not fit
-        for cand in policy.order([c for c, _ in found]):
-            seq = cand.seq
-            if room.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            matched = matches[id(seq)]
-            cost = bm.cost_of(matched, self._reserve(seq))
-            if blocked is not None and not policy.may_pass(*blocked, cand, cost, quick_blocks):
-                continue
-            num_cached = len(matched) * self.block_size
-            chunk = self._chunk(seq, num_cached, room, not cand.quick)
-            fits = chunk is not None and policy.can_admit(cand, cost, available, quick_blocks)
-            if not fits or (quick_only and not cand.quick):
-                if policy.may_overtake(cand):
-                    continue
-                if blocked is not None:
-                    break
-                blocked = (cand, cost)  # later ones start only if the policy lets them pass
-                continue
-            num_new, tiles = chunk
-            room.tiles_used += tiles
-            self._start(seq, matched, num_cached, num_new, cand.quick)
-            scheduled.append(schedule_item(seq, num_new, num_cached + num_new == seq.num_tokens))
-            available -= cost
-            if cand.quick:
-                quick_blocks += cost
-            room.spend(num_cached, num_new, tiles, not cand.quick, decode=False)
-        return scheduled
-
-    def _start(
-        self, seq: Sequence, matched: list[int], num_cached: int, num_new: int, quick: bool
-    ) -> None:
-        """Move `seq` from waiting to running with its prefix-cache blocks and its first
-        chunk's blocks."""
-        bm = self.block_manager
-        bm.take(seq, matched)
-        seq.num_computed_tokens = num_cached
-        if seq.num_preemptions == 0:
-            seq.num_cached_tokens = num_cached
-        bm.grow(seq, num_cached + num_new)
-        self.waiting.remove(seq)
-        self.running.append(seq)
-        seq.status = "running"
-        seq.num_waiting_steps = 0
-        self._admitted_at[seq.request_id] = num_cached
-        if quick:
-            self._quick_ids.add(seq.request_id)
-
-    def _reserve(self, seq: Sequence) -> int:
-        return self.admission.reserve_tokens(seq, self._max_num_tokens.get(seq.request_id))
 
     def update(self, plan: StepPlan, sampled: list[list[int]]) -> None:
         """Advance after the runner executed `plan`: `sampled[i]` are the tokens accepted

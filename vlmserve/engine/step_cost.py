@@ -10,27 +10,7 @@ import math
 from collections import deque
 
 from scheduler.lump_budget import StepShape
-from scheduler.sequence import Sequence
-from scheduler.step_plan import StepPlan
 from search.sim.step_time import MeasuredStepCost, StepWork, fit_step_cost
-
-
-def plan_shape(plan: StepPlan, seqs: dict[str, Sequence]) -> StepShape:
-    """The shape of `plan` (before `update`), as the scheduler's guard prices one."""
-    prefill = decode = pairs = kv = tiles = 0
-    for item in plan.scheduled:
-        seq, n, start = seqs[item.request_id], item.num_new_tokens, item.num_computed_tokens
-        if n == 1 and start >= seq.num_prompt_tokens:
-            decode += 1
-        else:
-            prefill += n
-        pairs += n * (start + n)
-        kv += start + n
-        # An image's tower runs in the chunk that reaches its first placeholder.
-        tiles += sum(
-            max(1, seq.images[c.index].num_tiles) for c in item.images if c.offset_start == 0
-        )
-    return StepShape(prefill, decode, pairs, kv, tiles, len(plan.scheduled))
 
 
 class OnlineStepCost:

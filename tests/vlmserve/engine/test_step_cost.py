@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 import random
 
-from scheduler.lump_budget import StepShape
+from scheduler.lump_budget import StepShape, plan_shape
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.step_plan import ImageChunk, ScheduledSeq, StepPlan
 from search.sim.step_time import MeasuredStepCost, StepWork
-from vlmserve.engine.step_cost import OnlineStepCost, plan_shape
+from vlmserve.engine.step_cost import OnlineStepCost
 
 
 def test_plan_shape_counts_rows_pairs_and_the_tiles_of_images_first_reached():
