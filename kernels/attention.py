@@ -140,23 +140,26 @@ def _group(
     members: list[int], batch: AttentionBatch, starts: list[int], device: torch.device
 ) -> _Group:
     q_max = max(batch.query_lens[i] for i in members)
-    c_max = max(batch.context_lens[i] for i in members)
+    # Keys from the block holding the first query's window start: whole blocks before it
+    # are never gathered (a hybrid KV pool may have given them to another sequence).
+    firsts = [_window_start(batch, i) for i in members]
+    c_max = max(batch.context_lens[i] - f for i, f in zip(members, firsts, strict=True))
     num = len(members)
     q_index = torch.zeros(num, q_max, dtype=torch.long)
     q_valid = torch.zeros(num, q_max, dtype=torch.bool)
     ctx_slots = torch.zeros(num, c_max, dtype=torch.long)
     mask = torch.zeros(num, q_max, c_max, dtype=torch.bool)
-    for row, i in enumerate(members):
+    for row, (i, first) in enumerate(zip(members, firsts, strict=True)):
         q_len, ctx_len = batch.query_lens[i], batch.context_lens[i]
         q_index[row, :q_len] = torch.arange(starts[i], starts[i] + q_len)
         q_index[row, q_len:] = starts[i]
         q_valid[row, :q_len] = True
-        ctx_slots[row, :ctx_len] = _slots(batch.block_tables[i], ctx_len, batch.block_size)
+        slots = _slots(batch.block_tables[i], ctx_len, batch.block_size)
+        ctx_slots[row, : ctx_len - first] = slots[first:]
         # Query j sits at absolute position ctx_len - q_len + j and sees positions <= it.
         q_pos = torch.arange(q_len) + (ctx_len - q_len)
-        mask[row, :q_len, :ctx_len] = allowed_keys(
-            q_pos, ctx_len, batch.sliding_window, batch.seq_spans(i)
-        )
+        allowed = allowed_keys(q_pos, ctx_len, batch.sliding_window, batch.seq_spans(i))
+        mask[row, :q_len, : ctx_len - first] = allowed[:, first:]
         mask[row, q_len:, 0] = True  # padded rows see one slot: no NaN, result discarded
     bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))[:, :, None]
     flat_valid = q_valid.flatten()
@@ -165,6 +168,16 @@ def _group(
         q_index.to(device), q_valid.to(device), ctx_slots.to(device), bias.to(device),
         q_index.flatten()[flat_valid].to(device), valid_rows,
     )  # fmt: skip
+
+
+def _window_start(batch: AttentionBatch, i: int) -> int:
+    """The first position sequence i's attention reads: the start of the block holding its
+    first query's window start (0 without a window)."""
+    if batch.sliding_window is None:
+        return 0
+    first_query = batch.context_lens[i] - batch.query_lens[i]
+    lo = max(0, first_query - batch.sliding_window + 1)
+    return lo // batch.block_size * batch.block_size
 
 
 def _buckets(members: list[int], context_lens: list[int], max_waste: float = 1.3):
