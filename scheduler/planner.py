@@ -38,6 +38,7 @@ from scheduler.kv_blocks import BlockManager
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
+from scheduler.spans import span_safe_end, span_safe_prefix
 from scheduler.spec_policy import SpecPolicy
 from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
 
@@ -262,7 +263,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, room.tokens)
             lump = self._is_lump(seq)
             if lump and room.lump_tokens is not None:
-                if room.lump_tokens == 0:
+                if room.lump_tokens <= 0:  # (< 0: a whole image went past it)
                     continue
                 num_new = min(num_new, room.lump_tokens)
             if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
@@ -275,6 +276,9 @@ class Scheduler:
                 if end == start:
                     continue  # its next image waits for a step with tower room
                 num_new, room.tiles_used = end - start, room.tiles_used + tiles
+            if seq.spans:  # never half an image (scheduler/spans.py)
+                start = seq.num_computed_tokens
+                num_new = span_safe_end(seq.spans, start, start + num_new) - start
             total = seq.num_computed_tokens + num_new
             sample = total == seq.num_tokens
             drafts: tuple[int, ...] = ()
@@ -311,6 +315,9 @@ class Scheduler:
             hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
             # Keep at least one token to compute: its logits give the next token.
             matched = bm.match_prefix(hashes)[: (seq.num_tokens - 1) // self.block_size]
+            if seq.spans:  # a match may not end inside an image (scheduler/spans.py)
+                reusable = span_safe_prefix(seq.spans, len(matched) * self.block_size)
+                matched = matched[: reusable // self.block_size]
             num_cached = len(matched) * self.block_size
             tower = any(
                 needs_tower(img, num_cached, seq.num_tokens, num_cached, self._is_cached(img))
@@ -385,13 +392,15 @@ class Scheduler:
         todo = seq.num_tokens - num_cached
         num_new, tiles = min(todo, room), 0
         chunked = self.config.enable_chunked_prefill
-        if num_new == 0 or (num_new < todo and not chunked):
+        if num_new <= 0 or (num_new < todo and not chunked):  # (< 0: an image took the room)
             return None
         if seq.images:
             end, tiles = self._cut_for_tiles(seq, num_cached, num_cached + num_new, tiles_used)
             if end == num_cached or (end < num_cached + num_new and not chunked):
                 return None
             num_new = end - num_cached
+        if seq.spans:  # never half an image (scheduler/spans.py)
+            num_new = span_safe_end(seq.spans, num_cached, num_cached + num_new) - num_cached
         return num_new, tiles
 
     def _start(

@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from vlmserve.worker.models.random_checkpoint import (  # noqa: E402
+    make_gemma3_checkpoint,
     make_text_checkpoint,
     make_vlm_checkpoint,
 )
@@ -32,6 +33,21 @@ def llava_ov_path(tmp_path_factory):
 def idefics3_path(tmp_path_factory):
     """Idefics3: SigLIP + Llama with MHA (4 query heads, 4 KV heads)."""
     return make_vlm_checkpoint(tmp_path_factory.mktemp("idefics3"), "idefics3", kv_heads=4)
+
+
+@pytest.fixture(scope="session")
+def gemma3_path(tmp_path_factory):
+    """Gemma 3: 12 layers (5 sliding : 1 global, window 64), GQA 4/2, QK-norm, a 2-layer
+    SigLIP at 32 px pooled to 16 tokens per image."""
+    return make_gemma3_checkpoint(tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_text_path(tmp_path_factory):
+    """Gemma3ForCausalLM with a final logit softcap (the text-only form applies it)."""
+    return make_gemma3_checkpoint(
+        tmp_path_factory.mktemp("gemma3_text"), text_only=True, final_logit_softcapping=3.0
+    )
 
 
 @pytest.fixture(scope="session")
