@@ -76,40 +76,41 @@ def test_window_and_spans_match_the_reference(backend, dim, window):
         pytest.skip("Triton's tiles need a head dim of at least 16")
     torch.manual_seed(dim + (window or 0))
     attn = BACKENDS[backend]()
+    block = 16 if backend == "triton" else BLOCK  # Triton reads a block as one tile
     device = torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
-    shape = attn.kv_cache_shape(NUM_BLOCKS, BLOCK, KV_HEADS, dim)
+    shape = attn.kv_cache_shape(NUM_BLOCKS, block, KV_HEADS, dim)
     cache = torch.randn(shape)
     # Blocks at random pages; block 0 stays out: padded rows of a batch read its slot 0.
     free = (torch.randperm(NUM_BLOCKS - 1) + 1).tolist()
     tables, seqs, poison = [], [], []
     for cached, new, spans in LAYOUT:
         ctx = cached + new
-        table = [free.pop() for _ in range((ctx + BLOCK - 1) // BLOCK)]
+        table = [free.pop() for _ in range((ctx + block - 1) // block)]
         k, v = torch.randn(2, ctx, KV_HEADS, dim)
         for which, x in ((0, k), (1, v)):  # the whole context is in the cache
-            write(attn, cache, which, table, range(ctx), x)
+            write(cache, which, table, range(ctx), x, block)
         lo = 0 if window is None else max(0, cached - window + 1)  # first query's window
-        for pos in range(lo // BLOCK * BLOCK, lo):  # the straddling block: read, masked
+        for pos in range(lo // block * block, lo):  # the straddling block: read, masked
             poison.append((table, pos, 1e4))
-        for pos in range(lo // BLOCK * BLOCK):  # whole blocks before it: never read
+        for pos in range(lo // block * block):  # whole blocks before it: never read
             poison.append((table, pos, float("nan")))
-        for pos in range(ctx, len(table) * BLOCK):  # past the context
+        for pos in range(ctx, len(table) * block):  # past the context
             poison.append((table, pos, float("nan")))
         tables.append(table)
         seqs.append((cached, new, spans, k, v))
     for table, pos, value in poison:
         for which in (0, 1):
-            write(attn, cache, which, table, [pos], torch.full((1, KV_HEADS, dim), value))
+            write(cache, which, table, [pos], torch.full((1, KV_HEADS, dim), value), block)
     q = torch.randn(sum(new for _, new, _, _, _ in seqs), HEADS, dim)
     k_new = torch.cat([k[c:] for c, _, _, k, _ in seqs])
     v_new = torch.cat([v[c:] for c, _, _, _, v in seqs])
     slots = [
-        t[p // BLOCK] * BLOCK + p % BLOCK
+        t[p // block] * block + p % block
         for t, (c, n, _, _, _) in zip(tables, seqs, strict=True)
         for p in range(c, c + n)
     ]
     batch = AttentionBatch(
-        [n for _, n, _, _, _ in seqs], [c + n for c, n, _, _, _ in seqs], tables, BLOCK,
+        [n for _, n, _, _, _ in seqs], [c + n for c, n, _, _, _ in seqs], tables, block,
         sliding_window=window, spans=[s for _, _, s, _, _ in seqs],
     )  # fmt: skip
     meta = attn.build_metadata(batch, torch.tensor(slots), device)
@@ -126,11 +127,11 @@ def test_window_and_spans_match_the_reference(backend, dim, window):
         row += new
 
 
-def write(attn, cache: torch.Tensor, which: int, table, positions, x: torch.Tensor) -> None:
-    """x [len(positions), kv_heads, dim] into the cache slots of `positions`, in the
-    backend's layout (all CPU-runnable ones share the torch layout)."""
+def write(cache: torch.Tensor, which: int, table, positions, x: torch.Tensor, block: int) -> None:
+    """x [len(positions), kv_heads, dim] into the cache slots of `positions` (every
+    CPU-runnable backend has the torch layout)."""
     for i, pos in enumerate(positions):
-        slot = table[pos // BLOCK] * BLOCK + pos % BLOCK
+        slot = table[pos // block] * block + pos % block
         cache[which, :, slot] = x[i]
 
 
