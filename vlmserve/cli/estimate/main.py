@@ -23,6 +23,7 @@ from search.costmodel.labs import batching_limits, kv_report, serving_plan
 from search.costmodel.presets import (
     CACHE_PRECISIONS,
     ENCODERS,
+    MODEL_VISION,
     WEIGHT_PRECISIONS,
     Accelerator,
     ModelShape,
@@ -81,8 +82,8 @@ def _common(default_model: str, default_workspace_gb: float) -> argparse.Argumen
     p.add_argument(
         "--model",
         default=default_model,
-        help="preset (llama-2-7b, llama-3-8b, mistral-7b, llama-3-70b, mha-7b, qwen2-7b) "
-        "or a path to an HF config.json (default: %(default)s)",
+        help="preset (llama-2-7b, llama-3-8b, mistral-7b, llama-3-70b, mha-7b, qwen2-7b, "
+        "gemma-3-4b, gemma-3-27b) or a path to an HF config.json (default: %(default)s)",
     )
     p.add_argument(
         "--accelerator",
@@ -131,15 +132,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--height", type=int)
     p.add_argument("--images", type=int, default=1, help="images per request (default: 1)")
     p.add_argument("--text-tokens", type=int, default=30, help="text tokens (default: 30)")
-    p.add_argument("--tiling", choices=TILING_RULES, default="dynamic")
+    p.add_argument(
+        "--tiling", choices=TILING_RULES, default=None,
+        help="default: the model's own (Gemma 3: single, one 896 px tile), else dynamic",
+    )  # fmt: skip
     p.add_argument(
         "--max-tiles",
         type=int,
         default=12,
         help="dynamic: most crops (a thumbnail is added); fixed: tiles per image (default: 12)",
     )
-    p.add_argument("--encoder", default="siglip-so400m-14-384", help=", ".join(sorted(ENCODERS)))
-    p.add_argument("--pooling", type=int, default=4, help="connector ratio N:1 (default: 4)")
+    p.add_argument(
+        "--encoder", default=None,
+        help=f"{', '.join(sorted(ENCODERS))} (default: the model's own, else siglip-so400m-14-384)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pooling", type=int, default=None,
+        help="connector ratio N:1 (default: the model's own, Gemma 3 16, else 4)",
+    )  # fmt: skip
     p.add_argument("--preprocess-ms-per-tile", type=float, default=1.2)
     p.set_defaults(func=lambda args: _run(args, _image))
 
@@ -255,6 +265,10 @@ def read_image_size(path: str) -> tuple[int, int]:
 
 def _image(args: argparse.Namespace) -> Outcome:
     model, accel = _setup(args)
+    own_encoder, own_pooling = MODEL_VISION.get(model.name, ("siglip-so400m-14-384", 4))
+    args.encoder = args.encoder or own_encoder
+    args.pooling = own_pooling if args.pooling is None else args.pooling
+    args.tiling = args.tiling or ("single" if model.name in MODEL_VISION else "dynamic")
     encoder = get_encoder(args.encoder)
     if args.image and (args.width is not None or args.height is not None):
         raise ValueError("give either an image file or --width/--height, not both")
@@ -346,6 +360,7 @@ def _kv(args: argparse.Namespace) -> Outcome:
         ("KV per token", f"{r.kv_bytes_per_token / 1024:,.0f} KiB"),
         ("KV per sequence", _bytes(r.kv_bytes_per_sequence)),
         ("KV total", f"{_bytes(r.kv_bytes_total)} ({args.batch} sequences)"),
+        *_hybrid_rows(model, args.context, cache.bytes_per_element),
         ("weights", _bytes(r.weight_bytes)),
         ("device used", f"{_bytes(r.device_bytes_used)} ({r.device_fraction_used:.0%})"),
         ("max concurrency", f"{r.max_concurrency:,} sequences"),
@@ -387,6 +402,22 @@ def _kv(args: argparse.Namespace) -> Outcome:
         ]
 
     return payload, rows, curves
+
+
+def _hybrid_rows(model, context: int, cache_bytes: float) -> list[Row]:
+    """Sliding-window models: what a hybrid KV manager holds against all-global layers."""
+    if not model.num_sliding_layers:
+        return []
+    hybrid = cm.kv_bytes_per_sequence(model, context, cache_bytes)
+    full = cm.kv_bytes_all_global(model, context, cache_bytes)
+    return [
+        (
+            "sliding-window layers",
+            f"{model.num_sliding_layers} of {model.num_layers}, window {model.sliding_window:,}",
+        ),  # fmt: skip
+        ("KV per sequence, all global", _bytes(full)),
+        ("hybrid KV / all global", f"{hybrid / full:.0%}"),
+    ]
 
 
 # --- plan (Lab 2) ---------------------------------------------------------------------
