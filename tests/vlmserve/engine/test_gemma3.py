@@ -111,3 +111,17 @@ def test_text_only_gemma3_with_softcap_matches_transformers(gemma3_text_path):
         engine = engine_for(gemma3_text_path, budget=16, attention_backend=backend)
         [out] = run_checked(engine, [Request(prompt=prompt, sampling=params)])
         assert out.token_ids == ref.tolist()
+
+
+def test_generate_door_takes_pan_and_scan(gemma3_path, random_image, tmp_path, capsys):
+    """`vlmserve generate --pan-and-scan` on a wide image: 1 + 3 crops of 16 tokens."""
+    from vlmserve.cli.main import main
+
+    path = tmp_path / "wide.png"
+    random_image(9, 800, 300).save(path)
+    args = ["generate", "--model", str(gemma3_path), "--image", str(path), "--prompt",
+            "what colour is the star", "--max-tokens", "4"]  # fmt: skip
+    assert main(args) == 0
+    assert "(16 image)" in capsys.readouterr().err
+    assert main([*args, "--pan-and-scan"]) == 0
+    assert "(64 image)" in capsys.readouterr().err
