@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_attention
-from kernels.attention import AttentionBatch, TorchPagedAttention, select_backend
+from kernels.attention import AttentionBatch, TorchPagedAttention
+from kernels.backends import select_backend
 
 HEADS, KV_HEADS, BLOCK, NUM_BLOCKS = 4, 2, 4, 160
 
