@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from encoders.config import EncoderConfig
-from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tests.vlmserve.engine.test_engine import chat, run_checked
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine.core import Engine
@@ -20,12 +20,16 @@ GREEDY_24 = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 TEXT = " ".join(["what colour is the star on the left"] * 4)  # with 2 images: 74+ tokens
 
 
-def engine_for(path, *, budget=512, num_blocks=256, pan_and_scan=False, scheduler=None, **model):
+def engine_for(
+    path, *, budget=512, num_blocks=256, pan_and_scan=False, scheduler=None, speculative=None,
+    **model,
+):  # fmt: skip
     return Engine(
         EngineConfig(
             ModelConfig(str(path), **model),
             CacheConfig(num_blocks=num_blocks, block_size=4),
             SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, **(scheduler or {})),
+            speculative=speculative or SpeculativeConfig(),
             encoder=EncoderConfig(pan_and_scan=pan_and_scan),
         )
     )
@@ -107,10 +111,16 @@ def test_text_only_gemma3_with_softcap_matches_transformers(gemma3_text_path):
     with torch.no_grad():
         ref = hf.eval().generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1] :]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    for backend in (None, "torch"):
-        engine = engine_for(gemma3_text_path, budget=16, attention_backend=backend)
+    # n-gram drafts on the repetitive prompt: verification rows over the sliding window.
+    drafts = SpeculativeConfig(num_speculative_tokens=3, min_n=1, adaptive=False)
+    for backend, speculative in ((None, None), ("torch", None), (None, drafts)):
+        engine = engine_for(
+            gemma3_text_path, budget=16, attention_backend=backend, speculative=speculative
+        )
         [out] = run_checked(engine, [Request(prompt=prompt, sampling=params)])
         assert out.token_ids == ref.tolist()
+        if speculative is not None:
+            assert engine.stats()["spec_proposed"] > 0, "no drafts were verified"
 
 
 def test_generate_door_takes_pan_and_scan(gemma3_path, random_image, tmp_path, capsys):
