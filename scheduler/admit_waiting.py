@@ -19,6 +19,7 @@ from scheduler.kv_blocks import BlockManager
 from scheduler.lump_budget import StepCost
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
+from scheduler.spans import span_safe_prefix
 from scheduler.step_plan import ScheduledSeq, schedule_item
 from scheduler.step_room import Room, prefill_token_s, slack_s
 
@@ -52,6 +53,9 @@ class WaitingAdmission:
             hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
             # Keep at least one token to compute: its logits give the next token.
             matched = bm.match_prefix(hashes)[: (seq.num_tokens - 1) // self.block_size]
+            if seq.spans:  # a match may not end inside an image (scheduler/spans.py)
+                reusable = span_safe_prefix(seq.spans, len(matched) * self.block_size)
+                matched = matched[: reusable // self.block_size]
             num_cached = len(matched) * self.block_size
             tower = any(
                 needs_tower(img, num_cached, seq.num_tokens, num_cached, self._is_cached(img))

@@ -40,6 +40,7 @@ from scheduler.lump_budget import StepCost, StepShape, plan_shape
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
+from scheduler.spans import span_safe_end
 from scheduler.spec_policy import SpecMetrics, SpecPolicy, SpeedupFn
 from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
 from scheduler.step_room import Room
@@ -231,6 +232,8 @@ class Scheduler(WaitingAdmission):
                 seq.images, start, start + n, admitted_at, self._is_cached,
                 room.tiles_used, room.tile_budget,
             )  # fmt: skip
+            if seq.spans:  # never half an image (scheduler/spans.py)
+                end = span_safe_end(seq.spans, start, end)
             return end - start, tiles
 
         todo, chunked = seq.num_tokens - start, self.config.enable_chunked_prefill
