@@ -14,6 +14,7 @@ from kernels.backends import select_backend
 from kernels.cpu_build import native_bf16
 from kernels.fused_ops import op_backends
 from vlmserve.config import checkpoint_dtype, choose_dtype, default_device
+from vlmserve.worker.models.loader import SUPPORTED_FAMILIES
 
 
 def dist_version(dist: str) -> str | None:
@@ -121,6 +122,7 @@ def collect(model_path: str | None = None, tp: int = 1) -> dict[str, object]:
         "attention_backend": attention,
         "ops": op_backends(torch.device(device), attention, dtype=choice.dtype),
         "threads": torch.get_num_threads(),
+        "model_families": ", ".join(SUPPORTED_FAMILIES),
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)

@@ -39,6 +39,7 @@ def test_info_reports_versions_pil_device_and_backend():
     assert info["pil"]["variant"] in ("pillow", "pillow-simd")
     assert isinstance(info["pil"]["simd"], bool)
     assert info["device"] in ("cpu", "cuda")
+    assert "Gemma 3" in info["model_families"] and "LLaVA-OneVision" in info["model_families"]
     from kernels.cpu_attention import available
 
     if info["device"] == "cpu":
@@ -179,6 +180,18 @@ def test_generate_with_async_scheduling_answers_as_without(scene_png, capsys):
     assert main([*args, "--async-scheduling"]) == 0
     overlapped = capsys.readouterr()
     assert plain.out.strip() and overlapped.out == plain.out
+
+
+def test_generate_with_slo_targets_answers_as_without(scene_png, capsys):
+    # The targets change which request runs when (slack order, TPOT-guarded lump chunks),
+    # never what a request computes: greedy output is the same.
+    args = ["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
+            "--max-tokens", "40"]  # fmt: skip
+    assert main(args) == 0
+    plain = capsys.readouterr()
+    assert main([*args, "--slo-ttft-ms", "text=300,image=900", "--slo-tpot-ms", "50"]) == 0
+    planned = capsys.readouterr()
+    assert plain.out.strip() and planned.out == plain.out
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ Expected figures are the article's (§11 Table 4, §17), not this code's output.
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -265,6 +266,20 @@ def test_capacity_trace_json_plot_and_refusal(tmp_path, capsys):
     assert classes["never-fits"]["num_refused"] == 1
     assert classes["4x13-tile"]["num_finished"] == 3
     assert doc["timeline"] and 0 < r["peak_kv_occupancy"] <= 1
+    # The SLO classes, by whether a request carries images: the never-fits one has an image.
+    by_images = {c["request_class"]: c for c in r["by_images"]}
+    assert by_images["image"]["num_requests"] == 4 and by_images["image"]["num_refused"] == 1
+    assert by_images["text"]["num_requests"] == classes["text"]["num_requests"]
+    assert by_images["text"]["num_slo_met"] == classes["text"]["num_slo_met"]
+
+
+def test_capacity_prints_slo_attainment_and_percentiles_per_class(capsys):
+    argv = ["capacity", "--mix", "vlm", "--num-requests", "60", "--rate", "2"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    for cls in ("text", "image"):
+        [line] = [x for x in out.splitlines() if f"class {cls} (n=" in x]
+        assert "SLO met" in line and "TTFT p50/p90/p99" in line and "TPOT p50/p99" in line
 
 
 def test_capacity_find_max_rate(capsys):
@@ -314,3 +329,13 @@ def test_kv_tp_per_gpu_bytes_and_replication(capsys):
     assert "tp=16 > n_kv=8: cache replicated" in out
     code, _, err = run_cli(capsys, "kv", "--tp", "3")
     assert code == 2 and "does not divide the 32 attention heads" in err
+
+
+def test_kv_and_image_know_gemma3(capsys):
+    code, out, _ = run_cli(capsys, "kv", "--model", "gemma-3-4b", "--context", "8192")
+    assert code == 0
+    assert "29 of 34, window 1,024" in out
+    assert re.search(r"hybrid KV / all global\s+25%", out)
+    code, out, _ = run_cli(capsys, "image", "--model", "gemma-3-27b", "--width", "900",
+                           "--height", "600")  # fmt: skip
+    assert code == 0 and "siglip-so400m-14-896" in out and "256 per image (16:1" in out
