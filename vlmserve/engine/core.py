@@ -38,6 +38,14 @@ from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, run_step
 from vlmserve.engine.image_wait import pending_images, poll_images, wait_for_images
 from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
+from vlmserve.engine.request_options import (
+    check_vocab,
+    child_params,
+    make_sampler,
+    num_children,
+    pick_best,
+    take_logprobs,
+)
 from vlmserve.engine.stats import engine_stats
 from vlmserve.inputs.processing import (
     Request,
@@ -108,6 +116,7 @@ class Engine:
         self.async_scheduling = config.scheduler.async_scheduling and not config.speculative.enabled
         self._forward = ForwardThread(self.runner, self.times) if self.async_scheduling else None
         self._in_flight: _InFlight | None = None
+        self._held: dict[str, str] = {}  # n > 1: request id -> the sibling it waits for
 
     # -- requests ---------------------------------------------------------------------
 
@@ -125,11 +134,14 @@ class Engine:
                 f"prompt is {num_prompt} tokens, the model's context is {self.max_model_len} "
                 "tokens (and at least one must be left to generate)"
             )
+        check_vocab(params, self.runner.model.decoder.cfg.vocab_size)
         max_tokens = min(params.max_tokens, self.max_model_len - num_prompt)
         refusal = self.scheduler.check_fits(num_prompt, max_tokens)
         if refusal is not None:  # never admissible: refused now, never a hang
             raise RequestError(refusal)
-        return PreparedRequest(request.request_id, prompt, params, max_tokens)
+        return PreparedRequest(
+            request.request_id, prompt, params, max_tokens, request.share_prompt_with
+        )
 
     def add_request(self, request: Request | PreparedRequest) -> str:
         """Queue `request` (preparing it first unless it already is); returns its id. Raises
@@ -152,12 +164,14 @@ class Engine:
         stops = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         )
-        state = _State(
-            seq, params, SamplerState(params), request.max_tokens, output, detokenizer, stops
-        )
+        sampler = make_sampler(params, prompt.token_ids, stops, self._detok_tokenizer)
+        state = _State(seq, params, sampler, request.max_tokens, output, detokenizer, stops)
         self._states[request_id] = state
         # Its images may still be decoding in the pool: queued now, admitted once ready.
         seq.ready = not pending_images(seq)
+        if request.share_prompt_with in self._states:  # held until that one's prefill is done
+            self._held[request_id] = request.share_prompt_with
+            seq.ready = False
         self.scheduler.add(seq, num_prompt + request.max_tokens)
         return request_id
 
@@ -285,7 +299,8 @@ class Engine:
                 log.error("sampling failed for %s: %r", state.seq.request_id, new)
                 failed.append(self._fail(state, StepFailedError(f"sampling failed: {new}")))
             elif new:
-                accepted[state.seq.request_id] = self._accept(state, new)
+                accepted[state.seq.request_id] = kept = self._accept(state, new)
+                take_logprobs(state.sampler, state.output, len(kept[0]))
         return accepted, failed
 
     def _emit(self, accepted: _Kept) -> list[RequestOutput]:
@@ -309,8 +324,14 @@ class Engine:
         return [self._fail(state, StepFailedError(str(error))) for state in live]
 
     def _poll_images(self) -> list[RequestOutput]:
-        """Ready the sequences whose images are decoded; fail those whose decode failed."""
-        failures = poll_images(self.scheduler.waiting)
+        """Ready the sequences whose images are decoded; fail those whose decode failed.
+        A held sibling (n > 1) is ready once the one it waits for has a token or ended."""
+        for request_id, parent in list(self._held.items()):
+            state = self._states.get(parent)
+            if state is None or state.output.token_ids:
+                del self._held[request_id]
+        waiting = [seq for seq in self.scheduler.waiting if seq.request_id not in self._held]
+        failures = poll_images(waiting)
         return [self._fail(self._states[seq.request_id], e) for seq, e in failures]
 
     @staticmethod
@@ -364,6 +385,7 @@ class Engine:
         state.output.num_cached_tokens = state.seq.num_cached_tokens
         self.scheduler.finish(state.seq)
         self.runner.release(state.seq.request_id)
+        self._held.pop(state.seq.request_id, None)
         del self._states[state.seq.request_id]
 
     def close(self) -> None:
@@ -384,20 +406,38 @@ class Engine:
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         """Run `requests` to completion. A request that cannot be served gets an output
-        with `error` set; the others are unaffected."""
-        outputs: list[RequestOutput] = []
+        with `error` set; the others are unaffected. A request with n > 1 gives n outputs
+        in a row (best_of: the n of highest cumulative logprob, best first)."""
+        groups: list[list[RequestOutput]] = []
         for request in requests:
             try:
-                request_id = self.add_request(request)
-                outputs.append(self._states[request_id].output)
+                ids = self._add_with_children(request)
+                groups.append([self._states[request_id].output for request_id in ids])
             except ValueError as e:  # RequestError and input validation
                 rid = request.request_id or f"req-{next(self._ids)}"
-                outputs.append(
-                    RequestOutput(rid, finished=True, finish_reason="error", error=str(e))
+                groups.append(
+                    [RequestOutput(rid, finished=True, finish_reason="error", error=str(e))]
                 )
         while self.has_unfinished():
             self.step()
-        return outputs
+        return [out for group, request in zip(groups, requests, strict=True)
+                for out in pick_best(group, request.sampling)]  # fmt: skip
+
+    def _add_with_children(self, request: Request) -> list[str]:
+        """Add `request`, or its n (best_of) children sharing one preparation."""
+        params = request.sampling or SamplingParams()
+        if num_children(params) == 1:
+            return [self.add_request(request)]
+        prepared = self.prepare(request)
+        base = prepared.request_id or f"req-{next(self._ids)}"
+        ids = [f"{base}-{i}" for i in range(num_children(params))]
+        for i, request_id in enumerate(ids):
+            child = dataclasses.replace(
+                prepared, request_id=request_id, params=child_params(params, i),
+                share_prompt_with=ids[0] if i else None,
+            )  # fmt: skip
+            self.add_request(child)
+        return ids
 
 
 def _samplers(plan: StepPlan, states: list[_State]) -> list[SamplerState]:
