@@ -33,6 +33,7 @@ from typing import Literal
 from encoders.errors import RequestError
 from vlmserve.engine.core import Engine, PreparedRequest, RequestOutput
 from vlmserve.inputs.processing import Request
+from vlmserve.sample.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class Snapshot:
     num_prompt_tokens: int
     num_image_tokens: int
     num_cached_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the new tokens, when the request asked
 
 
 Item = Accepted | Failed | Snapshot
@@ -101,6 +103,7 @@ def snapshot(out: RequestOutput) -> Snapshot:
         out.num_prompt_tokens,
         out.num_image_tokens,
         out.num_cached_tokens,
+        tuple(out.new_logprobs),
     )
 
 
