@@ -311,6 +311,7 @@ class Scheduler:
             hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
             # Keep at least one token to compute: its logits give the next token.
             matched = bm.match_prefix(hashes)[: (seq.num_tokens - 1) // self.block_size]
+            matched = matched if seq.use_prefix_cache else []
             num_cached = len(matched) * self.block_size
             tower = any(
                 needs_tower(img, num_cached, seq.num_tokens, num_cached, self._is_cached(img))

@@ -53,6 +53,8 @@ class Sequence:
     # Tokens sampled by a step still in flight (async scheduling): they count in
     # num_tokens but are not in token_ids yet; they lie past its end until resolved.
     num_pending_tokens: int = 0
+    # False: never start from prefix-cache hits (prompt logprobs need every position run).
+    use_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

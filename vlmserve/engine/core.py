@@ -40,11 +40,11 @@ from vlmserve.engine.image_wait import pending_images, poll_images, wait_for_ima
 from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
 from vlmserve.engine.request_options import (
     check_vocab,
-    child_params,
+    generate_all,
     make_sampler,
-    num_children,
-    pick_best,
+    prompt_logit_requests,
     take_logprobs,
+    take_prompt_logprobs,
 )
 from vlmserve.engine.stats import engine_stats
 from vlmserve.inputs.processing import (
@@ -116,6 +116,7 @@ class Engine:
         self.async_scheduling = config.scheduler.async_scheduling and not config.speculative.enabled
         self._forward = ForwardThread(self.runner, self.times) if self.async_scheduling else None
         self._in_flight: _InFlight | None = None
+        self.peak_used_blocks = 0
         self._held: dict[str, str] = {}  # n > 1: request id -> the sibling it waits for
 
     # -- requests ---------------------------------------------------------------------
@@ -155,11 +156,16 @@ class Engine:
         prompt, params = request.prompt, request.params
         num_prompt = len(prompt.token_ids)
         seq = Sequence(request_id, list(prompt.token_ids), prompt.images)
+        # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+        seq.use_prefix_cache = params.prompt_logprobs is None
         output = RequestOutput(
             request_id,
             num_prompt_tokens=num_prompt,
             num_image_tokens=sum(image.num_tokens for image in prompt.images),
+            prompt_token_ids=list(prompt.token_ids),
         )
+        if params.prompt_logprobs is not None:
+            output.prompt_logprobs = [None] * num_prompt
         detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop)
         stops = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
@@ -208,9 +214,12 @@ class Engine:
             return failed
         states = [self._states[item.request_id] for item in plan.scheduled]
         try:
-            inputs = self.runner.prepare(plan)
+            wants, prompt_samplers = prompt_logit_requests(plan, self._states)
+            inputs = self.runner.prepare(plan, None, wants)
             samplers = _samplers(plan, states)
-            sampled = run_step(self.runner, self.times, inputs, plan.scheduled, samplers)
+            sampled = run_step(
+                self.runner, self.times, inputs, plan.scheduled, samplers, None, prompt_samplers
+            )
         except Exception as e:  # noqa: BLE001 - belongs to no one request: fail the step's
             return failed + self._fail_step(states, e)
         accepted, failed_now = self._take(states, sampled)
@@ -236,6 +245,8 @@ class Engine:
         failed). `idle_wait`: with nothing to run, wait briefly for a decoding image."""
         failed = self._poll_images()
         plan = self.scheduler.schedule()
+        bm = self.scheduler.block_manager  # the KV high-water mark (n > 1 shares the prompt)
+        self.peak_used_blocks = max(self.peak_used_blocks, bm.num_blocks - bm.num_free_blocks)
         for request_id in plan.preempted:
             self.runner.preempt(request_id)
         if plan.is_empty:
@@ -260,9 +271,10 @@ class Engine:
             in_flight = {item.request_id: i for i, item in enumerate(scheduled) if item.sample}
         future: futures.Future[Sampled] = futures.Future()
         try:
-            inputs = self.runner.prepare(plan, in_flight)
+            wants, prompt_samplers = prompt_logit_requests(plan, self._states)
+            inputs = self.runner.prepare(plan, in_flight, wants)
             samplers, before = _samplers(plan, states), previous.future if previous else None
-            future = self._forward.submit(inputs, plan.scheduled, samplers, before)
+            future = self._forward.submit(inputs, plan.scheduled, samplers, before, prompt_samplers)
         except Exception as e:  # noqa: BLE001 - as the forward raising: fails when taken
             future.set_exception(e)
         return _InFlight(advance(plan, self.scheduler.seqs), states, future)
@@ -295,6 +307,7 @@ class Engine:
         for state, new in zip(states, sampled, strict=True):
             if state.seq.status == "finished":
                 continue
+            take_prompt_logprobs(state.sampler, state.output)
             if isinstance(new, Exception):
                 log.error("sampling failed for %s: %r", state.seq.request_id, new)
                 failed.append(self._fail(state, StepFailedError(f"sampling failed: {new}")))
@@ -408,36 +421,7 @@ class Engine:
         """Run `requests` to completion. A request that cannot be served gets an output
         with `error` set; the others are unaffected. A request with n > 1 gives n outputs
         in a row (best_of: the n of highest cumulative logprob, best first)."""
-        groups: list[list[RequestOutput]] = []
-        for request in requests:
-            try:
-                ids = self._add_with_children(request)
-                groups.append([self._states[request_id].output for request_id in ids])
-            except ValueError as e:  # RequestError and input validation
-                rid = request.request_id or f"req-{next(self._ids)}"
-                groups.append(
-                    [RequestOutput(rid, finished=True, finish_reason="error", error=str(e))]
-                )
-        while self.has_unfinished():
-            self.step()
-        return [out for group, request in zip(groups, requests, strict=True)
-                for out in pick_best(group, request.sampling)]  # fmt: skip
-
-    def _add_with_children(self, request: Request) -> list[str]:
-        """Add `request`, or its n (best_of) children sharing one preparation."""
-        params = request.sampling or SamplingParams()
-        if num_children(params) == 1:
-            return [self.add_request(request)]
-        prepared = self.prepare(request)
-        base = prepared.request_id or f"req-{next(self._ids)}"
-        ids = [f"{base}-{i}" for i in range(num_children(params))]
-        for i, request_id in enumerate(ids):
-            child = dataclasses.replace(
-                prepared, request_id=request_id, params=child_params(params, i),
-                share_prompt_with=ids[0] if i else None,
-            )  # fmt: skip
-            self.add_request(child)
-        return ids
+        return generate_all(self, requests)
 
 
 def _samplers(plan: StepPlan, states: list[_State]) -> list[SamplerState]:

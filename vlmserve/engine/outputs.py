@@ -41,6 +41,10 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # since the previous step
     cumulative_logprob: float = 0.0
+    prompt_token_ids: list[int] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: per prompt position (None at 0: nothing
+    # predicts the first token), filled as the prefill runs.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ def engine_stats(engine: Engine) -> dict[str, float]:
         "num_blocks": float(bm.num_blocks),
         "free_blocks": float(bm.num_free_blocks),
         "used_blocks": float(used),
+        "peak_used_blocks": float(engine.peak_used_blocks),
         "kv_usage": used / bm.num_blocks,
         "num_steps": float(engine.num_steps),
         "num_preemptions": float(scheduler.num_preemptions),

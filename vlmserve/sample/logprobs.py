@@ -9,7 +9,7 @@ token's rank in that distribution (1: the most likely) and its `k` most likely t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -75,13 +75,23 @@ def book_emitted(logits: torch.Tensor, groups: Sequence, emitted: Sequence) -> N
         state.logprobs.append([next(records) for _ in range(count)])
 
 
-def prompt_logprobs(
-    logits: torch.Tensor, token_ids: Sequence[int], first: int, num_top: int
-) -> list[TokenLogprob]:
-    """Logprobs of prompt tokens first+1 .. first+len(logits): row i of `logits` is the
-    distribution after prompt position first + i, so it scores token first + i + 1."""
-    num = min(logits.shape[0], len(token_ids) - first - 1)
-    if num <= 0:
-        return []
-    targets = token_ids[first + 1 : first + 1 + num]
-    return token_logprobs(logits, range(num), targets, [num_top] * num)
+def book_prompt_logprobs(
+    logits: torch.Tensor, spans: Sequence[tuple[str, int, int]], states: Mapping
+) -> None:
+    """Prompt logprobs of a step: its last rows (after the sampling rows) are, per span
+    (request id, first position p, count), the distributions after prompt positions p ..
+    p + count - 1, each scoring the prompt token after it. Each state gets one entry
+    (first scored position, records) in its `prompt_logprobs` deque."""
+    num = sum(count for _, _, count in spans)
+    row = logits.shape[0] - num
+    rows, tokens, num_top, owners = [], [], [], []
+    for request_id, first, count in spans:
+        state = states[request_id]
+        owners.append((state, first + 1, count))
+        rows += range(row, row + count)
+        tokens += state.prompt_token_ids[first + 1 : first + 1 + count]
+        num_top += [state.params.prompt_logprobs or 0] * count
+        row += count
+    records = iter(token_logprobs(logits, rows, tokens, num_top))
+    for state, position, count in owners:
+        state.prompt_logprobs.append((position, [next(records) for _ in range(count)]))

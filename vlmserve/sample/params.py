@@ -143,6 +143,8 @@ class SamplerState:
     # Per sampled step, the logprobs of the tokens it emitted (`logprobs.py`), in step
     # order: the sampling thread appends, the engine thread pops (deque ops are atomic).
     logprobs: collections.deque = field(default_factory=collections.deque)
+    # Prompt logprobs as the prefill computes them: (first position, records) per chunk.
+    prompt_logprobs: collections.deque = field(default_factory=collections.deque)
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)

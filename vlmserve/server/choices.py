@@ -43,6 +43,7 @@ class Choice:
     pieces: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     last: Snapshot | None = None  # the newest snapshot; terminal once `finished`
+    prompt_logprobs: tuple = ()  # when asked (choice 0 of its prompt computes them)
 
     @property
     def text(self) -> str:
@@ -112,6 +113,8 @@ class Choices:
         choice.last = item
         choice.pieces.append(item.delta)
         choice.logprobs.extend(item.logprobs)
+        if item.prompt_logprobs:
+            choice.prompt_logprobs = item.prompt_logprobs
         self.on_snapshot(item)
         return choice
 
@@ -148,6 +151,13 @@ class Choices:
         finally:
             if not finished:
                 self.abort()  # cancelled (server shutting down)
+
+    def prompt_logprobs(self, prompt_index: int) -> list[TokenLogprob]:
+        """The prompt's logprobs after its first token, from whichever choice has them."""
+        for choice in self.choices.values():
+            if choice.prompt_index == prompt_index and choice.prompt_logprobs:
+                return [r for r in choice.prompt_logprobs[1:] if r is not None]
+        return []
 
     def ordered(self) -> list[Choice]:
         return sorted(self.choices.values(), key=lambda c: c.index)
