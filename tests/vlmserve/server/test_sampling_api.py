@@ -176,11 +176,10 @@ def test_penalties_and_logit_bias_equal_the_reference_on_transformers_logits(ser
 def test_bad_words_and_min_tokens(server, client, hf):
     _, tokenizer = hf
     ids = tokenize(server, prompt=PROMPT)
-    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
-                                      extra_body={"ignore_eos": True})  # fmt: skip
+    kw = dict(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True})
     first = plain.choices[0].text.split()[0]
-    banned = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
-                                       extra_body={"ignore_eos": True, "bad_words": [first]})  # fmt: skip
+    banned = client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": [first]})
     assert first not in banned.choices[0].text.split()
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     # EOS pushed to the top: it stops at once, unless min_tokens holds it back.
