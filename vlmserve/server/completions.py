@@ -49,7 +49,7 @@ class CompletionRequest(SamplingFields):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, strict=True)  # `true` is chat's spelling
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
