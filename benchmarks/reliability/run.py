@@ -1,6 +1,6 @@
 """The reliability suite: fuzzed images, fuzzed sampling fields, SSRF probes, soak and
-chaos against a real `vlmserve serve` on loopback. Minutes long, so not in the default test run (a small
-version of each section is: tests/vlmserve/test_reliability_quick.py).
+chaos against a real `vlmserve serve` on loopback. Minutes long, so not in the default
+test run (a small version of each section is: tests/vlmserve/test_reliability_quick.py).
 
     .venv/bin/python -m benchmarks.reliability.run                 # everything, full sizes
     .venv/bin/python -m benchmarks.reliability.run --only soak     # one section
