@@ -81,31 +81,54 @@ class Choices:
         self.sink = AsyncSink()
         self.choices: dict[str, Choice] = {}
         self.process_s = 0.0
+        self._later: dict[str, list[Request]] = {}  # sibling id -> choices sharing its prompt
+        self._submitted: set[str] = set()
+        self._early: list[Item] = []  # items that came before every choice was admitted
 
     def submit(self, requests: list[tuple[int, Request]], prompt_index: int = 0) -> None:
-        """Queue the requests; a refusal (429 / 503) aborts those already queued."""
+        """Queue the requests; a refusal (429 / 503) aborts those already queued. A choice
+        that shares a sibling's prompt is queued once that sibling is admitted (`accepted`),
+        so the engine holds it for the sibling's prefill."""
         for index, request in requests:
-            try:
-                self.loop.submit(request, self.sink)
-            except Exception:
-                self.abort()
-                raise
             self.choices[request.request_id] = Choice(index, request.request_id, prompt_index)
+            if request.share_prompt_with is not None:
+                self._later.setdefault(request.share_prompt_with, []).append(request)
+                continue
+            self._submit(request)
+
+    def _submit(self, request: Request) -> None:
+        try:
+            self.loop.submit(request, self.sink)
+        except Exception:
+            self._later.clear()
+            self.abort()
+            raise
+        self._submitted.add(request.request_id)
 
     def abort(self) -> None:
         for choice in self.choices.values():
-            if not choice.done:
+            if not choice.done and choice.request_id in self._submitted:
                 self.loop.abort(choice.request_id)
 
     async def accepted(self) -> Failed | None:
-        """Wait until every request is admitted; the first failure aborts the others."""
-        for _ in range(len(self.choices)):
+        """Wait until every request is admitted; the first failure aborts the others. A
+        choice admitted early may send snapshots meanwhile: they are kept, in order."""
+        waiting = len(self.choices)
+        while waiting:
             item = await self.sink.queue.get()
             if isinstance(item, Failed):
                 self.abort()
                 return item
-            assert isinstance(item, Accepted), f"first item must be Accepted, got {item!r}"
-            self.process_s = max(self.process_s, item.process_s)
+            if isinstance(item, Accepted):
+                waiting -= 1
+                self.process_s = max(self.process_s, item.process_s)
+                try:
+                    for request in self._later.pop(item.request_id, []):
+                        self._submit(request)
+                except Exception as e:  # noqa: BLE001 - refused (429 / 503): the answer
+                    return Failed(item.request_id, e)
+            else:
+                self._early.append(item)
         return None
 
     def take(self, item: Snapshot) -> Choice:
@@ -123,6 +146,8 @@ class Choices:
         return all(choice.done for choice in self.choices.values())
 
     async def next_item(self) -> Item:
+        if self._early:
+            return self._early.pop(0)
         return await self.sink.queue.get()
 
     async def complete(self, is_disconnected: Callable) -> Failed | None:
@@ -137,7 +162,7 @@ class Choices:
                     if await is_disconnected():
                         self.abort()
                 try:
-                    item = await asyncio.wait_for(self.sink.queue.get(), _DISCONNECT_POLL_S)
+                    item = await asyncio.wait_for(self.next_item(), _DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     continue
                 if isinstance(item, Failed):

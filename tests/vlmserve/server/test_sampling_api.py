@@ -232,7 +232,9 @@ def test_n4_on_a_long_prompt_holds_little_more_kv_than_n1(llava_ov_path):
             assert response.status_code == 200, response.text
             assert len(response.json()["choices"]) == n
             metrics = httpx.get(url + "/metrics").text
-            line = next(x for x in metrics.splitlines() if x.startswith("vlmserve_peak_used"))
+            line = next(
+                x for x in metrics.splitlines() if x.startswith("vlmserve_kv_blocks_used_peak ")
+            )
             peaks.append(float(line.split()[-1]))
     assert peaks[0] >= 2000 / 16
     print(f"peak KV blocks, n=1 vs n=4: {peaks}")
