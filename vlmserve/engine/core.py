@@ -154,6 +154,8 @@ class Engine:
         if request_id in self._states:
             raise RequestError(f"request id {request_id!r} is already in use")
         prompt, params = request.prompt, request.params
+        if params.n > 1 or (params.best_of or 1) > 1:  # never one answer silently
+            raise RequestError("n > 1 and best_of: Engine.generate (or the server) fans out")
         num_prompt = len(prompt.token_ids)
         seq = Sequence(request_id, list(prompt.token_ids), prompt.images)
         # Prompt logprobs need every prompt position computed: no prefix-cache hits.
