@@ -168,7 +168,7 @@ class Engine:
         )
         if params.prompt_logprobs is not None:
             output.prompt_logprobs = [None] * num_prompt
-        detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop)
+        detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop, params.min_tokens)
         stops = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         )
