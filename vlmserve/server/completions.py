@@ -34,7 +34,12 @@ from vlmserve.server.choices import Choice, Choices, fan_out, stream_items
 from vlmserve.server.engine_loop import EngineLoop, Failed
 from vlmserve.server.metrics import ServerMetrics
 from vlmserve.server.protocol import StreamOptions, error_body, make_usage
-from vlmserve.server.sampling_fields import SamplingFields, TokenTexts, completion_logprobs
+from vlmserve.server.sampling_fields import (
+    SamplingFields,
+    TokenTexts,
+    completion_logprobs,
+    vllm_logprobs,
+)
 
 MAX_PROMPTS = 256  # prompts in one request: each is prepared and queued on its own
 
@@ -51,6 +56,7 @@ class CompletionRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, strict=True)  # `true` is chat's spelling
     echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, strict=True)  # vLLM's extension
     suffix: str | None = None
     best_of: int | None = None
     user: str | None = None
@@ -95,10 +101,16 @@ class CompletionRequest(SamplingFields):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
-            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+            prompt_logprobs=self._prompt_logprobs(),
             best_of=self.best_of,
             **self.control_kwargs(),
         )
+
+    def _prompt_logprobs(self) -> int | None:
+        """vLLM's field, or what echo with logprobs needs (the larger when both)."""
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        wanted = [k for k in (self.prompt_logprobs, echoed) if k is not None]
+        return max(wanted) if wanted else None
 
     @property
     def include_usage(self) -> bool:
@@ -181,10 +193,14 @@ class CompletionHandler:
         logprobs = None
         if body.logprobs is not None:
             logprobs = self._logprobs(body, choice, choices, choice.logprobs)
-        return {
+        out = {
             "index": index, "text": echo + choice.text, "logprobs": logprobs,
             "finish_reason": choice.last.finish_reason,
         }  # fmt: skip
+        if body.prompt_logprobs is not None:  # vLLM's shape: per position {id: {...}}
+            records = choices.prompt_logprobs(choice.prompt_index)
+            out["prompt_logprobs"] = [None] + [vllm_logprobs(r, self.texts) for r in records]
+        return out
 
     def _logprobs(
         self, body: CompletionRequest, choice: Choice, choices: Choices, records: list

@@ -125,3 +125,17 @@ def completion_logprobs(
         "tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
         "text_offset": offsets,
     }  # fmt: skip
+
+
+def vllm_logprobs(record: TokenLogprob, texts: TokenTexts) -> dict[str, Any]:
+    """vLLM's prompt_logprobs entry: {token id: {logprob, rank, decoded_token}} for the
+    token and its top alternatives (a top token's rank is its place in the list)."""
+    out = {
+        str(t): {"logprob": _lp(lp), "rank": i + 1, "decoded_token": texts(t)}
+        for i, (t, lp) in enumerate(record.top)
+    }
+    out[str(record.token_id)] = {
+        "logprob": _lp(record.logprob), "rank": record.rank,
+        "decoded_token": texts(record.token_id),
+    }  # fmt: skip
+    return out

@@ -144,6 +144,13 @@ def test_completion_logprobs_and_echoed_prompt_logprobs(server, client, hf):
         check_top(reference[position - 1], tokenizer, top, 3)
     tokens, rows = hf_greedy(model, ids, 3)
     assert lp.tokens[len(ids) :] == [tokenizer.decode([t]) for t in tokens]
+    # vLLM's own field: per position {id: {logprob, rank, decoded_token}}.
+    body = {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 1}
+    scored = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
+    entries = scored["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    last = entries[-1][str(ids[-1])]
+    assert abs(last["logprob"] - float(want[-1])) < 1e-5 and last["decoded_token"]
     assert answer.choices[0].text.startswith(tokenizer.decode(ids))
 
 
