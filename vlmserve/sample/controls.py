@@ -61,7 +61,9 @@ class _Rows:
             self.output[0].extend([index] * len(kept))
             self.output[1].extend(kept)
         if params.repetition_penalty != 1.0:
-            kept = sorted({t for t in state.prompt_token_ids if 0 <= t < vocab})
+            if state.prompt_unique_ids is None:  # once per request, not per step
+                state.prompt_unique_ids = sorted(set(state.prompt_token_ids))
+            kept = [t for t in state.prompt_unique_ids if 0 <= t < vocab]
             self.prompt[0].extend([index] * len(kept))
             self.prompt[1].extend(kept)
 
