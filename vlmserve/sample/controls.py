@@ -36,8 +36,10 @@ class _Rows:
     pres: list[float] = field(default_factory=list)
     banned: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
     bias: tuple[list[int], list[int], list[float]] = field(default_factory=lambda: ([], [], []))
-    output: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
-    prompt: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    # Per penalised row: its output tokens, and (repetition) the prompt's distinct ids as
+    # a host tensor made once per request: no per-step Python over a long prompt.
+    output: list[tuple[int, list[int]]] = field(default_factory=list)
+    prompt: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def add(self, state: SamplerState, row: int, history: list[int], vocab: int) -> None:
         params, index = state.params, len(self.rows)
@@ -57,15 +59,12 @@ class _Rows:
                 self.bias[1].append(token)
                 self.bias[2].append(value)
         if params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1:
-            kept = [t for t in history if 0 <= t < vocab]
-            self.output[0].extend([index] * len(kept))
-            self.output[1].extend(kept)
+            self.output.append((index, [t for t in history if 0 <= t < vocab]))
         if params.repetition_penalty != 1.0:
             if state.prompt_unique_ids is None:  # once per request, not per step
-                state.prompt_unique_ids = sorted(set(state.prompt_token_ids))
-            kept = [t for t in state.prompt_unique_ids if 0 <= t < vocab]
-            self.prompt[0].extend([index] * len(kept))
-            self.prompt[1].extend(kept)
+                ids = sorted(t for t in set(state.prompt_token_ids) if 0 <= t < vocab)
+                state.prompt_unique_ids = torch.tensor(ids, dtype=torch.long)
+            self.prompt.append((index, state.prompt_unique_ids))
 
 
 def banned_words(bad_words_ids: Sequence[Sequence[int]], history: Sequence[int]) -> list[int]:
@@ -86,25 +85,41 @@ def _float(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
 
 
+def _pairs(parts: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) tensors from per-row id lists or host tensors."""
+    ids = [
+        p if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=torch.long) for _, p in parts
+    ]
+    rows = [
+        torch.full((len(t),), i, dtype=torch.long) for (i, _), t in zip(parts, ids, strict=True)
+    ]
+    return torch.cat(rows).to(device, non_blocking=True), torch.cat(ids).to(
+        device, non_blocking=True
+    )
+
+
 def _penalise(x: torch.Tensor, host: _Rows) -> None:
-    """The three penalties in place on x [rows, vocab] float32."""
-    device, shape = x.device, x.shape
-    counts = torch.zeros(shape, dtype=torch.float32, device=device)
-    if host.output[0]:
-        index = (_long(host.output[0], device), _long(host.output[1], device))
-        counts.index_put_(index, torch.ones(len(host.output[0]), device=device), accumulate=True)
-    seen = counts > 0
+    """The three penalties in place on x [rows, vocab] float32. Repetition touches only
+    the (row, token) pairs seen (a pair listed twice gets the same value twice)."""
+    device = x.device
+    out_rows, out_ids = _pairs(host.output, device)
     if any(r != 1.0 for r in host.rep):
-        seen_any = seen.clone()
-        if host.prompt[0]:
-            seen_any[_long(host.prompt[0], device), _long(host.prompt[1], device)] = True
-        rep = _float(host.rep, device)[:, None].expand(shape)
-        penalised = torch.where(x > 0, x / rep, x * rep)
-        x.copy_(torch.where(seen_any, penalised, x))
-    if any(host.freq):
-        x.sub_(_float(host.freq, device)[:, None] * counts)
-    if any(host.pres):
-        x.sub_(_float(host.pres, device)[:, None] * seen)
+        rows, ids = out_rows, out_ids
+        if host.prompt:
+            prompt_rows, prompt_ids = _pairs(host.prompt, device)
+            rows, ids = torch.cat([rows, prompt_rows]), torch.cat([ids, prompt_ids])
+        rep = _float(host.rep, device)[rows]
+        flat = rows * x.shape[1] + ids  # x is contiguous: 1-D indexing is the cheap kind
+        values = x.view(-1)[flat]
+        x.view(-1)[flat] = torch.where(values > 0, values / rep, values * rep)
+    if any(host.freq) or any(host.pres):
+        counts = torch.zeros_like(x)
+        counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=x.dtype),
+                          accumulate=True)  # fmt: skip
+        if any(host.freq):
+            x.sub_(_float(host.freq, device)[:, None] * counts)
+        if any(host.pres):
+            x.sub_(_float(host.pres, device)[:, None] * (counts > 0))
 
 
 def apply_controls(logits: torch.Tensor, groups: Sequence) -> torch.Tensor:
@@ -131,7 +146,7 @@ def apply_controls(logits: torch.Tensor, groups: Sequence) -> torch.Tensor:
     if host.bias[0]:
         index = (_long(host.bias[0], device), _long(host.bias[1], device))
         x.index_put_(index, _float(host.bias[2], device), accumulate=True)
-    if host.output[0] or host.prompt[0]:
+    if host.output or host.prompt:
         _penalise(x, host)
     out.index_copy_(0, rows, x)
     return out

@@ -140,7 +140,7 @@ class SamplerState:
     output_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: tuple[int, ...] = ()
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
-    prompt_unique_ids: list[int] | None = None  # the prompt's distinct ids, once (controls)
+    prompt_unique_ids: object = None  # the prompt's distinct ids as a host tensor (controls)
     # Per sampled step, the logprobs of the tokens it emitted (`logprobs.py`), in step
     # order: the sampling thread appends, the engine thread pops (deque ops are atomic).
     logprobs: collections.deque = field(default_factory=collections.deque)
