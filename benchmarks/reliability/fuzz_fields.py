@@ -20,14 +20,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from benchmarks.reliability.common import (
-    Outcome,
-    ServerProcess,
-    client,
-    count,
-    gather_limited,
-    print_table,
-)
+from benchmarks.reliability.common import Outcome, client, count, gather_limited, print_table
+from benchmarks.reliability.server import ServerProcess
 
 WORDS = "where is the blue circle and how many are there on the left red star".split()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from benchmarks.reliability.common import in_process_server
+from benchmarks.reliability.server import in_process_server
 from scheduler.config import CacheConfig, SchedulerConfig
 from tests.vlmserve.sample.test_controls import reference as controls_reference
 from vlmserve.config import EngineConfig, ModelConfig
