@@ -24,7 +24,7 @@ class EncoderConfig:
     # JPEG draft decoding (1/2..1/8 scale when every resample target is that small) is
     # opt-in: it changed 16-token greedy outputs on 32% of requests for Idefics3, 12% for
     # LLaVA-OneVision, 5% for the embedded model vs 0% with it off
-    # (benchmarks/jpeg_draft_divergence.py, 100 JPEGs per family). Off: exact pixels.
+    # (benchmarks/engine/jpeg_draft_divergence.py, 100 JPEGs per family). Off: exact pixels.
     jpeg_draft: bool = False
     # Encoder-output cache (pooled embeddings on the runner's device); 0 turns it off.
     cache_bytes: int = 256 << 20

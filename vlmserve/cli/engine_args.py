@@ -309,7 +309,7 @@ def _add_encoder_args(group: argparse._ArgumentGroup) -> None:
         help="decode large JPEGs at 1/2..1/8 scale when the tiles are that small: faster, "
         "but the pixels differ from transformers' processor, and so do outputs: 16-token "
         "greedy answers changed on 32%% of requests for Idefics3, 12%% for LLaVA-OneVision, "
-        "5%% for the default model (0%% with it off; benchmarks/jpeg_draft_divergence.py, "
+        "5%% for the default model (0%% with it off; benchmarks/engine/jpeg_draft_divergence.py, "
         "100 JPEGs each). Off by default: pixels are exact",
     )
     group.add_argument(

@@ -224,6 +224,7 @@ def run_process(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # two `vlmserve estimate` subprocesses
 def test_subprocess_json_and_error_exit():
     ok = run_process("batching", "--context", "131072", "--json")
     assert ok.returncode == 0, ok.stderr
@@ -237,6 +238,7 @@ def test_subprocess_json_and_error_exit():
 # --- capacity (trace simulator) ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_capacity_table_per_class(capsys):
     argv = ["capacity", "--mix", "vlm", "--num-requests", "80", "--rate", "2"]
     code, out, err = run_cli(capsys, *argv)

@@ -78,6 +78,7 @@ def test_prompt_and_output_logprobs_through_chunked_prefill_equal_transformers(
                                    atol=1e-5, rtol=0)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_speculation_keeps_logprobs_and_penalties(llama_path):
     """Drafted rows score the tokens they emit, and penalise with the drafts before them
     as output: a speculating engine answers as a plain one, logprobs included. (Small

@@ -79,6 +79,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
+@pytest.mark.slow
 def test_soak_small_every_request_answered_and_blocks_back(embedded):
     server, _ = embedded
     bm = server.engine.scheduler.block_manager
@@ -94,6 +95,7 @@ def test_soak_small_every_request_answered_and_blocks_back(embedded):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.slow
 def test_ssrf_probes_all_refused_and_none_connects(embedded):
     server, _ = embedded
     canary = Canary()
@@ -209,6 +211,7 @@ def test_killed_worker_is_never_blamed_on_the_image(idefics3_path):
         server.engine.scheduler.block_manager.check_integrity()
 
 
+@pytest.mark.slow
 def test_fuzzed_sampling_fields_are_4xx_never_5xx(llava_ov_path):
     """A small `fields` section: bad values are 4xx with a message, good ones answered,
     none a 5xx; the KV pool comes back whole."""

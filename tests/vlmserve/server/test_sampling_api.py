@@ -216,6 +216,7 @@ def test_n_choices_equal_separately_seeded_requests(client):
     assert list(streamed.values()) == texts
 
 
+@pytest.mark.slow
 def test_best_of_keeps_the_highest_cumulative_logprob(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=5,
               extra_body={"ignore_eos": True})  # fmt: skip
@@ -226,6 +227,7 @@ def test_best_of_keeps_the_highest_cumulative_logprob(client):
     assert best.choices[0].text == winner.text
 
 
+@pytest.mark.slow
 def test_n4_on_a_long_prompt_holds_little_more_kv_than_n1(llava_ov_path):
     """The choices share the prompt's blocks (held until choice 0's prefill is done)."""
     prompt = " ".join(f"w{i % 50}" for i in range(2000))
