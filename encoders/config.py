@@ -30,6 +30,9 @@ class EncoderConfig:
     cache_bytes: int = 256 << 20
     # False: keep the checkpoint's HF image processor on the serving path.
     use_pool: bool = True
+    # Gemma 3: also feed elongated images as 2-4 crops, each one more image's tokens
+    # (transformers' `do_pan_and_scan`, off by default as in its processor).
+    pan_and_scan: bool = False
 
     def __post_init__(self) -> None:
         if self.num_workers is not None and self.num_workers < 0:

@@ -54,6 +54,9 @@ class Sequence:
     num_pending_tokens: int = 0
     # False: never start from prefix-cache hits (prompt logprobs need every position run).
     use_prefix_cache: bool = True
+    # [start, end) position ranges that attend to each other in full (scheduler/spans.py):
+    # a chunk never ends inside one. Empty: causal everywhere.
+    spans: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

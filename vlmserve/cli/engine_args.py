@@ -313,6 +313,13 @@ def _add_encoder_args(group: argparse._ArgumentGroup) -> None:
         "100 JPEGs each). Off by default: pixels are exact",
     )
     group.add_argument(
+        "--pan-and-scan",
+        action="store_true",
+        help="Gemma 3: an elongated image (aspect >= 1.2, crops >= 256 px) also goes in as "
+        "2-4 crops along its long side, each another 256 tokens (transformers' "
+        "do_pan_and_scan; off by default, as there)",
+    )
+    group.add_argument(
         "--hf-image-processor",
         action="store_true",
         help="preprocess with the checkpoint's HF image processor instead of the pool "
@@ -377,6 +384,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_decode_pixels=args.max_decode_pixels,
         jpeg_draft=args.jpeg_draft,
         use_pool=not args.hf_image_processor,
+        pan_and_scan=args.pan_and_scan,
     )
     parallel = _with_flags(
         "--tensor-parallel-size", ParallelConfig, tensor_parallel_size=args.tensor_parallel_size

@@ -13,6 +13,7 @@ import torch
 from kernels.backends import select_backend
 from kernels.fused_ops import op_backends
 from vlmserve.config import default_device
+from vlmserve.worker.models.loader import SUPPORTED_FAMILIES
 
 
 def dist_version(dist: str) -> str | None:
@@ -114,6 +115,7 @@ def collect(model_path: str | None = None, tp: int = 1) -> dict[str, object]:
         "attention_backend": attention,
         "ops": op_backends(torch.device(device), attention),
         "threads": torch.get_num_threads(),
+        "model_families": ", ".join(SUPPORTED_FAMILIES),
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)

@@ -31,6 +31,7 @@ from encoders.errors import PromptTooLongError, RequestError
 from scheduler.in_flight import LaunchedStep
 from scheduler.planner import Scheduler
 from scheduler.sequence import Sequence
+from scheduler.spans import image_spans
 from scheduler.spec_policy import SpecMetrics
 from scheduler.step_plan import ScheduledSeq, StepPlan
 from search.costmodel.cost_model import spec_speedup
@@ -157,6 +158,8 @@ class Engine:
         seq = Sequence(request_id, list(prompt.token_ids), prompt.images)
         # Prompt logprobs need every prompt position computed: no prefix-cache hits.
         seq.use_prefix_cache = params.prompt_logprobs is None
+        if self.runner.model.bidirectional_images:
+            seq.spans = image_spans(prompt.images)
         output = RequestOutput(
             request_id,
             num_prompt_tokens=num_prompt,

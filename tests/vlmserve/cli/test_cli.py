@@ -39,6 +39,7 @@ def test_info_reports_versions_pil_device_and_backend():
     assert info["pil"]["variant"] in ("pillow", "pillow-simd")
     assert isinstance(info["pil"]["simd"], bool)
     assert info["device"] in ("cpu", "cuda")
+    assert "Gemma 3" in info["model_families"] and "LLaVA-OneVision" in info["model_families"]
     from kernels.cpu_attention import available
 
     if info["device"] == "cpu":

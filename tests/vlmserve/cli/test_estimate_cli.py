@@ -5,6 +5,7 @@ Expected figures are the article's (§11 Table 4, §17), not this code's output.
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -314,3 +315,13 @@ def test_kv_tp_per_gpu_bytes_and_replication(capsys):
     assert "tp=16 > n_kv=8: cache replicated" in out
     code, _, err = run_cli(capsys, "kv", "--tp", "3")
     assert code == 2 and "does not divide the 32 attention heads" in err
+
+
+def test_kv_and_image_know_gemma3(capsys):
+    code, out, _ = run_cli(capsys, "kv", "--model", "gemma-3-4b", "--context", "8192")
+    assert code == 0
+    assert "29 of 34, window 1,024" in out
+    assert re.search(r"hybrid KV / all global\s+25%", out)
+    code, out, _ = run_cli(capsys, "image", "--model", "gemma-3-27b", "--width", "900",
+                           "--height", "600")  # fmt: skip
+    assert code == 0 and "siglip-so400m-14-896" in out and "256 per image (16:1" in out
