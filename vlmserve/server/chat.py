@@ -17,6 +17,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from encoders.errors import TooManyImagesError
+from scheduler.config import request_class
 from vlmserve.inputs.processing import Request
 from vlmserve.server.choices import Choice, Choices, fan_out, stream_items
 from vlmserve.server.engine_loop import EngineLoop, Failed, Item, Snapshot
@@ -119,8 +120,6 @@ class ChatHandler:
     async def __call__(self, body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         arrival = time.perf_counter()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        track = _Tracker(arrival, self.metrics)
-        choices = Choices(self.loop, track.on_snapshot)
         try:
             if body.model is not None and body.model != self.settings.model_name:
                 return self._refuse(
@@ -129,6 +128,8 @@ class ChatHandler:
                 )  # fmt: skip
             sampling = body.to_sampling(self.settings.default_max_tokens)
             messages = await build_messages(body.messages, self.settings, self.metrics)
+            track = _Tracker(arrival, self.metrics, request_class(_num_images(messages)))
+            choices = Choices(self.loop, track.on_snapshot)
             choices.submit(fan_out(Request(messages), sampling, request_id))
         except Exception as e:  # mapped to its 4xx/5xx
             return self._failed(e)
@@ -249,11 +250,22 @@ class _AbortingStream(StreamingResponse):
             self.on_close()
 
 
-class _Tracker:
-    """Per-request latency metrics: TTFT, time per output token, end to end."""
+def _num_images(messages: list[dict]) -> int:
+    return sum(
+        1
+        for message in messages
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if part.get("type") == "image"
+    )
 
-    def __init__(self, arrival: float, metrics: ServerMetrics) -> None:
-        self.arrival, self.metrics = arrival, metrics
+
+class _Tracker:
+    """Per-request latency metrics: TTFT, time per output token, end to end; TTFT and TPOT
+    also by class (text / image: whether the request carries images)."""
+
+    def __init__(self, arrival: float, metrics: ServerMetrics, cls: str) -> None:
+        self.arrival, self.metrics, self.cls = arrival, metrics, cls
         self.first: float | None = None
 
     def on_snapshot(self, item: Snapshot) -> None:
@@ -261,13 +273,16 @@ class _Tracker:
         if self.first is None and item.num_output_tokens > 0:
             self.first = now
             self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.class_ttft.observe(now - self.arrival, **{"class": self.cls})
         if not item.finished:
             return
         m = self.metrics
         m.requests.inc(outcome=item.finish_reason or "unknown")
         m.e2e.observe(now - self.arrival)
         if self.first is not None and item.num_output_tokens > 1:
-            m.tpot.observe((now - self.first) / (item.num_output_tokens - 1))
+            tpot = (now - self.first) / (item.num_output_tokens - 1)
+            m.tpot.observe(tpot)
+            m.class_tpot.observe(tpot, **{"class": self.cls})
         m.prompt_tokens.inc(item.num_prompt_tokens)
         m.cached_tokens.inc(item.num_cached_tokens)
         m.generation_tokens.inc(item.num_output_tokens)

@@ -18,6 +18,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
+from scheduler.config import request_class
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
 from vlmserve.server.chat import (
@@ -130,7 +131,8 @@ class CompletionHandler:
 
     async def __call__(self, body: CompletionRequest, http: HTTPRequest) -> Response:
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        choices = Choices(self.loop, _Tracker(time.perf_counter(), self.metrics).on_snapshot)
+        track = _Tracker(time.perf_counter(), self.metrics, request_class(0))  # text only
+        choices = Choices(self.loop, track.on_snapshot)
         try:
             if body.model is not None and body.model != self.settings.model_name:
                 raise _NotFound(f"model {body.model!r} does not exist")
