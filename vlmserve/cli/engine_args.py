@@ -15,14 +15,9 @@ from collections.abc import Callable
 
 from encoders.config import EncoderConfig
 from kernels.backends import BACKENDS
-from scheduler.config import (
-    KV_CACHE_DTYPES,
-    CacheConfig,
-    SchedulerConfig,
-    SloConfig,
-    SpeculativeConfig,
-)
-from vlmserve.config import DTYPE_CHOICES, EngineConfig, ModelConfig, ParallelConfig
+from scheduler.config import CacheConfig, SchedulerConfig, SloConfig, SpeculativeConfig
+from vlmserve.cli.precision_args import add_dtype_arg, add_kv_cache_dtype_arg, add_warmup_arg
+from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 
 # The defaults the flags show are the config dataclasses' own (one source for each).
@@ -100,16 +95,7 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--device", type=_device, default=None, help="cpu, cuda (default: $VLMSERVE_DEVICE)"
     )
-    group.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_CHOICES,
-        help="weights and activations. auto (default): the checkpoint's dtype on a GPU; on a "
-        "CPU bfloat16 where the CPU has native bfloat16 (AMX or AVX-512 BF16) and the "
-        "checkpoint is 16-bit, float32 otherwise (`vlmserve info --model M` says which and "
-        "why). bfloat16 runs every CPU hot path with float32 accumulation; it is not "
-        "token-exact with float32",
-    )
+    add_dtype_arg(group)
     group.add_argument(
         "--max-model-len", type=_int_at_least(2), default=None, help="default: the checkpoint's"
     )
@@ -134,15 +120,7 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         help="run the decoder's plain torch ops (unpacked linear weights, unfused "
         "RMSNorm / RoPE / SiLU-mul; on a GPU no CUDA graphs): the reference path, slower",
     )
-    group.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run the step shapes live traffic will meet (a full prefill chunk, each decode "
-        "batch bucket, a small and a large image) once at start-up, bounded to ~20 s, so the "
-        "first requests run as fast as later ones; default: on for serve (before /health "
-        "turns 200), off elsewhere",
-    )
+    add_warmup_arg(group)
     group.add_argument(
         "--single-weight-copy",
         action="store_true",
@@ -190,13 +168,7 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--block-size", type=_int_at_least(1), default=_CACHE.block_size, help="a power of two"
     )
-    group.add_argument(
-        "--kv-cache-dtype",
-        default=_CACHE.kv_cache_dtype,
-        choices=KV_CACHE_DTYPES,
-        help="the KV cache's element type, independent of --dtype (default auto: the "
-        "model's); bfloat16 halves the KV bytes per token",
-    )
+    add_kv_cache_dtype_arg(group)
     group.add_argument(
         "--max-num-batched-tokens", type=_int_at_least(1), default=_SCHED.max_num_batched_tokens
     )

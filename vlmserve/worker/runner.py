@@ -23,12 +23,12 @@ from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
 from kernels.attention import AttentionBatch, LayeredMetadata
 from kernels.backends import select_backend
-from kernels.cpu_build import native_bf16
 from kernels.malloc_tuning import keep_freed_memory
 from kernels.packed_linear import pack_linears
 from scheduler.config import kv_pool_num_blocks
 from scheduler.step_plan import ScheduledSeq, StepPlan
 from vlmserve.config import EngineConfig, kv_cache_torch_dtype
+from vlmserve.worker.dtypes import check_dtypes
 from vlmserve.worker.models.loader import LoadedModel, load_model
 from vlmserve.worker.parallel.layers import shard_decoder
 from vlmserve.worker.parallel.sharding import TPShard
@@ -52,27 +52,6 @@ def keep_activations_in_heap() -> int | None:
     step). Process-wide, once; the mmap threshold set, None where the C library is not
     glibc."""
     return keep_freed_memory(_MMAP_THRESHOLD, _TRIM_THRESHOLD)
-
-
-def check_dtypes(
-    config: EngineConfig, dtype: torch.dtype, kv_dtype: torch.dtype, backend: str
-) -> None:
-    """Log the dtype picked and why; say once where a CPU runs bfloat16 without native
-    bfloat16 (correct, but emulated: slower than float32). A KV dtype other than the
-    model's is read by the CPU and torch backends only."""
-    log.info("dtype %s (%s), KV cache %s", dtype, config.model.dtype_choice.reason, kv_dtype)
-    if config.model.device == "cpu" and torch.bfloat16 in (dtype, kv_dtype):
-        if native_bf16() is None:
-            log.warning(
-                "bfloat16 on a CPU without native bfloat16 (no amx_bf16 / avx512_bf16): "
-                "the kernels convert to float32 and run correctly, but slower than float32"
-            )
-    if kv_dtype != dtype and backend not in ("cpu", "cpu-sdpa", "torch"):
-        raise ValueError(
-            f"--kv-cache-dtype {config.cache.kv_cache_dtype} differs from the model's {dtype}: "
-            f"the {backend} attention backend reads the cache in the model's dtype only "
-            "(use the cpu or torch backend, or --kv-cache-dtype auto)"
-        )
 
 
 @dataclass
