@@ -11,6 +11,7 @@ import torch
 
 from encoders.config import EncoderConfig
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from vlmserve.sample.structured import StructuredConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,3 +89,4 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off
     encoder: EncoderConfig = field(default_factory=EncoderConfig)  # preprocessing, cache
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP 1
+    structured: StructuredConfig = field(default_factory=StructuredConfig)  # grammars

@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -36,7 +37,12 @@ from scheduler.step_plan import ScheduledSeq, StepPlan
 from vlmserve.config import EngineConfig
 from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, run_step
-from vlmserve.engine.image_wait import pending_images, poll_images, wait_for_images
+from vlmserve.engine.image_wait import (
+    pending_images,
+    poll_grammars,
+    poll_images,
+    wait_for_images,
+)
 from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
 from vlmserve.engine.stats import engine_stats
 from vlmserve.inputs.processing import (
@@ -108,6 +114,8 @@ class Engine:
         self.async_scheduling = config.scheduler.async_scheduling and not config.speculative.enabled
         self._forward = ForwardThread(self.runner, self.times) if self.async_scheduling else None
         self._in_flight: _InFlight | None = None
+        self._grammars = None  # vlmserve.sample.grammar.Grammars, on the first constraint
+        self._grammars_lock = threading.Lock()
 
     # -- requests ---------------------------------------------------------------------
 
@@ -129,7 +137,23 @@ class Engine:
         refusal = self.scheduler.check_fits(num_prompt, max_tokens)
         if refusal is not None:  # never admissible: refused now, never a hang
             raise RequestError(refusal)
-        return PreparedRequest(request.request_id, prompt, params, max_tokens)
+        grammar = None
+        if params.structured is not None:  # compiles on the grammar pool meanwhile
+            grammar = self.grammars().request(params.structured)
+        return PreparedRequest(request.request_id, prompt, params, max_tokens, grammar)
+
+    def grammars(self):  # -> vlmserve.sample.grammar.Grammars
+        """The structured-output compiler, made on the first constrained request (xgrammar
+        takes seconds to import: engines that never see one never pay it)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from vlmserve.sample.grammar import Grammars
+
+                vocab = self.runner.model.decoder.cfg.vocab_size
+                self._grammars = Grammars(
+                    self._detok_tokenizer, vocab, self.eos_token_ids, self.config.structured
+                )
+            return self._grammars
 
     def add_request(self, request: Request | PreparedRequest) -> str:
         """Queue `request` (preparing it first unless it already is); returns its id. Raises
@@ -149,15 +173,18 @@ class Engine:
             num_image_tokens=sum(image.num_tokens for image in prompt.images),
         )
         detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop)
+        # A constrained request ends on the EOS its grammar allows, even with ignore_eos.
+        ignore_eos = params.ignore_eos and request.grammar is None
         stops = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+            frozenset() if ignore_eos else frozenset(self.eos_token_ids)
         )
-        state = _State(
-            seq, params, SamplerState(params), request.max_tokens, output, detokenizer, stops
-        )
+        sampler = SamplerState(params)
+        sampler.grammar = request.grammar
+        state = _State(seq, params, sampler, request.max_tokens, output, detokenizer, stops)
         self._states[request_id] = state
-        # Its images may still be decoding in the pool: queued now, admitted once ready.
-        seq.ready = not pending_images(seq)
+        # Its images may still be decoding in the pool (its grammar compiling): queued now,
+        # admitted once ready.
+        seq.ready = not pending_images(seq) and request.grammar is None
         self.scheduler.add(seq, num_prompt + request.max_tokens)
         return request_id
 
@@ -226,7 +253,9 @@ class Engine:
             self.runner.preempt(request_id)
         if plan.is_empty:
             if idle_wait and not failed:
-                wait_for_images(self.scheduler.waiting)
+                grammars = [s.sampler.grammar for s in self._states.values() if not s.seq.ready]
+                compiling = [g.future for g in grammars if g is not None]
+                wait_for_images(self.scheduler.waiting, compiling)
             return plan, failed
         failed += [
             self._fail(self._states[request_id], error)
@@ -309,9 +338,13 @@ class Engine:
         return [self._fail(state, StepFailedError(str(error))) for state in live]
 
     def _poll_images(self) -> list[RequestOutput]:
-        """Ready the sequences whose images are decoded; fail those whose decode failed."""
-        failures = poll_images(self.scheduler.waiting)
-        return [self._fail(self._states[seq.request_id], e) for seq, e in failures]
+        """Ready the sequences whose images are decoded and grammars compiled; fail those
+        whose decode or compile failed."""
+        waiting = self.scheduler.waiting
+        compiling, failures = poll_grammars(waiting, lambda i: self._states[i].sampler.grammar)
+        failed = [self._fail(self._states[seq.request_id], e) for seq, e in failures]
+        failures = poll_images(waiting, lambda seq: seq.request_id in compiling)
+        return failed + [self._fail(self._states[seq.request_id], e) for seq, e in failures]
 
     @staticmethod
     def _without(plan: StepPlan, request_ids: set[str]) -> StepPlan:
@@ -369,6 +402,8 @@ class Engine:
     def close(self) -> None:
         """Stop what the engine started outside this process (tensor-parallel workers).
         Also done when the engine is garbage-collected or the interpreter exits."""
+        if self._grammars is not None:
+            self._grammars.close()
         self.runner.close()
 
     def stats(self) -> dict[str, float]:

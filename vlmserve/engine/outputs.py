@@ -46,3 +46,4 @@ class PreparedRequest:
     prompt: ProcessedPrompt
     params: SamplingParams
     max_tokens: int
+    grammar: object = None  # vlmserve.sample.grammar.RequestGrammar (params.structured)

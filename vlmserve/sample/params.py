@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vlmserve.sample.structured import StructuredOutput
+
 # Below this a temperature is treated as 0 (greedy), as vLLM does: the distribution is
 # already a point mass on the argmax to float32 precision.
 GREEDY_TEMPERATURE = 1e-5
@@ -36,6 +38,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Structured outputs: the output follows this JSON schema / regex / choice / grammar.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -66,6 +70,8 @@ class SamplerState:
 
     params: SamplingParams
     rng: random.Random = field(init=False)
+    # Its constraint's vlmserve.sample.grammar.RequestGrammar (None: unconstrained).
+    grammar: object = None
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)

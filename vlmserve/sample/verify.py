@@ -76,13 +76,23 @@ def sample_plan(
         if item.sample:
             groups.append(RowGroup(next(states), row, item.draft_token_ids))
             row += 1 + len(item.draft_token_ids)
+    constrained = any(group.state.grammar is not None for group in groups)
     try:
+        if constrained:  # xgrammar is imported once a constrained request arrives
+            from vlmserve.sample.grammar import constrain_logits
+
+            dead = constrain_logits(logits, groups)  # refused tokens -> -inf, in place
         # All rows where the logits are; only token ids and flags come back.
-        results = iter(sample_rows(logits, groups))
+        results = sample_rows(logits, groups)
     except Exception as e:  # noqa: BLE001 - belongs to no one request: fails the samplers
         return [e if item.sample else [] for item in scheduled]
-    taken = iter(groups)
-    return [_emitted(next(taken), next(results)) if item.sample else [] for item in scheduled]
+    emitted = [_emitted(group, result) for group, result in zip(groups, results, strict=True)]
+    if constrained:
+        from vlmserve.sample.grammar import advance_grammars
+
+        emitted = advance_grammars(groups, emitted, dead)
+    taken = iter(emitted)
+    return [next(taken) if item.sample else [] for item in scheduled]
 
 
 _PRESET_KEYS = ("h200", "h100", "b200", "a100", "l40s")

@@ -1,0 +1,300 @@
+"""Structured outputs with xgrammar (the library vLLM and SGLang use): compiling a
+request's constraint off the engine thread, its matcher, and the token bitmask of a step.
+
+- Compile: `Grammars.submit` hands the spec to a small thread pool and returns a future;
+  the request waits in the queue like one whose image is decoding (`RequestGrammar.ready`
+  is polled by the engine, never waited on), so a step is never blocked. Compiled grammars
+  are cached by spec (an LRU of futures: concurrent requests with one schema share one
+  compile). An invalid spec, or one still compiling after `compile_timeout_s`, fails its
+  request with a 400.
+- Each step, `constrain_logits` fills one bitmask for the constrained rows (one batched
+  fill on xgrammar's threads) and sets the refused tokens' logits to -inf in place, where
+  the logits are, before the batched sampler. Unconstrained rows are never touched.
+- A speculating row's drafts are walked through the matcher first: row k gets the mask
+  after drafts[:k], so a draft the grammar refuses has probability 0 and is rejected by
+  verification (losslessly: the kept tokens are those plain constrained decoding draws);
+  the matcher is rolled back, then `advance_grammars` feeds it the tokens really emitted.
+What must stay true: a matcher sees exactly the tokens its request emitted, in order.
+The matchers are touched only by the thread that samples (steps run one at a time, in
+order), so with async scheduling step i+1 fills its mask after step i's token is in.
+Preemption recomputes KV but keeps the tokens, so the matcher keeps its state.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import xgrammar as xgr
+
+from encoders.errors import RequestError
+from vlmserve.sample.structured import StructuredConfig, StructuredOutput
+
+
+class GrammarError(RequestError):
+    """A constraint that cannot be compiled or followed (400, naming the problem)."""
+
+
+class Grammars:
+    """Compiles constraints for one tokenizer on `num_compile_threads` threads, cached.
+    xgrammar's tokenizer tables are built on the first compile (on the pool too)."""
+
+    def __init__(
+        self,
+        tokenizer: object,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        config: StructuredConfig | None = None,
+    ) -> None:
+        self.config = config or StructuredConfig()
+        self.vocab_size = vocab_size
+        self._tokenizer = copy.deepcopy(tokenizer)  # the pool's own: tokenizers share nothing
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._pool = ThreadPoolExecutor(self.config.num_compile_threads, "vlmserve-grammar")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._compiler: xgr.GrammarCompiler | None = None
+        self.num_compiles = 0
+        self.num_cache_hits = 0
+
+    def submit(self, spec: StructuredOutput) -> Future[xgr.CompiledGrammar]:
+        """The compiled grammar of `spec`, as a future (done at once when cached)."""
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is not None:
+                self._cache.move_to_end(spec)
+                self.num_cache_hits += 1
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._cache[spec] = future
+            self.num_compiles += 1
+            while len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+            return future
+
+    def request(self, spec: StructuredOutput) -> RequestGrammar:
+        """A request's grammar: its compile started, its matcher made once compiled."""
+        return RequestGrammar(self.submit(spec), self.config.compile_timeout_s)
+
+    def _compiler_now(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size,
+                    stop_token_ids=self._stop_token_ids or None,
+                )  # fmt: skip
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        compiler = self._compiler_now()
+        try:
+            if spec.kind == "json":
+                schema = _bounded_strings(json.loads(spec.spec))
+                return compiler.compile_json_schema(
+                    json.dumps(schema), any_whitespace=self.config.any_whitespace,
+                    strict_mode=True,
+                )  # fmt: skip
+            if spec.kind == "json_object":  # any object: extra properties are the point
+                return compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=self.config.any_whitespace,
+                    strict_mode=False,
+                )  # fmt: skip
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                alternatives = " | ".join(_ebnf_literal(c) for c in spec.choices)
+                return compiler.compile_grammar(f"root ::= {alternatives}")
+            return compiler.compile_grammar(spec.spec)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and friends
+            message = " ".join(str(e).split())[:500] or type(e).__name__
+            what = {"json": "JSON schema", "grammar": "EBNF grammar"}.get(spec.kind, spec.kind)
+            raise GrammarError(f"invalid {what}: {message}") from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# One character of a JSON string that needs no escape: no control character, quote,
+# backslash or UTF-16 surrogate (which UTF-8 cannot hold).
+_JSON_CHAR = "[ !#-\\[\\]-~\u00a0-\ud7ff\ue000-\U0010ffff]"
+
+
+def _bounded_strings(schema: object) -> object:
+    """`schema` with each plain string bounded by minLength / maxLength written as a
+    `pattern` of that many _JSON_CHARs. xgrammar 0.2's own rule for a bounded string lets
+    raw control characters through (invalid JSON: `json.loads` and pydantic refuse it) and
+    its `.` lets surrogates through; such strings then hold no quote or backslash."""
+    if isinstance(schema, list):
+        return [_bounded_strings(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _bounded_strings(value) for key, value in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if (
+        out.get("type") == "string"
+        and bounded
+        and not {"pattern", "format", "enum", "const"} & set(out)
+    ):
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = f"{_JSON_CHAR}{{{low},{'' if high is None else int(high)}}}"
+    return out
+
+
+def _ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal: JSON's escapes, which xgrammar's EBNF reads."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+class RequestGrammar:
+    """One request's constraint: its compile, then its matcher."""
+
+    def __init__(self, future: Future[xgr.CompiledGrammar], timeout_s: float) -> None:
+        self.future = future
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        self.matcher: xgr.GrammarMatcher | None = None
+
+    def ready(self) -> bool:
+        """True once the matcher exists; False while compiling. Raises GrammarError for a
+        spec that failed to compile or is still compiling past its deadline. Never blocks."""
+        if self.matcher is not None:
+            return True
+        if not self.future.done():
+            if time.monotonic() > self.deadline:
+                raise GrammarError(
+                    f"compiling the constraint took longer than {self.timeout_s:g} s "
+                    "(simplify the schema or grammar)"
+                )
+            return False
+        self.matcher = xgr.GrammarMatcher(self.future.result())  # raises GrammarError
+        return True
+
+    @property
+    def live(self) -> bool:
+        """Still constraining: compiled and not terminated (it accepted a stop token)."""
+        return self.matcher is not None and not self.matcher.is_terminated()
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Advance over emitted tokens; tokens after termination (the async step's extra
+        token of a finished request) are ignored."""
+        assert self.matcher is not None, "a request steps only once its grammar is ready"
+        for token in tokens:
+            if self.matcher.is_terminated():
+                return
+            if not self.matcher.accept_token(token):
+                raise GrammarError(f"token {token} does not continue the constrained output")
+
+
+class _Bitmask:
+    """A reusable host bitmask, grown to the largest step seen."""
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+
+    def rows(self, num_rows: int, vocab: int) -> torch.Tensor:
+        words = xgr.get_bitmask_shape(1, vocab)[1]
+        if self.tensor is None or self.tensor.shape[0] < num_rows or self.tensor.shape[1] != words:
+            self.tensor = xgr.allocate_token_bitmask(max(num_rows, 64), vocab)
+        return self.tensor[:num_rows]
+
+
+_BITMASK = threading.local()  # one per sampling thread (the engine's or the forward's)
+
+
+def constrain_logits(logits: torch.Tensor, groups: Sequence[object]) -> dict[int, Exception]:
+    """Set to -inf, in place, the logits of tokens each constrained row's grammar refuses.
+    groups: the step's `RowGroup`s (state.grammar is a RequestGrammar or None). Returns
+    the groups (by index) that cannot go on: no token of the vocabulary continues them."""
+    num_rows, vocab = logits.shape
+    if not hasattr(_BITMASK, "buffer"):
+        _BITMASK.buffer = _Bitmask()
+    bitmask = _BITMASK.buffer.rows(num_rows, vocab)
+    plain: list[xgr.GrammarMatcher] = []
+    plain_rows: list[int] = []
+    filled: list[tuple[int, list[int]]] = []  # (group index, its filled rows)
+    for i, group in enumerate(groups):
+        grammar = group.state.grammar
+        if grammar is None or not grammar.live:
+            continue
+        if not group.draft_token_ids:
+            plain.append(grammar.matcher)
+            plain_rows.append(group.first_row)
+            filled.append((i, [group.first_row]))
+        else:
+            filled.append((i, _fill_with_drafts(grammar.matcher, bitmask, group)))
+    if not filled:
+        return {}
+    if plain:  # one call: xgrammar fills the rows on its own threads
+        _batch().batch_fill_next_token_bitmask(plain, bitmask, plain_rows)
+    rows = [row for _, group_rows in filled for row in group_rows]
+    index = torch.tensor(rows)
+    allowed_any = bitmask.index_select(0, index).ne(0).any(-1).tolist()
+    xgr.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab, indices=rows
+    )
+    dead: dict[int, Exception] = {}
+    flags = iter(allowed_any)
+    for i, group_rows in filled:
+        if not all([next(flags) for _ in group_rows]):
+            dead[i] = GrammarError(
+                "no token of this model's vocabulary continues the constrained output "
+                "(its tokenizer cannot write what the constraint requires)"
+            )
+    return dead
+
+
+def _batch() -> xgr.BatchGrammarMatcher:
+    # One per process: it is a pool of threads that fill rows.
+    global _BATCH
+    if _BATCH is None:
+        _BATCH = xgr.BatchGrammarMatcher()
+    return _BATCH
+
+
+_BATCH: xgr.BatchGrammarMatcher | None = None
+
+
+def _fill_with_drafts(matcher: xgr.GrammarMatcher, bitmask: torch.Tensor, group) -> list[int]:
+    """Fill row k with the mask after drafts[:k], up to the first draft the grammar
+    refuses (that draft then has probability 0 and is rejected; later rows are unused),
+    then roll the matcher back. Returns the rows filled."""
+    rows = []
+    num_accepted = 0
+    for k in range(len(group.draft_token_ids) + 1):
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(bitmask, group.first_row + k)
+        rows.append(group.first_row + k)
+        if k == len(group.draft_token_ids) or not matcher.accept_token(group.draft_token_ids[k]):
+            break
+        num_accepted += 1
+    if num_accepted:
+        matcher.rollback(num_accepted)
+    return rows
+
+
+def advance_grammars(
+    groups: Sequence[object], emitted: list[list[int] | Exception], dead: dict[int, Exception]
+) -> list[list[int] | Exception]:
+    """Feed each constrained group's matcher the tokens it emitted (per group, as
+    `sample_plan` computes them); a group that cannot go on gets its error instead."""
+    out = list(emitted)
+    for i, group in enumerate(groups):
+        grammar = group.state.grammar
+        if grammar is None or isinstance(out[i], Exception):
+            continue
+        if i in dead:
+            out[i] = dead[i]
+            continue
+        try:
+            grammar.accept(out[i])
+        except GrammarError as e:
+            out[i] = e
+    return out
