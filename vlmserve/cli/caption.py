@@ -28,6 +28,7 @@ from typing import IO
 
 from encoders.image_io import read_header
 from encoders.images import read_source
+from vlmserve.cli.caption_json import json_checked, load_schema
 from vlmserve.engine.core import Engine, PreparedRequest, RequestOutput
 from vlmserve.engine.stats import render_engine_stats
 from vlmserve.inputs.processing import Request
@@ -248,6 +249,7 @@ def run_caption(
     with ThreadPoolExecutor(num_workers, thread_name_prefix="caption-load") as pool:
         try:
             records = caption_stream(engine, todo, prepare, pool, in_flight, max_in_flight)
+            records = json_checked(records, sampling)
             write_records(records, output, summary, done, len(todo), progress)
         except KeyboardInterrupt:
             summary.interrupted = True
@@ -344,6 +346,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="caption at most N items this run")
     p.add_argument("--retry-errors", action="store_true", help="rerun items that failed")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--json-schema", metavar="FILE", default=None,
+        help="each caption is a JSON object following this schema (structured outputs)",
+    )  # fmt: skip
     add_engine_args(p)
     add_ray_args(p)
     p.set_defaults(func=cmd_caption)
@@ -355,9 +361,11 @@ def cmd_caption(args: argparse.Namespace) -> int:
     if args.max_in_flight < 1 or args.workers < 1:
         raise ValueError("--max-in-flight and --workers must be >= 1")
     items = discover(Path(args.input), args.prompt)
+    structured = load_schema(args.json_schema) if args.json_schema else None
     sampling = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
-    )
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+        structured=structured,
+    )  # fmt: skip
     if args.ray is not None:
         return _cmd_caption_ray(args, items, sampling)
     engine = Engine(engine_config_from_args(args))

@@ -17,6 +17,7 @@ from kernels.attention import BACKENDS
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
+from vlmserve.sample.structured import StructuredConfig
 
 # Speculation is off unless asked for: benchmarks/spec_decode.py did not show adaptive γ
 # never slower than off at every load (README, "Speculation").
@@ -63,6 +64,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_cache_args(parser.add_argument_group("engine: KV cache and scheduling"))
     _add_speculative_args(parser.add_argument_group("engine: speculative decoding (n-gram)"))
     _add_encoder_args(parser.add_argument_group("engine: image preprocessing and encoder cache"))
+    _add_structured_args(parser.add_argument_group("engine: structured outputs (xgrammar)"))
+
+
+def _add_structured_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--grammar-compile-timeout", type=float, default=10.0, metavar="S",
+        help="a JSON schema / regex / grammar still compiling after S seconds fails its "
+        "request (400)",
+    )  # fmt: skip
+    group.add_argument(
+        "--grammar-any-whitespace", action="store_true",
+        help="let constrained JSON hold any whitespace between tokens (default: compact)",
+    )  # fmt: skip
 
 
 def _add_model_args(group: argparse._ArgumentGroup) -> None:
@@ -365,7 +379,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     parallel = _with_flags(
         "--tensor-parallel-size", ParallelConfig, tensor_parallel_size=args.tensor_parallel_size
     )
-    config = EngineConfig(model, cache, scheduler, speculative, encoder, parallel)
+    structured = _with_flags(
+        "--grammar-compile-timeout",
+        StructuredConfig,
+        compile_timeout_s=args.grammar_compile_timeout,
+        any_whitespace=args.grammar_any_whitespace,
+    )
+    config = EngineConfig(model, cache, scheduler, speculative, encoder, parallel, structured)
     if parallel.tensor_parallel_size > 1:
         from vlmserve.worker.parallel.executor import check_config
 

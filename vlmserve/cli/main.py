@@ -30,7 +30,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(engine_config_from_args(args))
     content = [{"type": "image", "image": path} for path in args.image]
     content.append({"type": "text", "text": args.prompt})
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    from vlmserve.cli.caption_json import load_schema
+
+    structured = load_schema(args.json_schema) if args.json_schema else None
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, structured=structured
+    )
     request = Request(messages=[{"role": "user", "content": content}], sampling=params)
     start = time.perf_counter()
     try:
@@ -72,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--json-schema", metavar="FILE", default=None,
+        help="the answer is JSON following this schema (structured outputs)",
+    )  # fmt: skip
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="the main job on the default model")

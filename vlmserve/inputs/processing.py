@@ -44,6 +44,7 @@ class Request:
     images: list[ImageSource] = field(default_factory=list)
     sampling: object = None  # vlmserve.sample.params.SamplingParams; None = defaults
     request_id: str | None = None
+    tools: list[dict] | None = None  # OpenAI tool specs the chat template renders
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,11 @@ def split_messages(messages: list[dict]) -> tuple[list[dict], list[ImageSource]]
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"a message must be a dict with a role, got {message!r}")
         content = message.get("content", "")
+        # A tool-calling turn keeps its calls / call id for the template.
+        calls = {key: message[key] for key in ("tool_calls", "tool_call_id") if key in message}
         if isinstance(content, str):
             templated.append(
-                {"role": message["role"], "content": [{"type": "text", "text": content}]}
+                {"role": message["role"], "content": [{"type": "text", "text": content}], **calls}
             )
             continue
         parts = []
@@ -135,7 +138,7 @@ def split_messages(messages: list[dict]) -> tuple[list[dict], list[ImageSource]]
                 images.append(part["image"])
             else:
                 raise ValueError(f"unsupported content part type {kind!r}")
-        templated.append({"role": message["role"], "content": parts})
+        templated.append({"role": message["role"], "content": parts, **calls})
     return templated, images
 
 
@@ -225,7 +228,10 @@ class HFPromptProcessor:
             owner = self.processor or self.tokenizer
             if getattr(owner, "chat_template", None) is None:
                 raise ValueError("this checkpoint has no chat template: send a raw prompt")
-            text = owner.apply_chat_template(templated, add_generation_prompt=True, tokenize=False)
+            extra = {"tools": request.tools} if request.tools else {}
+            text = owner.apply_chat_template(
+                templated, add_generation_prompt=True, tokenize=False, **extra
+            )
             return text, sources, False  # the template wrote BOS and friends
         if request.prompt is None:
             raise ValueError("a request needs messages or a prompt")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -35,6 +36,8 @@ import xgrammar as xgr
 
 from encoders.errors import RequestError
 from vlmserve.sample.structured import StructuredConfig, StructuredOutput
+
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 class GrammarError(RequestError):
@@ -113,9 +116,10 @@ class Grammars:
                 return compiler.compile_grammar(f"root ::= {alternatives}")
             return compiler.compile_grammar(spec.spec)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and friends
-            message = " ".join(str(e).split())[:500] or type(e).__name__
+            # xgrammar's messages start with "[time] file.cc:line: ": keep what follows.
+            message = _SOURCE_PREFIX.sub("", " ".join(str(e).split()))[:500]
             what = {"json": "JSON schema", "grammar": "EBNF grammar"}.get(spec.kind, spec.kind)
-            raise GrammarError(f"invalid {what}: {message}") from None
+            raise GrammarError(f"invalid {what}: {message or type(e).__name__}") from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -5,6 +5,7 @@ their status; a failure after the stream has begun is sent as an `error` event."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -29,6 +30,14 @@ from vlmserve.server.protocol import (
     completion_body,
     error_body,
     make_usage,
+)
+from vlmserve.server.tools import (
+    ToolPlan,
+    ToolStream,
+    chat_template_of,
+    finish_reason_of,
+    message_of,
+    plan_tools,
 )
 
 log = logging.getLogger(__name__)
@@ -111,7 +120,9 @@ async def build_messages(
                 for part in content
             ]
         role = "system" if message.role == "developer" else message.role
-        converted.append({"role": role, "content": content or ""})
+        extra = message.model_extra or {}  # a tool-calling turn, for the chat template
+        passed = {key: extra[key] for key in ("tool_calls", "tool_call_id") if key in extra}
+        converted.append({"role": role, "content": content or "", **passed})
     return converted
 
 
@@ -129,9 +140,17 @@ class ChatHandler:
                     f"{self.settings.model_name!r})",
                 )  # fmt: skip
             sampling = body.to_sampling(self.settings.default_max_tokens)
+            tools = plan_tools(body.model_extra or {}, chat_template_of(self.loop.engine))
+            if tools is not None and tools.structured is not None:
+                if sampling.structured is not None:
+                    raise ValueError("a constraint and tool_choice cannot both be sent")
+                sampling = dataclasses.replace(sampling, structured=tools.structured)
             messages = await build_messages(body.messages, self.settings, self.metrics)
             sink = AsyncSink()
-            self.loop.submit(Request(messages, sampling=sampling, request_id=request_id), sink)
+            template_tools = tools.template_tools if tools is not None else None
+            request = Request(messages, None, sampling=sampling, request_id=request_id)
+            request.tools = template_tools
+            self.loop.submit(request, sink)
         except Exception as e:  # mapped to its 4xx/5xx
             return self._failed(e)
         first = await sink.queue.get()
@@ -151,9 +170,9 @@ class ChatHandler:
             if isinstance(second, Failed):
                 return self._failed(second.error)
             state = _StreamState()
-            stream = self._stream(request_id, body.include_usage, sink, track, state, second)
+            stream = self._stream(request_id, body.include_usage, sink, track, state, second, tools)
             return _AbortingStream(stream, lambda: self._close_stream(request_id, state))
-        return await self._complete(request_id, sink, track, http)
+        return await self._complete(request_id, sink, track, http, tools)
 
     def _refuse(self, status: int, message: str) -> JSONResponse:
         self.metrics.requests.inc(outcome=f"http_{status}")
@@ -164,7 +183,12 @@ class ChatHandler:
         return error_response(error)
 
     async def _complete(
-        self, request_id: str, sink: AsyncSink, track: _Tracker, http: HTTPRequest
+        self,
+        request_id: str,
+        sink: AsyncSink,
+        track: _Tracker,
+        http: HTTPRequest,
+        tools: ToolPlan | None = None,
     ) -> Response:
         item: Item | None = None
         pieces: list[str] = []
@@ -190,10 +214,10 @@ class ChatHandler:
             return self._failed(item.error)
         if item.finish_reason == "abort":
             return Response(status_code=499)  # the client is gone; nobody reads this
-        usage = _usage(item)
-        body = completion_body(
-            request_id, self.settings.model_name, "".join(pieces), item.finish_reason, usage
-        )
+        usage, text = _usage(item), "".join(pieces)
+        message, has_calls = message_of(tools, text)
+        reason = finish_reason_of(tools, item.finish_reason, has_calls)
+        body = completion_body(request_id, self.settings.model_name, text, reason, usage, message)
         return JSONResponse(body)
 
     def _close_stream(self, request_id: str, state: _StreamState) -> None:
@@ -210,8 +234,10 @@ class ChatHandler:
         track: _Tracker,
         state: _StreamState,
         first: Item,
+        tools: ToolPlan | None = None,
     ) -> AsyncIterator[str]:
         model, created = self.settings.model_name, int(time.time())
+        calls = ToolStream(tools) if tools is not None else None
         yield _sse(chunk_body(request_id, model, created, {"role": "assistant", "content": ""}))
         item: Item | None = first
         while not state.done:
@@ -224,10 +250,18 @@ class ChatHandler:
                 break
             track.on_snapshot(item)
             state.done = item.finished
-            if item.delta:  # the engine holds back what a stop string could still cut
-                yield _sse(chunk_body(request_id, model, created, {"content": item.delta}))
+            # The engine holds back what a stop string could still cut.
+            delta = {"content": item.delta} if calls is None else calls.delta(item.delta)
+            if item.delta and delta:
+                yield _sse(chunk_body(request_id, model, created, delta))
             if item.finished:
-                yield _sse(chunk_body(request_id, model, created, {}, item.finish_reason))
+                reason = item.finish_reason
+                if calls is not None:
+                    final = calls.final()
+                    if final:
+                        yield _sse(chunk_body(request_id, model, created, final))
+                    reason = finish_reason_of(tools, reason, calls.has_calls)
+                yield _sse(chunk_body(request_id, model, created, {}, reason))
                 if include_usage:
                     yield _sse(chunk_body(request_id, model, created, None, None, _usage(item)))
             item = None

@@ -1,9 +1,11 @@
 """The OpenAI chat-completions wire format: request and response models, error bodies.
 
 Request models reject unknown shapes with 422 (pydantic); the fields we know but cannot
-honour (`n > 1`, `logprobs`, `tools`, `response_format`, `logit_bias`, penalties, …) are
+honour (`n > 1`, `logprobs`, `logit_bias`, penalties, …) are
 refused with 400 naming them in `to_sampling`, whenever they ask for something other than
 the default: silently ignoring them would hand back an answer the client did not ask for.
+Constraints (`response_format`, `structured_outputs`, `guided_*`) are read in
+`constraints.py`, tools in `tools.py`.
 Other extra fields (metadata, `user`, `store`, …) are allowed and ignored, so newer
 clients keep working.
 """
@@ -16,18 +18,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from vlmserve.sample.params import SamplingParams
+from vlmserve.server.constraints import structured_of
 
 DEFAULT_MAX_TOKENS = 256
 
 # Request fields that change the answer and that the engine does not implement, with the
 # values that mean "not used" (sending those is fine).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
     "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0),
@@ -39,11 +38,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
 }
 
 
@@ -70,7 +64,7 @@ ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ChatMessage(_Open):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -124,6 +118,7 @@ class ChatCompletionRequest(_Open):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            structured=structured_of(self.model_extra or {}),
         )
 
     @property
@@ -161,12 +156,18 @@ def make_usage(
     ).model_dump()
 
 
-FinishReason = Literal["stop", "length"] | None
+FinishReason = Literal["stop", "length", "tool_calls"] | None
 
 
 def completion_body(
-    request_id: str, model: str, text: str, finish_reason: FinishReason, usage: dict[str, Any]
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: FinishReason,
+    usage: dict[str, Any],
+    message: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The answer; `message` replaces the plain text one (tool calls)."""
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -175,7 +176,7 @@ def completion_body(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message or {"role": "assistant", "content": text},
                 "finish_reason": finish_reason,
                 "logprobs": None,
             }
