@@ -310,7 +310,9 @@ class Engine:
         for state, new in zip(states, sampled, strict=True):
             if state.seq.status == "finished":
                 continue
-            if isinstance(new, Exception):
+            if isinstance(new, RequestError):  # its constraint cannot go on: a 400
+                failed.append(self._fail(state, new))
+            elif isinstance(new, Exception):
                 log.error("sampling failed for %s: %r", state.seq.request_id, new)
                 failed.append(self._fail(state, StepFailedError(f"sampling failed: {new}")))
             elif new:

@@ -292,10 +292,10 @@ def advance_grammars(
     out = list(emitted)
     for i, group in enumerate(groups):
         grammar = group.state.grammar
-        if grammar is None or isinstance(out[i], Exception):
-            continue
-        if i in dead:
+        if i in dead:  # its row was all -inf: the sampler's error says less
             out[i] = dead[i]
+            continue
+        if grammar is None or isinstance(out[i], Exception):
             continue
         try:
             grammar.accept(out[i])
