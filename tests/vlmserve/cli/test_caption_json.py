@@ -54,10 +54,6 @@ def test_caption_writes_one_validated_object_per_image(byte_ov, schema_file, tmp
     assert main([*args, "--limit", "3"]) == 0
     assert main(args) == 0  # resumes: the other two
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert (
-        sorted(r["id"] for r in records) == sorted(str(p) for p in folder.iterdir())
-        or len(records) == 5
-    )
     assert len({r["id"] for r in records}) == 5
     for record in records:
         assert record["error"] is None and record["finish_reason"] == "stop"
