@@ -30,6 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 import xgrammar as xgr
@@ -196,30 +197,18 @@ class RequestGrammar:
                 raise GrammarError(f"token {token} does not continue the constrained output")
 
 
-class _Bitmask:
-    """A reusable host bitmask, grown to the largest step seen."""
+class StepMasks(NamedTuple):
+    """A step's filled bitmask ([num_rows, ceil(vocab / 32)] int32, host) and, per
+    constrained group (by index), the logits rows filled for it."""
 
-    def __init__(self) -> None:
-        self.tensor: torch.Tensor | None = None
-
-    def rows(self, num_rows: int, vocab: int) -> torch.Tensor:
-        words = xgr.get_bitmask_shape(1, vocab)[1]
-        if self.tensor is None or self.tensor.shape[0] < num_rows or self.tensor.shape[1] != words:
-            self.tensor = xgr.allocate_token_bitmask(max(num_rows, 64), vocab)
-        return self.tensor[:num_rows]
+    bitmask: torch.Tensor
+    filled: list[tuple[int, list[int]]]
 
 
-_BITMASK = threading.local()  # one per sampling thread (the engine's or the forward's)
-
-
-def constrain_logits(logits: torch.Tensor, groups: Sequence[object]) -> dict[int, Exception]:
-    """Set to -inf, in place, the logits of tokens each constrained row's grammar refuses.
-    groups: the step's `RowGroup`s (state.grammar is a RequestGrammar or None). Returns
-    the groups (by index) that cannot go on: no token of the vocabulary continues them."""
-    num_rows, vocab = logits.shape
-    if not hasattr(_BITMASK, "buffer"):
-        _BITMASK.buffer = _Bitmask()
-    bitmask = _BITMASK.buffer.rows(num_rows, vocab)
+def fill_masks(groups: Sequence[object], num_rows: int, vocab: int) -> StepMasks | None:
+    """Fill the bitmask rows of every constrained group of a step (None: there are none).
+    Reads only the matchers, so it may run beside the forward pass (`start_fill`)."""
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab)
     plain: list[xgr.GrammarMatcher] = []
     plain_rows: list[int] = []
     filled: list[tuple[int, list[int]]] = []  # (group index, its filled rows)
@@ -234,24 +223,48 @@ def constrain_logits(logits: torch.Tensor, groups: Sequence[object]) -> dict[int
         else:
             filled.append((i, _fill_with_drafts(grammar.matcher, bitmask, group)))
     if not filled:
-        return {}
+        return None
     if plain:  # one call: xgrammar fills the rows on its own threads
         _batch().batch_fill_next_token_bitmask(plain, bitmask, plain_rows)
-    rows = [row for _, group_rows in filled for row in group_rows]
-    index = torch.tensor(rows)
-    allowed_any = bitmask.index_select(0, index).ne(0).any(-1).tolist()
+    return StepMasks(bitmask, filled)
+
+
+def start_fill(groups: Sequence[object], num_rows: int, vocab: int) -> Future[StepMasks | None]:
+    """`fill_masks` on the fill thread: it runs while the forward pass computes the logits
+    (xgrammar drops the GIL), as SGLang and vLLM overlap it."""
+    return _FILL.submit(fill_masks, groups, num_rows, vocab)
+
+
+_FILL = ThreadPoolExecutor(1, "vlmserve-grammar-fill")
+
+
+def apply_masks(logits: torch.Tensor, masks: StepMasks | None) -> dict[int, Exception]:
+    """Set to -inf, in place, the logits of tokens each constrained row's grammar refuses.
+    Returns the groups (by index) that cannot go on: no token of the vocabulary continues
+    them. Unconstrained rows are never touched."""
+    if masks is None:
+        return {}
+    rows = [row for _, group_rows in masks.filled for row in group_rows]
+    allowed_any = masks.bitmask.index_select(0, torch.tensor(rows)).ne(0).any(-1).tolist()
     xgr.apply_token_bitmask_inplace(
-        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab, indices=rows
-    )
+        logits, masks.bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1],
+        indices=rows,
+    )  # fmt: skip
     dead: dict[int, Exception] = {}
     flags = iter(allowed_any)
-    for i, group_rows in filled:
+    for i, group_rows in masks.filled:
         if not all([next(flags) for _ in group_rows]):
             dead[i] = GrammarError(
                 "no token of this model's vocabulary continues the constrained output "
                 "(its tokenizer cannot write what the constraint requires)"
             )
     return dead
+
+
+def constrain_logits(logits: torch.Tensor, groups: Sequence[object]) -> dict[int, Exception]:
+    """Fill and apply at once (`apply_masks(logits, fill_masks(...))`). groups: the step's
+    `RowGroup`s (state.grammar is a RequestGrammar or None)."""
+    return apply_masks(logits, fill_masks(groups, *logits.shape))
 
 
 def _batch() -> xgr.BatchGrammarMatcher:
