@@ -1,4 +1,5 @@
-"""The reliability suite: fuzzed images, SSRF probes, soak and chaos against a real
+"""The reliability suite: fuzzed images, fuzzed constraints (schemas, regexes, grammars,
+tools), SSRF probes, soak and chaos against a real
 `vlmserve serve` on loopback. Minutes long, so not in the default test run (a small
 version of each section is: tests/vlmserve/test_reliability_quick.py).
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from benchmarks.common import table
 from benchmarks.reliability.common import RESULT_PATH, git_rev, load_average
 
-SECTIONS = ("fuzz", "ssrf", "soak", "chaos")
+SECTIONS = ("fuzz", "schema", "ssrf", "soak", "chaos")
 
 
 def run_section(name: str, quick: bool, root: Path | None, num_soak: int | None = None) -> dict:
@@ -31,6 +32,10 @@ def run_section(name: str, quick: bool, root: Path | None, num_soak: int | None 
         from benchmarks.reliability.fuzz_http import run_fuzz
 
         return run_fuzz(num_bad=60 if quick else 500, root=root)
+    if name == "schema":
+        from benchmarks.reliability.fuzz_schema import run_schema_fuzz
+
+        return run_schema_fuzz(num=60 if quick else 400, root=root)
     if name == "ssrf":
         from benchmarks.reliability.ssrf_http import run_ssrf
 
