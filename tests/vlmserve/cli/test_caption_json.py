@@ -87,3 +87,18 @@ def test_a_bad_schema_file_is_refused_naming_it(byte_ov, tmp_path, capsys):
     args = ["generate", "--prompt", "x", "--json-schema", str(bad), *engine_flags(byte_ov)]
     assert main(args) == 2
     assert "bad.json" in capsys.readouterr().err
+
+
+def test_grammar_flags_reach_the_engine_config():
+    import argparse
+
+    from vlmserve.cli.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(
+        parser.parse_args(["--grammar-compile-timeout", "2.5", "--grammar-any-whitespace"])
+    )
+    assert config.structured.compile_timeout_s == 2.5 and config.structured.any_whitespace
+    with pytest.raises(ValueError, match="--grammar-compile-timeout"):
+        engine_config_from_args(parser.parse_args(["--grammar-compile-timeout", "0"]))

@@ -331,3 +331,22 @@ def test_bad_specs_are_4xx_with_a_message(server, stream):
         assert r.status_code == 400, (extra, r.text)
         assert needle in r.json()["error"]["message"], (extra, r.text)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_schema_fuzz_small_no_5xx_and_blocks_back(server):
+    """A small run of the reliability suite's schema fuzz section."""
+    import asyncio
+
+    from benchmarks.reliability.common import count
+    from benchmarks.reliability.fuzz_schema import _send_all, make_bodies
+
+    before = server.settled_vitals()
+    outcomes = asyncio.run(_send_all(server.url, make_bodies(48, seed=1), concurrency=4))
+    c = count(outcomes)
+    assert c["5xx"] == 0 and c["lost"] == 0 and c["unexpected"] == 0, [
+        (o.label, o.status, o.message) for o in outcomes if o.verdict in ("5xx", "lost")
+    ]
+    assert all(o.message for o in outcomes if o.verdict == "4xx")
+    assert c["ok"] > 0 and c["4xx"] > 0  # both kinds were sent
+    assert server.settled_vitals().free_blocks == before.free_blocks
+    assert server.integrity()["ok"]
