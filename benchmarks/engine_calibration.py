@@ -178,7 +178,7 @@ def calibrate_in_server(
     """The engine behind the HTTP app here, under `run_load(url)` (sent from another
     process): each step's cycle (see the module docstring) and the pool's totals over the
     load, after `warm_up(url)`."""
-    from benchmarks.reliability.common import in_process_server
+    from benchmarks.reliability.server import in_process_server
     from vlmserve.engine.core import Engine
     from vlmserve.server.app import ServerConfig, create_app
 

@@ -31,7 +31,8 @@ if not torch.cuda.is_available():  # read when triton is first imported: before 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.common import environment, memory_bandwidth, table, write_result  # noqa: E402
-from kernels.attention import AttentionBatch, TorchPagedAttention, select_backend  # noqa: E402
+from kernels.attention import AttentionBatch, TorchPagedAttention  # noqa: E402
+from kernels.backends import select_backend  # noqa: E402
 
 CONTEXTS = (2048, 8192, 32768)
 BATCHES = (1, 64)

@@ -19,13 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.reliability.common import (
-    ServerProcess,
-    children_of,
-    data_url,
-    png_bytes,
-    user_message,
-)
+from benchmarks.reliability.common import data_url, png_bytes, user_message
+from benchmarks.reliability.server import ServerProcess, children_of
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parent.parent

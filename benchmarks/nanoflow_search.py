@@ -20,7 +20,8 @@ import time
 from benchmarks.common import table, write_result
 from search.costmodel.presets import ModelShape, get_accelerator, get_model
 from search.nanoflow.auto_search import search_schedule
-from search.nanoflow.milp import solve_stage1, solve_stage2, split_groups
+from search.nanoflow.milp import solve_stage1, split_groups
+from search.nanoflow.milp_stage2 import solve_stage2
 from search.nanoflow.nano_schedule import split_largest
 from search.nanoflow.op_graph import PARTITIONINGS
 from search.nanoflow.profiles import Profiles, synthetic_gpu_profiles

@@ -32,7 +32,8 @@ import torch
 
 from benchmarks.common import environment, table, write_result
 from benchmarks.offline_throughput import make_engine, parse_args, workload
-from kernels.attention import AttentionBatch, select_backend
+from kernels.attention import AttentionBatch
+from kernels.backends import select_backend
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams

@@ -72,7 +72,7 @@ from benchmarks.lumpy_load import (
     probe_idle,
     run_load,
 )
-from benchmarks.reliability.common import ServerProcess
+from benchmarks.reliability.server import ServerProcess
 from search.costmodel.presets import VisionEncoder, get_accelerator, get_model
 from search.image_budget import ImageAssumptions
 from search.sim.capacity import percentile

@@ -3,8 +3,8 @@ no per-layer gather.
 
 Decodes and verifications (query_len <= SMALL_QUERY_LEN) go to
 kernels/csrc/paged_attention_cpu.cpp: the torch backend gathers every short-query
-sequence's context into a padded buffer per layer, which at batch 64 is about half of a
-decode step on this CPU; the kernel walks each (sequence, kv head)'s blocks once with an
+sequence's context into a padded buffer per layer, a large share of a decode step at a
+large batch; the kernel walks each (sequence, kv head)'s blocks once with an
 online softmax instead, threads over those pairs, and writes its rows of the output in
 place.
 

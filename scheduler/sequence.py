@@ -19,7 +19,6 @@ class ImagePlaceholder:
 
     content_hash: bytes
     positions: list[int]
-    data: object = None  # what the runner needs to encode it; opaque to the scheduler
     # Tiles the tower runs for it (the per-step encoder budget); 0 = unknown, counts as 1.
     num_tiles: int = 0
 

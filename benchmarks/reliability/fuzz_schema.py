@@ -17,13 +17,13 @@ from pathlib import Path
 
 from benchmarks.reliability.common import (
     Outcome,
-    ServerProcess,
     client,
     count,
     gather_limited,
     print_table,
     send,
 )
+from benchmarks.reliability.server import ServerProcess
 
 _NAMES = ["a", "b", "naïve", 'q"uote', "back\\slash", "", "x" * 40, "日本", "$ref", "0"]
 _TYPES = ["string", "integer", "number", "boolean", "null", "array", "object"]

@@ -38,7 +38,7 @@ constexpr int64_t kPrefetchAhead = 1;
 // Register tiles (AVX2: 16 vector registers, AVX-512: 32): R rows x J keys of partial dot
 // products in score_tile, R rows x D dim vectors of accumulators in value_tile. Enough
 // independent FMA chains to keep both FMA ports busy: with one chain a dot product (or a
-// value row) waits out every FMA's latency, which held decode attention to ~10 GB/s.
+// value row) waits out every FMA's latency, far below the memory bandwidth.
 constexpr int kTileRows = 4;
 constexpr int kTileKeys = kLanes == 16 ? 6 : 3;
 constexpr int kTileDims = kLanes == 16 ? 4 : 2;

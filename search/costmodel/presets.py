@@ -230,6 +230,27 @@ def get_accelerator(name: str) -> Accelerator:
     return _lookup(ACCELERATORS, _ACCELERATOR_ALIASES.get(key, key), "accelerator")
 
 
+# A GPU's name (torch.cuda.get_device_name) -> the accelerator preset it runs as, by the
+# first of these its lowered name contains.
+GPU_NAME_PRESETS = (("h200", "h200"), ("h100", "h100"), ("b200", "b200"), ("a100", "a100"),
+                    ("l40s", "l40s"))  # fmt: skip
+
+
+def gpu_preset(device_name: str, what_to_do: str = "") -> str:
+    """The accelerator preset a GPU's name matches ('NVIDIA H100 80GB HBM3' -> 'h100'). A
+    GPU no preset matches is refused (ValueError, with `what_to_do` appended): its
+    bandwidth and FLOP/s are unknown, and another device's would be silently wrong."""
+    lowered = device_name.lower()
+    for needle, preset in GPU_NAME_PRESETS:
+        if needle in lowered:
+            return preset
+    known = ", ".join(preset for _, preset in GPU_NAME_PRESETS)
+    raise ValueError(
+        f"no accelerator preset matches the GPU {device_name!r} (presets: {known})"
+        + (f"; {what_to_do}" if what_to_do else "")
+    )
+
+
 def get_model(spec: str) -> ModelShape:
     """A preset name, or a path to an HF ``config.json`` (or the folder holding one)."""
     if spec.strip().lower() in MODELS:

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_attention
-from kernels.attention import AttentionBatch, TorchPagedAttention, _buckets, select_backend
+from kernels.attention import AttentionBatch, TorchPagedAttention, _buckets
+from kernels.backends import select_backend
 
 HEADS, KV_HEADS, DIM, BLOCK, NUM_BLOCKS = 4, 2, 8, 4, 128
 # Per sequence: (tokens cached by step 1, new tokens in step 2). Step 1 prefills the

@@ -80,7 +80,7 @@ def test_flashinfer_backend_gives_the_torch_tokens(family, kv_heads, tmp_path, r
 @pytest.mark.gpu
 def test_auto_picks_a_gpu_backend():
     from kernels import flashinfer_attention
-    from kernels.attention import select_backend
+    from kernels.backends import select_backend
 
     name = select_backend(torch.device("cuda"), "auto", torch.bfloat16).name
     has_flashinfer = flashinfer_attention.available(torch.device("cuda")) is None

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kernels import cpu_attention
-from kernels.attention import AttentionBatch, select_backend
+from kernels.attention import AttentionBatch
+from kernels.backends import select_backend
 
 pytestmark = pytest.mark.skipif(
     cpu_attention.prefill_available() is not None or cpu_attention.available() is not None,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from encoders.preprocess import _workers_wait_passively
+from encoders.preprocess_worker import _workers_wait_passively
 
 KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "VLMSERVE_SPIN_ENGINE_ONLY")
 

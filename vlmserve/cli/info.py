@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.attention import select_backend
+from kernels.backends import select_backend
 from kernels.fused_ops import op_backends
 from vlmserve.config import default_device
 

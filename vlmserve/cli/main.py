@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from vlmserve.cli import caption
+from vlmserve.cli import caption_cli
 from vlmserve.cli import serve as serve_cli
 from vlmserve.cli.engine_args import add_engine_args, engine_config_from_args
 from vlmserve.cli.estimate import main as estimate_cli
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     estimate_cli.register(sub)
     serve_cli.register(sub)
-    caption.register(sub)
+    caption_cli.register(sub)
     return parser
 
 

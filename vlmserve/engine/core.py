@@ -29,11 +29,12 @@ from concurrent import futures
 from dataclasses import dataclass
 
 from encoders.errors import PromptTooLongError, RequestError
-from scheduler.in_flight import LaunchedStep, advance, resolve
+from scheduler.in_flight import LaunchedStep
 from scheduler.planner import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecMetrics
 from scheduler.step_plan import ScheduledSeq, StepPlan
+from search.costmodel.cost_model import spec_speedup
 from vlmserve.config import EngineConfig
 from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, run_step
@@ -45,12 +46,8 @@ from vlmserve.engine.image_wait import (
 )
 from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
 from vlmserve.engine.stats import engine_stats
-from vlmserve.inputs.processing import (
-    Request,
-    check_prompt_chars,
-    eos_token_ids,
-    make_prompt_processor,
-)
+from vlmserve.inputs.processing import Request, check_prompt_chars, eos_token_ids
+from vlmserve.inputs.prompt_processor import make_prompt_processor
 from vlmserve.sample.params import SamplerState, SamplingParams
 from vlmserve.sample.verify import ridge_batch_for
 from vlmserve.worker.parallel.executor import make_runner
@@ -69,6 +66,7 @@ class _State:
     output: RequestOutput
     detokenizer: IncrementalDetokenizer
     stop_token_ids: frozenset[int]  # its own and, unless ignore_eos, the model's EOS ids
+    works: list[object]  # its images' encoder records (the runner has them too)
 
 
 @dataclass(frozen=True)
@@ -92,8 +90,7 @@ class Engine:
         self.tokenizer = self.processor.tokenizer
         # The engine thread's own copy: preparer threads tokenise with theirs meanwhile.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
-        context = model.decoder.cfg.max_position_embeddings
-        self.max_model_len = min(config.model.max_model_len or context, context)
+        self.max_model_len = self.runner.max_model_len  # the flag, capped by the context
         speculative = config.speculative
         if speculative.enabled and speculative.adaptive and speculative.ridge_batch is None:
             ridge = ridge_batch_for(self.runner.device, self.runner.dtype)
@@ -101,7 +98,7 @@ class Engine:
         cache = self.runner.encoder_cache  # pool images: content_hash is the cache key
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.runner.num_blocks, speculative=speculative,
-            encoder_cached=cache.__contains__,
+            encoder_cached=cache.__contains__, spec_speedup=spec_speedup,
         )  # fmt: skip
         self.eos_token_ids = eos_token_ids(config.model.path, model.config, self.tokenizer)
         self._states: dict[str, _State] = {}
@@ -180,12 +177,15 @@ class Engine:
         )
         sampler = SamplerState(params)
         sampler.grammar = request.grammar
-        state = _State(seq, params, sampler, request.max_tokens, output, detokenizer, stops)
+        state = _State(
+            seq, params, sampler, request.max_tokens, output, detokenizer, stops, prompt.works
+        )
         self._states[request_id] = state
         # Its images may still be decoding in the pool (its grammar compiling): queued now,
         # admitted once ready.
-        seq.ready = not pending_images(seq) and request.grammar is None
+        seq.ready = not pending_images(prompt.works) and request.grammar is None
         self.scheduler.add(seq, num_prompt + request.max_tokens)
+        self.runner.add_request(request_id, prompt.works)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -249,17 +249,17 @@ class Engine:
         failed). `idle_wait`: with nothing to run, wait briefly for a decoding image."""
         failed = self._poll_images()
         plan = self.scheduler.schedule()
-        for request_id in plan.preempted:
-            self.runner.preempt(request_id)
+        # The runner forgets the finished, keeps the preempted's images, encodes the step's.
+        image_failures = self.runner.begin_step(plan)
         if plan.is_empty:
             if idle_wait and not failed:
-                grammars = [s.sampler.grammar for s in self._states.values() if not s.seq.ready]
-                compiling = [g.future for g in grammars if g is not None]
-                wait_for_images(self.scheduler.waiting, compiling)
+                unready = [s for s in self._states.values() if not s.seq.ready]
+                compiling = [s.sampler.grammar.future for s in unready if s.sampler.grammar]
+                wait_for_images((s.works for s in unready), compiling)
             return plan, failed
         failed += [
             self._fail(self._states[request_id], error)
-            for request_id, error in self.runner.encode_images(plan).items()
+            for request_id, error in image_failures.items()
         ]
         return self._without(plan, {out.request_id for out in failed}), failed
 
@@ -280,7 +280,7 @@ class Engine:
             future = self._forward.submit(inputs, plan.scheduled, samplers, before)
         except Exception as e:  # noqa: BLE001 - as the forward raising: fails when taken
             future.set_exception(e)
-        return _InFlight(advance(plan, self.scheduler.seqs), states, future)
+        return _InFlight(self.scheduler.launch(plan), states, future)
 
     def _collect(self, flight: _InFlight | None) -> list[RequestOutput]:
         """Wait for `flight`'s output and take it like a synchronous step's. Requests that
@@ -298,7 +298,7 @@ class Engine:
         step = flight.step
         tokens = [accepted.get(item.request_id, ([], None))[0] for item in step.plan.scheduled]
         self._count_prompt_work(step.plan.scheduled)
-        resolve(step, tokens, self.scheduler.seqs, self.scheduler.block_manager)
+        self.scheduler.land(step, tokens)
         self.num_steps += 1
         return failed + self._emit(accepted)
 
@@ -342,23 +342,28 @@ class Engine:
     def _poll_images(self) -> list[RequestOutput]:
         """Ready the sequences whose images are decoded and grammars compiled; fail those
         whose decode or compile failed."""
-        waiting = self.scheduler.waiting
-        compiling, failures = poll_grammars(waiting, lambda i: self._states[i].sampler.grammar)
-        failed = [self._fail(self._states[seq.request_id], e) for seq, e in failures]
-        failures = poll_images(waiting, lambda seq: seq.request_id in compiling)
-        return failed + [self._fail(self._states[seq.request_id], e) for seq, e in failures]
+        unready = {rid: s for rid, s in self._states.items() if not s.seq.ready}
+        if not unready:
+            return []
+        compiling, failures = poll_grammars({r: s.sampler.grammar for r, s in unready.items()})
+        works = {rid: s.works for rid, s in unready.items() if rid not in compiling}
+        ready, image_failures = poll_images(works)
+        for request_id in ready:
+            self._states[request_id].seq.ready = True
+        failures += image_failures
+        return [self._fail(self._states[request_id], e) for request_id, e in failures]
 
     @staticmethod
     def _without(plan: StepPlan, request_ids: set[str]) -> StepPlan:
         kept = [item for item in plan.scheduled if item.request_id not in request_ids]
-        return StepPlan(kept, plan.preempted) if request_ids else plan
+        return dataclasses.replace(plan, scheduled=kept) if request_ids else plan
 
     def _count_prompt_work(self, scheduled: list[ScheduledSeq]) -> None:
         """Prompt tokens the items computed, failed ones left out."""
         for item in scheduled:
-            seq = self.scheduler.seqs.get(item.request_id)
-            if seq is not None:
-                prompt_end = min(item.end, seq.num_prompt_tokens)
+            state = self._states.get(item.request_id)  # None: finished meanwhile
+            if state is not None:
+                prompt_end = min(item.end, state.seq.num_prompt_tokens)
                 self.num_computed_prompt_tokens += max(0, prompt_end - item.num_computed_tokens)
 
     def _accept(self, state: _State, new: list[int]) -> tuple[list[int], FinishReason | None]:
@@ -397,8 +402,7 @@ class Engine:
         state.output.finished = True
         state.output.finish_reason = reason
         state.output.num_cached_tokens = state.seq.num_cached_tokens
-        self.scheduler.finish(state.seq)
-        self.runner.release(state.seq.request_id)
+        self.scheduler.finish(state.seq)  # the runner forgets it with the next plan
         del self._states[state.seq.request_id]
 
     def close(self) -> None:
@@ -411,13 +415,15 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Engine-side gauges and counters for metrics: queue, KV pool, prefix and encoder
         caches, preprocessing stage seconds, speculation."""
-        return engine_stats(self)
+        return engine_stats(
+            self.scheduler.stats(), self.num_steps, self.num_computed_prompt_tokens,
+            self.runner.encoder_cache.stats(), self.processor.pool_metrics(), self.spec_metrics,
+        )  # fmt: skip
 
     @property
     def spec_metrics(self) -> SpecMetrics | None:
         """Speculation counters (proposed, accepted, mean accepted length); None when off."""
-        policy = self.scheduler.spec_policy
-        return policy.metrics if policy is not None else None
+        return self.scheduler.spec_metrics
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         """Run `requests` to completion. A request that cannot be served gets an output

@@ -50,7 +50,10 @@ class Request:
 @dataclass(frozen=True)
 class ProcessedPrompt:
     token_ids: list[int]
-    images: list[ImagePlaceholder]
+    images: list[ImagePlaceholder]  # the scheduler's view: content key, positions, tiles
+    # The encoder's record of each image, in order (ImageWork, or a VisionInput on the HF
+    # image processor's path): the runner's, handed over with the request.
+    works: list[object] = field(default_factory=list)
 
 
 # No tokenizer averages more characters per token than this, so a prompt over
@@ -96,15 +99,15 @@ def check_prompt_chars(request: Request, max_model_len: int) -> None:
 
 
 def place_images(
-    token_ids: Sequence[int], image_token_id: int, images: Sequence[tuple[bytes, int, object]]
+    token_ids: Sequence[int], image_token_id: int, images: Sequence[tuple[bytes, int]]
 ) -> list[ImagePlaceholder]:
     """Each image's placeholder positions, in order: images are (content key, number of
-    tokens, data for the encoder) and take the image-token positions one run after the
-    other. ValueError when the prompt's image tokens and the images' counts differ."""
+    tokens) and take the image-token positions one run after the other. ValueError when
+    the prompt's image tokens and the images' counts differ."""
     positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
     placeholders, cursor = [], 0
-    for key, count, data in images:
-        placeholders.append(ImagePlaceholder(key, positions[cursor : cursor + count], data))
+    for key, count in images:
+        placeholders.append(ImagePlaceholder(key, positions[cursor : cursor + count]))
         cursor += count
     if cursor != len(positions):
         raise ValueError(
@@ -160,7 +163,7 @@ def place_works(
 ) -> list[ImagePlaceholder]:
     """`place_images` for images on the pool path: keyed by their encoder-cache key, with
     their tile counts (the scheduler's encoder-budget unit) known from the header."""
-    images = [(work.cache_key, work.layout.num_tokens, work) for work in works]
+    images = [(work.cache_key, work.layout.num_tokens) for work in works]
     placed = place_images(token_ids, image_token_id, images)
     for placeholder, work in zip(placed, works, strict=True):
         placeholder.num_tiles = work.layout.num_tiles
@@ -170,24 +173,6 @@ def place_works(
 def check_image_count(num_images: int, max_images: int) -> None:
     if num_images > max_images:
         raise TooManyImagesError(f"request has {num_images} images, the limit is {max_images}")
-
-
-def make_prompt_processor(
-    path: str,
-    model: LoadedModel,
-    max_images: int,
-    encoder: EncoderConfig | None = None,
-    encoder_cache: EncoderCache | None = None,
-):
-    """The processor a checkpoint folder asks for: the embedded model's own (its
-    preprocessor_config.json names `SceneProcessor`) or the HF processor."""
-    config_path = Path(path) / "preprocessor_config.json"
-    if config_path.is_file():
-        if json.loads(config_path.read_text()).get("processor_class") == "SceneProcessor":
-            from vlmserve.inputs.scene_prompts import ScenePromptProcessor
-
-            return ScenePromptProcessor(path, model, max_images, encoder, encoder_cache)
-    return HFPromptProcessor(path, model, max_images, encoder, encoder_cache)
 
 
 class HFPromptProcessor:
@@ -272,9 +257,11 @@ class HFPromptProcessor:
             outputs = {**outputs, "rows": grid["rows"], "cols": grid["cols"]}
         inputs = vision_inputs_from_hf(family, outputs)
         count = self.model.vision.num_image_tokens
-        placed = [(key, count(v), v) for v, key in zip(inputs, hashes, strict=True)]
+        placed = [(key, count(v)) for v, key in zip(inputs, hashes, strict=True)]
         image_token_id = self.model.image_token_id
-        return ProcessedPrompt(token_ids, place_images(token_ids, image_token_id, placed))
+        return ProcessedPrompt(
+            token_ids, place_images(token_ids, image_token_id, placed), list(inputs)
+        )
 
     def _budget(self) -> PixelBudget:
         return shared_budget(self.encoder.resolved_max_decode_pixels)
@@ -304,7 +291,7 @@ class HFPromptProcessor:
         )
         token_ids = self._tokenizer.get()(expanded, add_special_tokens=add_special)["input_ids"]
         return ProcessedPrompt(
-            list(token_ids), place_works(token_ids, self.model.image_token_id, works)
+            list(token_ids), place_works(token_ids, self.model.image_token_id, works), works
         )
 
 

@@ -12,6 +12,7 @@ from search.costmodel.presets import (
     get_encoder,
     get_model,
     get_weight_precision,
+    gpu_preset,
     measure_cpu,
 )
 
@@ -106,3 +107,18 @@ def test_cpu_is_measured_on_the_spot():
     assert cpu.name == "cpu"
     assert cpu.flops_bf16 > 1e8 and cpu.mem_bandwidth > 1e8 and cpu.memory_bytes > 1e8
     assert cpu.peak_flops("fp8") == cpu.flops_bf16  # no fp8 units: falls back
+
+
+@pytest.mark.parametrize(
+    ("name", "preset"),
+    [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
+     ("NVIDIA H200", "h200"), ("NVIDIA L40S", "l40s"), ("NVIDIA B200", "b200")],
+)  # fmt: skip
+def test_gpu_names_map_to_their_presets(name, preset):
+    assert gpu_preset(name) == preset
+    get_accelerator(preset)  # a preset by that name exists
+
+
+def test_a_gpu_without_a_preset_is_refused_not_guessed():
+    with pytest.raises(ValueError, match="GTX 1080.*presets: h200.*; do this"):
+        gpu_preset("NVIDIA GeForce GTX 1080", "do this")

@@ -13,7 +13,8 @@ from search.nanoflow.auto_search import (
     schedule_cost_us,
     search_schedule,
 )
-from search.nanoflow.milp import solve_stage1, solve_stage2, split_groups
+from search.nanoflow.milp import solve_stage1, split_groups
+from search.nanoflow.milp_stage2 import solve_stage2
 from search.nanoflow.op_graph import PARTITIONINGS, BatchMix, layer_ops
 from search.nanoflow.profiles import TABLE3_KNOTS, OpProfile, Profiles, synthetic_gpu_profiles
 from search.nanoflow.schedule import NanoOp, Schedule, check

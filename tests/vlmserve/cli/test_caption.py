@@ -13,7 +13,8 @@ import pytest
 
 from encoders import image_io
 from scheduler.config import CacheConfig, SchedulerConfig
-from vlmserve.cli.caption import CaptionItem, discover, read_done, register, run_caption
+from vlmserve.cli.caption import CaptionItem, discover, read_done, run_caption
+from vlmserve.cli.caption_cli import register
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 from vlmserve.engine.core import Engine

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmserve.cli.estimate.main import read_image_size, register
+from vlmserve.cli.estimate.labs import read_image_size
+from vlmserve.cli.estimate.main import register
 
 REPO = Path(__file__).resolve().parents[3]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

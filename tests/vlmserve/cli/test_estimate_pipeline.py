@@ -4,9 +4,9 @@ profiles) and on this CPU (measured), with its caches and its errors."""
 import json
 
 import pytest
-from tests.vlmserve.cli.test_estimate_cli import PNG_MAGIC, run_cli
 
 from search.nanoflow.schedule import Schedule, check
+from tests.vlmserve.cli.test_estimate_cli import PNG_MAGIC, run_cli
 
 # A small GQA decoder's HF config: the search and a CPU profile of it both take seconds.
 TINY = {

@@ -103,8 +103,8 @@ def test_files_go_through_the_pool_and_the_encoder_cache(tmp_path):
         "content": [{"type": "image"}, {"type": "text", "text": CAPTION_PROMPT}],
     }
     assert prepared.token_ids == processor.encode([message], images=[image]).token_ids
-    for placeholder in prepared.images:  # queued on its header: its tiles may still be coming
-        placeholder.data.wait()
+    for work in prepared.works:  # queued on its header: its tiles may still be coming
+        work.wait()
     before = pooled.stats()["preprocess_images"]  # the pool is shared by the process
     [first] = pooled.generate([request])
     [second] = pooled.generate([ask(str(path), question.question)])

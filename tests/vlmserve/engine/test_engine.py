@@ -197,7 +197,7 @@ def test_images_still_decoding_are_waited_for_and_a_late_bad_one_fails_alone(
         engine.add_request(chat([random_image(3, 40, 40)], "c", request_id="fine")),
     ]
     seqs = [engine._states[rid].seq for rid in ids]
-    slow_work, bad_work = seqs[0].images[0].data, seqs[1].images[0].data
+    slow_work, bad_work = (engine._states[rid].works[0] for rid in ids[:2])
     slow_work.tiles()  # (the real tiles, computed now)
     done, slow_work.future = slow_work.future, Future()  # as if still in the pool
     bad_work.future = Future()

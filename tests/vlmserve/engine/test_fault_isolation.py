@@ -50,7 +50,7 @@ def test_an_image_failing_at_encode_time_fails_only_its_request(
     want = {"good": alone(engine, good), "text": alone(engine, text)}
     engine.runner.encoder_cache.clear()  # the good image must go through the tower again
     bad = engine.prepare(chat([random_image(2, 50, 50)], "describe", GREEDY_8))
-    work = bad.prompt.images[0].data
+    work = bad.prompt.works[0]
     work.embedding, work.future = None, Future()
     work.future.set_exception(ImageDecodeError("cannot decode image: corrupt data"))
     ids = [

@@ -27,7 +27,7 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from benchmarks.reliability.common import ServerProcess
+from benchmarks.reliability.server import ServerProcess
 from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint
 
 MAX_TOKENS = 700

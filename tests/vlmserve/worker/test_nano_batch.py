@@ -14,7 +14,8 @@ import pytest
 import torch
 from test_engine import make_engine, run_checked
 
-from kernels.attention import AttentionBatch, select_backend
+from kernels.attention import AttentionBatch
+from kernels.backends import select_backend
 from kernels.packed_linear import pack_linears
 from search.nanoflow.handmade_schedules import (
     four_two_schedule,
