@@ -36,9 +36,7 @@ def poll_images(
     return ready, failed
 
 
-def wait_for_images(
-    unready: Iterable[list[object]], others: Iterable[futures.Future] = ()
-) -> None:
+def wait_for_images(unready: Iterable[list[object]], others: Iterable[futures.Future] = ()) -> None:
     """Nothing to run but images still decoding (or `others`, e.g. grammars compiling):
     wait briefly for one of them rather than spin (short, so new requests and aborts are
     still taken promptly)."""
