@@ -2,7 +2,7 @@
 
 It computes the same float32 function as timm's `Block.forward` (the reference path,
 `SiglipTower(fused=False)`); what is left on CPU is the GEMMs, at ~93% of the core's
-float32 peak, and SDPA (`benchmarks/vision_tower.py`). Against timm's forward:
+float32 peak, and SDPA (`benchmarks/ops/vision_tower.py`). Against timm's forward:
 - rows are flat, `[tiles * patches, hidden]`: every linear is one 2-D GEMM;
 - q, k and v are strided views of the fused qkv GEMM's output, passed to SDPA as they
   are, and SDPA's output is read back through a transpose that costs no copy;

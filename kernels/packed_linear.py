@@ -10,7 +10,7 @@ the summation order differs), checked against the plain layers in tests.
 
 The decoder's layers can also keep the plain [out, in] weight (`pack_linears(plain=True)`,
 a second copy of each weight) for the batch sizes oneDNN's packed GEMM is not the fastest
-at on a CPU (`benchmarks/skinny_linear.py` measures the crossovers; its results file has
+at on a CPU (`benchmarks/ops/skinny_linear.py` measures the crossovers; its results file has
 the figures):
 - up to SKINNY_MAX_ROWS rows (decode steps of a few sequences) the skinny kernel
   (kernels/csrc/skinny_linear_cpu.cpp), which streams each weight once;

@@ -18,6 +18,7 @@ from scheduler.encoder_budget import needs_tower
 from scheduler.kv_blocks import BlockManager
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
+from scheduler.spans import span_safe_end, span_safe_prefix
 from scheduler.step_plan import ScheduledSeq, schedule_item
 
 
@@ -56,6 +57,9 @@ class WaitingAdmission:
             hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
             # Keep at least one token to compute: its logits give the next token.
             matched = bm.match_prefix(hashes)[: (seq.num_tokens - 1) // self.block_size]
+            if seq.spans:  # a match may not end inside an image (scheduler/spans.py)
+                reusable = span_safe_prefix(seq.spans, len(matched) * self.block_size)
+                matched = matched[: reusable // self.block_size]
             num_cached = len(matched) * self.block_size
             tower = any(
                 needs_tower(img, num_cached, seq.num_tokens, num_cached, self._is_cached(img))
@@ -130,13 +134,15 @@ class WaitingAdmission:
         todo = seq.num_tokens - num_cached
         num_new, tiles = min(todo, room), 0
         chunked = self.config.enable_chunked_prefill
-        if num_new == 0 or (num_new < todo and not chunked):
+        if num_new <= 0 or (num_new < todo and not chunked):  # (< 0: an image took the room)
             return None
         if seq.images:
             end, tiles = self._cut_for_tiles(seq, num_cached, num_cached + num_new, tiles_used)
             if end == num_cached or (end < num_cached + num_new and not chunked):
                 return None
             num_new = end - num_cached
+        if seq.spans:  # never half an image (scheduler/spans.py)
+            num_new = span_safe_end(seq.spans, num_cached, num_cached + num_new) - num_cached
         return num_new, tiles
 
     def _start(

@@ -98,7 +98,7 @@ class SchedulerConfig:
     # synchronously: its drafts need the previous step's tokens. Off by default: on a CPU
     # it hides most of the host's time from the forward, but the forward's own Python
     # shares the GIL with the engine thread's and slows by about as much, so the wall time
-    # barely moves (benchmarks/async_scheduling.py and its results file). Unmeasured on a
+    # barely moves (benchmarks/engine/async_scheduling.py and its results file). Unmeasured on a
     # GPU, where it is meant to pay.
     async_scheduling: bool = False
 
@@ -128,7 +128,7 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """n-gram speculative decoding (article §15). Off unless num_speculative_tokens > 0."""
 
-    # Off unless asked for: benchmarks/spec_decode.py did not show adaptive γ never slower
+    # Off unless asked for: benchmarks/engine/spec_decode.py did not show adaptive γ never slower
     # than off at every load (README, "Speculation").
     num_speculative_tokens: int = 0  # γ_max: drafts per sequence per step; 0 = off
     # Suffix lengths the n-gram proposer tries, longest first.

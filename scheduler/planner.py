@@ -39,6 +39,7 @@ from scheduler.kv_blocks import BlockManager
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
+from scheduler.spans import span_safe_end
 from scheduler.spec_policy import SpecMetrics, SpecPolicy, SpeedupFn
 from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
 
@@ -284,7 +285,7 @@ class Scheduler(WaitingAdmission):
             num_new = min(seq.num_uncomputed_tokens, room.tokens)
             lump = self._is_lump(seq)
             if lump and room.lump_tokens is not None:
-                if room.lump_tokens == 0:
+                if room.lump_tokens <= 0:  # (< 0: a whole image went past it)
                     continue
                 num_new = min(num_new, room.lump_tokens)
             if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
@@ -297,6 +298,9 @@ class Scheduler(WaitingAdmission):
                 if end == start:
                     continue  # its next image waits for a step with tower room
                 num_new, room.tiles_used = end - start, room.tiles_used + tiles
+            if seq.spans:  # never half an image (scheduler/spans.py)
+                start = seq.num_computed_tokens
+                num_new = span_safe_end(seq.spans, start, start + num_new) - start
             total = seq.num_computed_tokens + num_new
             sample = total == seq.num_tokens
             drafts: tuple[int, ...] = ()

@@ -163,11 +163,7 @@ def _folders() -> list[Path]:
 
 
 def _folder_case(folder: Path):
-    rel = str(folder.relative_to(ROOT))
-    if rel == "benchmarks":
-        mark = pytest.mark.xfail(strict=False, reason="benchmarks/lib move by part B")
-        return pytest.param(folder, id=rel, marks=mark)
-    return pytest.param(folder, id=rel)
+    return pytest.param(folder, id=str(folder.relative_to(ROOT)))
 
 
 @pytest.mark.parametrize("folder", [_folder_case(f) for f in _folders()])

@@ -27,8 +27,8 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from benchmarks.common import RESULTS, table
-from benchmarks.serve_load import WORDS
+from benchmarks.lib.common import RESULTS, table
+from benchmarks.serving.serve_load import WORDS
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULT_PATH = RESULTS / "reliability.json"

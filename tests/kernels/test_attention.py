@@ -103,6 +103,7 @@ def test_block_sizes_gqa_and_mha_match_sdpa(heads, kv_heads, block, backend):
     check_paged_attention(torch.device("cpu"), heads, kv_heads, block, WITH_SDPA[backend]())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("block", [16, 32])

@@ -49,6 +49,7 @@ def _child_env(queue) -> None:
     queue.put(tuple(os.environ.get(k) for k in KEYS[:2]))
 
 
+@pytest.mark.slow
 def test_pool_workers_wait_passively_beside_a_spinning_server(monkeypatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000000")
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)

@@ -323,8 +323,15 @@ def _add_encoder_args(group: argparse._ArgumentGroup) -> None:
         help="decode large JPEGs at 1/2..1/8 scale when the tiles are that small: faster, "
         "but the pixels differ from transformers' processor, and so do outputs: 16-token "
         "greedy answers changed on 32%% of requests for Idefics3, 12%% for LLaVA-OneVision, "
-        "5%% for the default model (0%% with it off; benchmarks/jpeg_draft_divergence.py, "
+        "5%% for the default model (0%% with it off; benchmarks/engine/jpeg_draft_divergence.py, "
         "100 JPEGs each). Off by default: pixels are exact",
+    )
+    group.add_argument(
+        "--pan-and-scan",
+        action="store_true",
+        help="Gemma 3: an elongated image (aspect >= 1.2, crops >= 256 px) also goes in as "
+        "2-4 crops along its long side, each another 256 tokens (transformers' "
+        "do_pan_and_scan; off by default, as there)",
     )
     group.add_argument(
         "--hf-image-processor",
@@ -391,6 +398,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_decode_pixels=args.max_decode_pixels,
         jpeg_draft=args.jpeg_draft,
         use_pool=not args.hf_image_processor,
+        pan_and_scan=args.pan_and_scan,
     )
     parallel = _with_flags(
         "--tensor-parallel-size", ParallelConfig, tensor_parallel_size=args.tensor_parallel_size

@@ -32,6 +32,7 @@ from encoders.errors import PromptTooLongError, RequestError
 from scheduler.in_flight import LaunchedStep
 from scheduler.planner import Scheduler
 from scheduler.sequence import Sequence
+from scheduler.spans import image_spans
 from scheduler.spec_policy import SpecMetrics
 from scheduler.step_plan import ScheduledSeq, StepPlan
 from search.costmodel.cost_model import spec_speedup
@@ -164,6 +165,8 @@ class Engine:
         prompt, params = request.prompt, request.params
         num_prompt = len(prompt.token_ids)
         seq = Sequence(request_id, list(prompt.token_ids), prompt.images)
+        if self.runner.model.bidirectional_images:
+            seq.spans = image_spans(prompt.images)
         output = RequestOutput(
             request_id,
             num_prompt_tokens=num_prompt,

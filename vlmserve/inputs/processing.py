@@ -27,6 +27,7 @@ from encoders.image_spec import ImageSpec, placeholder_text
 from encoders.images import ImageSource, load_image
 from encoders.pixel_budget import PixelBudget, shared_budget
 from encoders.stage import ImageWork, pool_metrics, submit_images, warm_pool
+from encoders.tiling.pan_and_scan import pan_and_scan_crops
 from scheduler.sequence import ImagePlaceholder
 from vlmserve.worker.models.loader import LoadedModel
 
@@ -246,10 +247,14 @@ class HFPromptProcessor:
         family = self.model.family
         batch_images = [images] if family == "idefics3" else images
         processor = self._processor.get()
+        extra = {"do_pan_and_scan": self.encoder.pan_and_scan} if family == "gemma3" else {}
         outputs = processor(
-            text=[text], images=batch_images, return_tensors="pt", add_special_tokens=add_special
-        )
+            text=[text], images=batch_images, return_tensors="pt", add_special_tokens=add_special,
+            **extra,
+        )  # fmt: skip
         token_ids = outputs["input_ids"][0].tolist()
+        if family == "gemma3":  # the processor drops num_crops: the same rule gives it
+            outputs = {**outputs, "num_crops": gemma3_num_crops(processor, images, extra)}
         if family == "idefics3" and len(images) > 1:
             # The Idefics3 processor drops each image's tile grid from its output; only the
             # image processor reports it, and it is needed to split the tiles per image.
@@ -293,6 +298,26 @@ class HFPromptProcessor:
         return ProcessedPrompt(
             list(token_ids), place_works(token_ids, self.model.image_token_id, works), works
         )
+
+
+def gemma3_num_crops(processor: object, images: list[Image.Image], kwargs: dict) -> list[int]:
+    """Pan-and-scan crops per image under the processor's settings (its defaults, which
+    win over the image processor's, then `kwargs`)."""
+    settings = {**getattr(processor, "images_kwargs", {}), **kwargs}
+    if not settings.get("do_pan_and_scan"):
+        return [0] * len(images)
+    return [
+        len(
+            pan_and_scan_crops(
+                image.width,
+                image.height,
+                min_crop_size=settings["pan_and_scan_min_crop_size"],
+                max_crops=settings["pan_and_scan_max_num_crops"],
+                min_ratio=settings["pan_and_scan_min_ratio_to_activate"],
+            )
+        )  # fmt: skip
+        for image in images
+    ]
 
 
 def eos_token_ids(path: str, config: dict, tokenizer: object) -> set[int]:

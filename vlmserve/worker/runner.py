@@ -21,12 +21,12 @@ import torch
 from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
-from kernels.attention import AttentionBatch
+from kernels.attention import AttentionBatch, LayeredMetadata
 from kernels.backends import select_backend
 from kernels.malloc_tuning import keep_freed_memory
 from kernels.packed_linear import pack_linears
 from scheduler.config import kv_pool_num_blocks
-from scheduler.step_plan import StepPlan
+from scheduler.step_plan import ScheduledSeq, StepPlan
 from vlmserve.config import EngineConfig
 from vlmserve.worker.models.loader import LoadedModel, load_model
 from vlmserve.worker.parallel.layers import shard_decoder
@@ -110,7 +110,13 @@ class ModelRunner:
         self.model.decoder.fused = config.model.fused_ops
         self.nano_batcher: NanoBatcher | None = None
         self.num_nano_steps = 0
-        schedules = nano_schedules(config, self.device)
+        windows = {w for w in self.model.decoder.cfg.layer_windows if w is not None}
+        assert len(windows) <= 1, f"one sliding window per model, got {sorted(windows)}"
+        # Layers with a sliding window read their own attention metadata (LayeredMetadata).
+        self.sliding_window: int | None = windows.pop() if windows else None
+        # The nano-batched layers and the decode graphs run Llama-shaped layers only.
+        llama_layers = self.model.decoder.cfg.variant == "llama"
+        schedules = nano_schedules(config, self.device) if llama_layers else None
         if schedules:
             self.nano_batcher = NanoBatcher(schedules, self.backend)
             # On a CPU the streams share the cores torch was given (one each on 2 cores).
@@ -133,7 +139,10 @@ class ModelRunner:
         # Per request id: the block table and images, from the plans (StepPlan deltas).
         self._requests: dict[str, _RequestState] = {}
         self.graphs = None  # CUDA graphs of the decode step (vlmserve/worker/cuda_graphs.py)
-        if self.device.type == "cuda" and config.model.cuda_graphs and config.model.fused_ops:
+        if (
+            self.device.type == "cuda" and config.model.cuda_graphs and config.model.fused_ops
+            and llama_layers
+        ):  # fmt: skip
             if self.backend.name == "triton":
                 from vlmserve.worker.cuda_graphs import DecodeGraphs
 
@@ -218,6 +227,7 @@ class ModelRunner:
         sampling; its row is filled from that step's output in `run`."""
         token_ids, positions, slots, sample_rows = [], [], [], []
         query_lens, context_lens, block_tables = [], [], []
+        spans: list[list[tuple[int, int]]] = []
         image_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         pending_rows: list[tuple[int, int]] = []
         row = 0
@@ -241,6 +251,7 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(end)
             block_tables.append(table)
+            spans.append(image_spans(item) if self.model.bidirectional_images else [])
             for chunk in item.images:
                 embeds = self._image_embeds[(item.request_id, chunk.index)]
                 rows = torch.tensor(chunk.positions, dtype=torch.long) - start + row
@@ -251,9 +262,16 @@ class ModelRunner:
             row += n
             if item.sample:
                 sample_rows.extend(range(row - 1 - len(item.draft_token_ids), row))
-        batch = AttentionBatch(query_lens, context_lens, block_tables, self.block_size)
+        batch = AttentionBatch(
+            query_lens, context_lens, block_tables, self.block_size,
+            spans=spans if any(spans) else None,
+        )  # fmt: skip
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         metadata = self.backend.build_metadata(batch, slot_mapping, torch.device("cpu"))
+        if self.sliding_window is not None:  # the sliding layers' own metadata
+            windowed = dataclasses.replace(batch, sliding_window=self.sliding_window)
+            sliding = self.backend.build_metadata(windowed, slot_mapping, torch.device("cpu"))
+            metadata = LayeredMetadata(metadata, sliding)
         nano = self.nano_batcher.plan(batch, slot_mapping) if self.nano_batcher else None
         return StepInputs(
             torch.tensor(token_ids, dtype=torch.long), pending_rows,
@@ -370,6 +388,19 @@ def _to_device(value: object, device: torch.device) -> object:
         }
         return dataclasses.replace(value, **fields)
     return value
+
+
+def image_spans(item: ScheduledSeq) -> list[tuple[int, int]]:
+    """[start, end) position runs of the chunk's image placeholders: each run (an image,
+    or one pan-and-scan crop) attends to itself in full."""
+    runs: list[tuple[int, int]] = []
+    for chunk in item.images:
+        for pos in chunk.positions:
+            if runs and runs[-1][1] == pos:
+                runs[-1] = (runs[-1][0], pos + 1)
+            else:
+                runs.append((pos, pos + 1))
+    return runs
 
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:

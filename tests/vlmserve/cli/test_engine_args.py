@@ -140,6 +140,7 @@ def test_kv_pool_is_what_the_budget_holds_capped_by_what_sequences_fill():
     assert kv_pool_num_blocks(100, 1024, 16, 4, 100) == 1  # never empty
 
 
+@pytest.mark.slow
 def test_kv_flags_size_the_cpu_pool_of_the_default_model_through_a_door():
     def num_blocks(*flags: str) -> int:
         config = config_for("serve", "--device", "cpu", *flags)

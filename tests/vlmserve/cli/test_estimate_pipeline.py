@@ -44,6 +44,7 @@ def test_gpu_preset_table_plot_and_cache(tmp_path, tiny_config, capsys):
     assert check(Schedule.from_json(json.dumps(doc))) == []
 
 
+@pytest.mark.slow
 def test_cyclic_search_prints_its_period_and_caches_apart(tmp_path, tiny_config, capsys):
     cache = tmp_path / "cache"
     argv = ["pipeline", "--model", tiny_config, "--accelerator", "a100", "--dense-batch", "256"]
@@ -64,6 +65,7 @@ def test_cyclic_search_prints_its_period_and_caches_apart(tmp_path, tiny_config,
     assert ("period " in out) == (period is not None)
 
 
+@pytest.mark.slow
 def test_under_tp_both_partitionings_are_searched_and_the_faster_kept(
     tmp_path, tiny_config, capsys
 ):
@@ -85,6 +87,7 @@ def test_under_tp_both_partitionings_are_searched_and_the_faster_kept(
     assert "partitioning_costs_us" not in doc["notes"]
 
 
+@pytest.mark.slow
 def test_cpu_profiles_are_measured_then_reused(tmp_path, tiny_config, capsys):
     cache = tmp_path / "cache"
     argv = ["pipeline", "--model", tiny_config, "--accelerator", "cpu", "--dense-batch", "64"]

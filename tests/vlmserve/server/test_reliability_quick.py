@@ -79,6 +79,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
+@pytest.mark.slow
 def test_soak_small_every_request_answered_and_blocks_back(embedded):
     server, _ = embedded
     bm = server.engine.scheduler.block_manager
@@ -94,6 +95,7 @@ def test_soak_small_every_request_answered_and_blocks_back(embedded):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.slow
 def test_ssrf_probes_all_refused_and_none_connects(embedded):
     server, _ = embedded
     canary = Canary()

@@ -28,6 +28,7 @@ def test_dense_batches_are_those_a_step_can_reach():
     assert dense_batches("cuda", 1024) == [256, 512, 1024]
 
 
+@pytest.mark.slow
 def test_cpu_schedules_are_searched_once_then_read_back_by_shape(tmp_path):
     first_dir = make_text_checkpoint(tmp_path / "a", layers=1)
     found = engine_schedules(str(first_dir), "cpu", 64, cache_dir=tmp_path / "c", time_limit_s=1)

@@ -13,6 +13,7 @@ from typing import Any
 from search.costmodel import cost_model as cm
 from search.costmodel.labs import batching_limits, kv_report, serving_plan
 from search.costmodel.presets import (
+    MODEL_VISION,
     Accelerator,
     ModelShape,
     get_accelerator,
@@ -91,6 +92,10 @@ def read_image_size(path: str) -> tuple[int, int]:
 
 def run_image(args: argparse.Namespace) -> Outcome:
     model, accel = _setup(args)
+    own_encoder, own_pooling = MODEL_VISION.get(model.name, ("siglip-so400m-14-384", 4))
+    args.encoder = args.encoder or own_encoder
+    args.pooling = own_pooling if args.pooling is None else args.pooling
+    args.tiling = args.tiling or ("single" if model.name in MODEL_VISION else "dynamic")
     encoder = get_encoder(args.encoder)
     if args.image and (args.width is not None or args.height is not None):
         raise ValueError("give either an image file or --width/--height, not both")
@@ -182,6 +187,7 @@ def run_kv(args: argparse.Namespace) -> Outcome:
         ("KV per token", f"{r.kv_bytes_per_token / 1024:,.0f} KiB"),
         ("KV per sequence", _bytes(r.kv_bytes_per_sequence)),
         ("KV total", f"{_bytes(r.kv_bytes_total)} ({args.batch} sequences)"),
+        *_hybrid_rows(model, args.context, cache.bytes_per_element),
         ("weights", _bytes(r.weight_bytes)),
         ("device used", f"{_bytes(r.device_bytes_used)} ({r.device_fraction_used:.0%})"),
         ("max concurrency", f"{r.max_concurrency:,} sequences"),
@@ -223,6 +229,22 @@ def run_kv(args: argparse.Namespace) -> Outcome:
         ]
 
     return payload, rows, curves
+
+
+def _hybrid_rows(model: ModelShape, context: int, cache_bytes: float) -> list[Row]:
+    """Sliding-window models: what a hybrid KV manager holds against all-global layers."""
+    if not model.num_sliding_layers:
+        return []
+    hybrid = cm.kv_bytes_per_sequence(model, context, cache_bytes)
+    full = cm.kv_bytes_all_global(model, context, cache_bytes)
+    return [
+        (
+            "sliding-window layers",
+            f"{model.num_sliding_layers} of {model.num_layers}, window {model.sliding_window:,}",
+        ),  # fmt: skip
+        ("KV per sequence, all global", _bytes(full)),
+        ("hybrid KV / all global", f"{hybrid / full:.0%}"),
+    ]
 
 
 # --- plan (Lab 2) ---------------------------------------------------------------------

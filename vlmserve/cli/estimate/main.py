@@ -39,8 +39,8 @@ def _common(default_model: str, default_workspace_gb: float) -> argparse.Argumen
     p.add_argument(
         "--model",
         default=default_model,
-        help="preset (llama-2-7b, llama-3-8b, mistral-7b, llama-3-70b, mha-7b, qwen2-7b) "
-        "or a path to an HF config.json (default: %(default)s)",
+        help="preset (llama-2-7b, llama-3-8b, mistral-7b, llama-3-70b, mha-7b, qwen2-7b, "
+        "gemma-3-4b, gemma-3-27b) or a path to an HF config.json (default: %(default)s)",
     )
     p.add_argument(
         "--accelerator",
@@ -89,15 +89,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--height", type=int)
     p.add_argument("--images", type=int, default=1, help="images per request (default: 1)")
     p.add_argument("--text-tokens", type=int, default=30, help="text tokens (default: 30)")
-    p.add_argument("--tiling", choices=TILING_RULES, default="dynamic")
+    p.add_argument(
+        "--tiling", choices=TILING_RULES, default=None,
+        help="default: the model's own (Gemma 3: single, one 896 px tile), else dynamic",
+    )  # fmt: skip
     p.add_argument(
         "--max-tiles",
         type=int,
         default=12,
         help="dynamic: most crops (a thumbnail is added); fixed: tiles per image (default: 12)",
     )
-    p.add_argument("--encoder", default="siglip-so400m-14-384", help=", ".join(sorted(ENCODERS)))
-    p.add_argument("--pooling", type=int, default=4, help="connector ratio N:1 (default: 4)")
+    p.add_argument(
+        "--encoder", default=None,
+        help=f"{', '.join(sorted(ENCODERS))} (default: the model's own, else siglip-so400m-14-384)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pooling", type=int, default=None,
+        help="connector ratio N:1 (default: the model's own, Gemma 3 16, else 4)",
+    )  # fmt: skip
     p.add_argument("--preprocess-ms-per-tile", type=float, default=1.2)
     p.set_defaults(func=lambda args: _run(args, labs.run_image))
 
