@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"constrained / free throughput: {ratio:.3f}x (target >= 0.9x)")
     print("compile: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in compile_s.items()))
     result = {
-        "command": "python -m benchmarks.engine.structured_output " + " ".join(argv or sys.argv[1:]),
+        "command": " ".join([f"python -m {__spec__.name}", *(argv or sys.argv[1:])]),
         "workload": {k: getattr(args, k) for k in ("batch", "output_tokens", "rounds", "vocab",
                                                     "hidden", "layers", "threads", "sync")},
         "schema_fields": len(SCHEMA["properties"]),
