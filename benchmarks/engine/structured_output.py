@@ -78,6 +78,7 @@ SCHEMA = {
                  "items", "address", "notes"],
 }  # fmt: skip
 MODES = ("free", "constrained")
+COMMAND = "python -m benchmarks.engine.structured_output"
 
 
 def stdlib_corpus(max_bytes: int = 4 << 20) -> list[str]:
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"constrained / free throughput: {ratio:.3f}x (target >= 0.9x)")
     print("compile: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in compile_s.items()))
     result = {
-        "command": " ".join([f"python -m {__spec__.name}", *(argv or sys.argv[1:])]),
+        "command": " ".join([COMMAND, *(argv or sys.argv[1:])]),
         "workload": {k: getattr(args, k) for k in ("batch", "output_tokens", "rounds", "vocab",
                                                     "hidden", "layers", "threads", "sync")},
         "schema_fields": len(SCHEMA["properties"]),
