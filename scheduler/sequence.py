@@ -45,6 +45,9 @@ class Sequence:
     # Chained hashes of the full blocks so far (prefix cache); extended lazily.
     block_hashes: list[bytes] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))
+    # When the request arrived, on the scheduler's clock (slack against a TTFT target);
+    # None: the scheduler stamps it when the sequence is added.
+    arrival_time: float | None = None
     # False while its images are still being decoded: never admitted until it is True.
     ready: bool = True
     # Steps spent ready in the waiting queue since it was added or last admitted (aging).

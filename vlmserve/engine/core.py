@@ -47,6 +47,7 @@ from vlmserve.engine.image_wait import (
 )
 from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
 from vlmserve.engine.stats import engine_stats
+from vlmserve.engine.step_cost import OnlineStepCost
 from vlmserve.inputs.processing import Request, check_prompt_chars, eos_token_ids
 from vlmserve.inputs.prompt_processor import make_prompt_processor
 from vlmserve.sample.params import SamplerState, SamplingParams
@@ -97,9 +98,12 @@ class Engine:
             ridge = ridge_batch_for(self.runner.device, self.runner.dtype)
             speculative = dataclasses.replace(speculative, ridge_batch=ridge)
         cache = self.runner.encoder_cache  # pool images: content_hash is the cache key
+        # A TPOT target: the scheduler prices steps with a fit of this engine's own steps.
+        self.step_cost = OnlineStepCost() if config.scheduler.slo.tpot_s is not None else None
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.runner.num_blocks, speculative=speculative,
             encoder_cached=cache.__contains__, spec_speedup=spec_speedup,
+            step_cost=self.step_cost, clock=time.monotonic,
         )  # fmt: skip
         self.eos_token_ids = eos_token_ids(config.model.path, model.config, self.tokenizer)
         self._states: dict[str, _State] = {}
@@ -219,6 +223,7 @@ class Engine:
         return outputs
 
     def _step_sync(self) -> list[RequestOutput]:
+        started = time.perf_counter()  # planning and the tower's work count in the step
         plan, failed = self._plan(idle_wait=True)
         if plan.is_empty:
             return failed
@@ -227,6 +232,9 @@ class Engine:
             inputs = self.runner.prepare(plan)
             samplers = _samplers(plan, states)
             sampled = run_step(self.runner, self.times, inputs, plan.scheduled, samplers)
+            if self.step_cost is not None:
+                shape = self.scheduler.step_shape(plan)
+                self.step_cost.record(shape, time.perf_counter() - started)
         except Exception as e:  # noqa: BLE001 - belongs to no one request: fail the step's
             return failed + self._fail_step(states, e)
         accepted, failed_now = self._take(states, sampled)

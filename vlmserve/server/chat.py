@@ -18,6 +18,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from encoders.errors import TooManyImagesError
+from scheduler.config import request_class
 from vlmserve.inputs.processing import Request
 from vlmserve.server.engine_loop import Accepted, EngineLoop, Failed, Item, Snapshot
 from vlmserve.server.media import MediaPolicy, check_image_header, load_media
@@ -158,7 +159,7 @@ class ChatHandler:
             return self._failed(first.error)
         assert isinstance(first, Accepted), f"first item must be Accepted, got {first!r}"
         self.metrics.stage.observe(first.process_s, stage="process")
-        track = _Tracker(arrival, self.metrics)
+        track = _Tracker(arrival, self.metrics, request_class(_num_images(messages)))
         if body.stream:
             # An image's decode may still fail after Accepted: wait for the first item so
             # a bad image is a 4xx JSON error, not a 200 stream with an error event.
@@ -288,11 +289,22 @@ class _AbortingStream(StreamingResponse):
             self.on_close()
 
 
-class _Tracker:
-    """Per-request latency metrics: TTFT, time per output token, end to end."""
+def _num_images(messages: list[dict]) -> int:
+    return sum(
+        1
+        for message in messages
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if part.get("type") == "image"
+    )
 
-    def __init__(self, arrival: float, metrics: ServerMetrics) -> None:
-        self.arrival, self.metrics = arrival, metrics
+
+class _Tracker:
+    """Per-request latency metrics: TTFT, time per output token, end to end; TTFT and TPOT
+    also by class (text / image: whether the request carries images)."""
+
+    def __init__(self, arrival: float, metrics: ServerMetrics, cls: str) -> None:
+        self.arrival, self.metrics, self.cls = arrival, metrics, cls
         self.first: float | None = None
 
     def on_snapshot(self, item: Snapshot) -> None:
@@ -300,13 +312,16 @@ class _Tracker:
         if self.first is None and item.num_output_tokens > 0:
             self.first = now
             self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.class_ttft.observe(now - self.arrival, **{"class": self.cls})
         if not item.finished:
             return
         m = self.metrics
         m.requests.inc(outcome=item.finish_reason or "unknown")
         m.e2e.observe(now - self.arrival)
         if self.first is not None and item.num_output_tokens > 1:
-            m.tpot.observe((now - self.first) / (item.num_output_tokens - 1))
+            tpot = (now - self.first) / (item.num_output_tokens - 1)
+            m.tpot.observe(tpot)
+            m.class_tpot.observe(tpot, **{"class": self.cls})
         m.prompt_tokens.inc(item.num_prompt_tokens)
         m.cached_tokens.inc(item.num_cached_tokens)
         m.generation_tokens.inc(item.num_output_tokens)

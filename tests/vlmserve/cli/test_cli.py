@@ -170,6 +170,18 @@ def test_generate_with_async_scheduling_answers_as_without(scene_png, capsys):
     assert plain.out.strip() and overlapped.out == plain.out
 
 
+def test_generate_with_slo_targets_answers_as_without(scene_png, capsys):
+    # The targets change which request runs when (slack order, TPOT-guarded lump chunks),
+    # never what a request computes: greedy output is the same.
+    args = ["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
+            "--max-tokens", "40"]  # fmt: skip
+    assert main(args) == 0
+    plain = capsys.readouterr()
+    assert main([*args, "--slo-ttft-ms", "text=300,image=900", "--slo-tpot-ms", "50"]) == 0
+    planned = capsys.readouterr()
+    assert plain.out.strip() and planned.out == plain.out
+
+
 @pytest.mark.slow
 def test_demo_speculates_and_answers_as_without(capsys):
     def answers(text: str) -> list[str]:

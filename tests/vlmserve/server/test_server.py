@@ -340,6 +340,13 @@ def test_metrics_exposition(served):
         assert f"# TYPE vlmserve_{hist}_seconds histogram" in text
         count = samples[f"vlmserve_{hist}_seconds_count"]
         assert count >= 5 and samples[f'vlmserve_{hist}_seconds_bucket{{le="+Inf"}}'] == count
+    for hist in ("time_to_first_token", "time_per_output_token"):  # per class as well
+        by_class = {
+            cls: samples[f'vlmserve_{hist}_by_class_seconds_count{{class="{cls}"}}']
+            for cls in ("text", "image")
+        }
+        assert min(by_class.values()) >= 1
+        assert sum(by_class.values()) == samples[f"vlmserve_{hist}_seconds_count"]
     assert samples['vlmserve_preprocess_seconds_count{stage="fetch"}'] >= 5
     assert samples['vlmserve_preprocess_seconds_count{stage="process"}'] >= 5
     assert samples["vlmserve_num_kv_blocks"] == 1024
