@@ -23,7 +23,6 @@ import copy
 import dataclasses
 import itertools
 import logging
-import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from vlmserve.engine.step_cost import OnlineStepCost
 from vlmserve.inputs.processing import Request, check_prompt_chars, eos_token_ids
 from vlmserve.inputs.prompt_processor import make_prompt_processor
 from vlmserve.sample.params import SamplerState, SamplingParams
+from vlmserve.sample.structured import LazyGrammars
 from vlmserve.sample.verify import ridge_batch_for
 from vlmserve.worker.parallel.executor import make_runner
 
@@ -116,8 +116,8 @@ class Engine:
         self.async_scheduling = config.scheduler.async_scheduling and not config.speculative.enabled
         self._forward = ForwardThread(self.runner, self.times) if self.async_scheduling else None
         self._in_flight: _InFlight | None = None
-        self._grammars = None  # vlmserve.sample.grammar.Grammars, on the first constraint
-        self._grammars_lock = threading.Lock()
+        vocab = model.decoder.cfg.vocab_size  # structured outputs: made on the first one
+        self._grammars = LazyGrammars(self._detok_tokenizer, vocab, self.eos_token_ids, config)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -145,17 +145,7 @@ class Engine:
         return PreparedRequest(request.request_id, prompt, params, max_tokens, grammar)
 
     def grammars(self):  # -> vlmserve.sample.grammar.Grammars
-        """The structured-output compiler, made on the first constrained request (xgrammar
-        takes seconds to import: engines that never see one never pay it)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                from vlmserve.sample.grammar import Grammars
-
-                vocab = self.runner.model.decoder.cfg.vocab_size
-                self._grammars = Grammars(
-                    self._detok_tokenizer, vocab, self.eos_token_ids, self.config.structured
-                )
-            return self._grammars
+        return self._grammars.get()
 
     def add_request(self, request: Request | PreparedRequest) -> str:
         """Queue `request` (preparing it first unless it already is); returns its id. Raises
@@ -419,8 +409,7 @@ class Engine:
     def close(self) -> None:
         """Stop what the engine started outside this process (tensor-parallel workers).
         Also done when the engine is garbage-collected or the interpreter exits."""
-        if self._grammars is not None:
-            self._grammars.close()
+        self._grammars.close()
         self.runner.close()
 
     def stats(self) -> dict[str, float]:
