@@ -53,6 +53,7 @@ class WaitingAdmission:
             hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
             # Keep at least one token to compute: its logits give the next token.
             matched = bm.match_prefix(hashes)[: (seq.num_tokens - 1) // self.block_size]
+            matched = matched if seq.use_prefix_cache else []  # prompt logprobs: none
             if seq.spans:  # a match may not end inside an image (scheduler/spans.py)
                 reusable = span_safe_prefix(seq.spans, len(matched) * self.block_size)
                 matched = matched[: reusable // self.block_size]

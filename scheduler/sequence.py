@@ -55,6 +55,8 @@ class Sequence:
     # Tokens sampled by a step still in flight (async scheduling): they count in
     # num_tokens but are not in token_ids yet; they lie past its end until resolved.
     num_pending_tokens: int = 0
+    # False: never start from prefix-cache hits (prompt logprobs need every position run).
+    use_prefix_cache: bool = True
     # [start, end) position ranges that attend to each other in full (scheduler/spans.py):
     # a chunk never ends inside one. Empty: causal everywhere.
     spans: tuple[tuple[int, int], ...] = ()

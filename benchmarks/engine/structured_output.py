@@ -152,7 +152,7 @@ def run_once(engine: Engine, batch: int, mode: str, args: argparse.Namespace) ->
 def compile_times(engine: Engine) -> dict:
     """Seconds: tokenizer tables + first compile (cold), a cached lookup, and a second
     distinct schema's compile (tables already built)."""
-    grammars = engine.grammars()
+    grammars = engine.grammars.get()
     start = time.perf_counter()
     grammars.submit(StructuredOutput.json_schema(SCHEMA)).result()
     cold = time.perf_counter() - start

@@ -229,6 +229,8 @@ def apply_masks(logits: torch.Tensor, masks: StepMasks | None) -> dict[int, Exce
     if masks is None:
         return {}
     rows = [row for _, group_rows in masks.filled for row in group_rows]
+    # The sampling rows come first; rows after them (prompt logprobs) are not masked.
+    logits = logits[: masks.bitmask.shape[0]]
     allowed_any = masks.bitmask.index_select(0, torch.tensor(rows)).ne(0).any(-1).tolist()
     xgr.apply_token_bitmask_inplace(
         logits, masks.bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1],

@@ -24,6 +24,7 @@ import torch
 from scheduler.step_plan import ScheduledSeq
 from search.costmodel.cost_model import b_star
 from search.costmodel.presets import Precision, get_accelerator, gpu_preset, measure_cpu
+from vlmserve.sample.logprobs import book_emitted
 from vlmserve.sample.params import SamplerState
 from vlmserve.sample.sampler import GroupResult, RowGroup, sample_rows
 
@@ -119,6 +120,7 @@ def sample_plan(
         from vlmserve.sample.grammar import advance_grammars
 
         emitted = advance_grammars(groups, emitted, dead)
+    book_emitted(logits, groups, emitted)  # histories for the controls, logprobs
     taken = iter(emitted)
     return [next(taken) if item.sample else [] for item in scheduled]
 

@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from encoders.errors import TooManyImagesError
 from scheduler.config import request_class
 from vlmserve.inputs.processing import Request
-from vlmserve.server.engine_loop import Accepted, EngineLoop, Failed, Item, Snapshot
+from vlmserve.server.choices import Choice, Choices, fan_out, stream_items
+from vlmserve.server.engine_loop import EngineLoop, Failed, Item, Snapshot
 from vlmserve.server.media import MediaPolicy, check_image_header, load_media
 from vlmserve.server.metrics import ServerMetrics
 from vlmserve.server.protocol import (
@@ -32,6 +33,7 @@ from vlmserve.server.protocol import (
     error_body,
     make_usage,
 )
+from vlmserve.server.sampling_fields import TokenTexts, chat_logprobs
 from vlmserve.server.tools import (
     ToolPlan,
     ToolStream,
@@ -43,8 +45,6 @@ from vlmserve.server.tools import (
 
 log = logging.getLogger(__name__)
 
-_DISCONNECT_POLL_S = 0.25
-
 
 @dataclass(frozen=True)
 class ChatSettings:
@@ -52,17 +52,6 @@ class ChatSettings:
     media: MediaPolicy
     max_images_per_request: int
     default_max_tokens: int
-
-
-class AsyncSink:
-    """The engine thread's callback into this request's asyncio queue."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Item] = asyncio.Queue()
-
-    def __call__(self, item: Item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 def status_of(error: BaseException) -> int:
@@ -130,6 +119,14 @@ async def build_messages(
 class ChatHandler:
     def __init__(self, loop: EngineLoop, settings: ChatSettings, metrics: ServerMetrics):
         self.loop, self.settings, self.metrics = loop, settings, metrics
+        self._texts: TokenTexts | None = None
+
+    @property
+    def texts(self) -> TokenTexts:
+        """Token texts for logprobs (the engine is loaded once a request got this far)."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.loop.engine.tokenizer)
+        return self._texts
 
     async def __call__(self, body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         arrival = time.perf_counter()
@@ -147,33 +144,31 @@ class ChatHandler:
                     raise ValueError("a constraint and tool_choice cannot both be sent")
                 sampling = dataclasses.replace(sampling, structured=tools.structured)
             messages = await build_messages(body.messages, self.settings, self.metrics)
-            sink = AsyncSink()
-            template_tools = tools.template_tools if tools is not None else None
-            request = Request(messages, None, sampling=sampling, request_id=request_id)
-            request.tools = template_tools
-            self.loop.submit(request, sink)
+            track = _Tracker(arrival, self.metrics, request_class(_num_images(messages)))
+            choices = Choices(self.loop, track.on_snapshot)
+            base = Request(messages, tools=tools.template_tools if tools is not None else None)
+            choices.submit(fan_out(base, sampling, request_id))
         except Exception as e:  # mapped to its 4xx/5xx
             return self._failed(e)
-        first = await sink.queue.get()
-        if isinstance(first, Failed):
-            return self._failed(first.error)
-        assert isinstance(first, Accepted), f"first item must be Accepted, got {first!r}"
-        self.metrics.stage.observe(first.process_s, stage="process")
-        track = _Tracker(arrival, self.metrics, request_class(_num_images(messages)))
+        failed = await choices.accepted()
+        if failed is not None:
+            return self._failed(failed.error)
+        self.metrics.stage.observe(choices.process_s, stage="process")
         if body.stream:
             # An image's decode may still fail after Accepted: wait for the first item so
             # a bad image is a 4xx JSON error, not a 200 stream with an error event.
             try:
-                second = await sink.queue.get()
+                second = await choices.next_item()
             except BaseException:  # cancelled (client gone, server shutting down)
-                self.loop.abort(request_id)
+                choices.abort()
                 raise
             if isinstance(second, Failed):
+                choices.abort()
                 return self._failed(second.error)
             state = _StreamState()
-            stream = self._stream(request_id, body.include_usage, sink, track, state, second, tools)
-            return _AbortingStream(stream, lambda: self._close_stream(request_id, state))
-        return await self._complete(request_id, sink, track, http, tools)
+            stream = self._stream(request_id, body, choices, state, second, tools)
+            return _AbortingStream(stream, lambda: self._close_stream(choices, state))
+        return await self._complete(request_id, body, choices, http, tools)
 
     def _refuse(self, status: int, message: str) -> JSONResponse:
         self.metrics.requests.inc(outcome=f"http_{status}")
@@ -186,86 +181,87 @@ class ChatHandler:
     async def _complete(
         self,
         request_id: str,
-        sink: AsyncSink,
-        track: _Tracker,
+        body: ChatCompletionRequest,
+        choices: Choices,
         http: HTTPRequest,
         tools: ToolPlan | None = None,
     ) -> Response:
-        item: Item | None = None
-        pieces: list[str] = []
-        next_check = time.monotonic() + _DISCONNECT_POLL_S
-        try:
-            while not (isinstance(item, Failed) or (isinstance(item, Snapshot) and item.finished)):
-                # Nothing is sent before the end, so a client that left is found by polling.
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + _DISCONNECT_POLL_S
-                    if await http.is_disconnected():
-                        self.loop.abort(request_id)
-                try:
-                    item = await asyncio.wait_for(sink.queue.get(), _DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    continue
-                if isinstance(item, Snapshot):
-                    track.on_snapshot(item)
-                    pieces.append(item.delta)
-        finally:
-            if item is None or isinstance(item, Snapshot) and not item.finished:
-                self.loop.abort(request_id)  # cancelled (server shutting down)
-        if isinstance(item, Failed):
-            return self._failed(item.error)
-        if item.finish_reason == "abort":
+        failed = await choices.complete(http.is_disconnected)
+        if failed is not None:
+            return self._failed(failed.error)
+        ordered = choices.ordered()
+        if any(c.last.finish_reason == "abort" for c in ordered):
             return Response(status_code=499)  # the client is gone; nobody reads this
-        usage, text = _usage(item), "".join(pieces)
-        message, has_calls = message_of(tools, text)
-        reason = finish_reason_of(tools, item.finish_reason, has_calls)
-        body = completion_body(request_id, self.settings.model_name, text, reason, usage, message)
-        return JSONResponse(body)
+        out = completion_body(
+            request_id, self.settings.model_name, ordered[0].text,
+            ordered[0].last.finish_reason, _usage(ordered),
+        )  # fmt: skip
+        template = out["choices"][0]
+        out["choices"] = []
+        for c in ordered:
+            message, has_calls = message_of(tools, c.text)  # tool calls parsed out
+            out["choices"].append(template | {
+                "index": c.index, "message": message,
+                "finish_reason": finish_reason_of(tools, c.last.finish_reason, has_calls),
+                "logprobs": self._logprobs(body, c.logprobs),
+            })  # fmt: skip
+        return JSONResponse(out)
 
-    def _close_stream(self, request_id: str, state: _StreamState) -> None:
+    def _logprobs(self, body: ChatCompletionRequest, records) -> dict | None:
+        return chat_logprobs(list(records), self.texts) if body.logprobs else None
+
+    def _close_stream(self, choices: Choices, state: _StreamState) -> None:
         if not state.done:  # the client went away: free its blocks within one step
             state.done = True
-            self.loop.abort(request_id)
+            choices.abort()
             self.metrics.requests.inc(outcome="abort")
 
     async def _stream(
         self,
         request_id: str,
-        include_usage: bool,
-        sink: AsyncSink,
-        track: _Tracker,
+        body: ChatCompletionRequest,
+        choices: Choices,
         state: _StreamState,
         first: Item,
         tools: ToolPlan | None = None,
     ) -> AsyncIterator[str]:
         model, created = self.settings.model_name, int(time.time())
-        calls = ToolStream(tools) if tools is not None else None
-        yield _sse(chunk_body(request_id, model, created, {"role": "assistant", "content": ""}))
-        item: Item | None = first
-        while not state.done:
-            if item is None:
-                item = await sink.queue.get()
+        calls: dict[int, ToolStream] = {}  # per choice, with tools
+        for c in choices.ordered():
+            role = {"role": "assistant", "content": ""}
+            yield _sse(chunk_body(request_id, model, created, role, index=c.index))
+        async for item in stream_items(choices, first):
             if isinstance(item, Failed):
                 state.done = True  # terminal already: nothing to abort
                 self.metrics.requests.inc(outcome=f"http_{status_of(item.error)}")
                 yield _sse(error_body(status_of(item.error), public_message(item.error)))
                 break
-            track.on_snapshot(item)
-            state.done = item.finished
+            choice = choices.take(item)
+            delta: dict | None = {"content": item.delta}
+            if tools is not None:
+                delta = calls.setdefault(choice.index, ToolStream(tools)).delta(item.delta)
             # The engine holds back what a stop string could still cut.
-            delta = {"content": item.delta} if calls is None else calls.delta(item.delta)
-            if item.delta and delta:
-                yield _sse(chunk_body(request_id, model, created, delta))
+            if (item.delta and delta) or (body.logprobs and item.logprobs):
+                chunk = chunk_body(request_id, model, created, delta or {"content": ""},
+                                   index=choice.index)  # fmt: skip
+                chunk["choices"][0]["logprobs"] = self._logprobs(body, item.logprobs)
+                yield _sse(chunk)
             if item.finished:
                 reason = item.finish_reason
-                if calls is not None:
-                    final = calls.final()
+                if tools is not None:
+                    stream = calls.setdefault(choice.index, ToolStream(tools))
+                    final = stream.final()
                     if final:
-                        yield _sse(chunk_body(request_id, model, created, final))
-                    reason = finish_reason_of(tools, reason, calls.has_calls)
-                yield _sse(chunk_body(request_id, model, created, {}, reason))
-                if include_usage:
-                    yield _sse(chunk_body(request_id, model, created, None, None, _usage(item)))
-            item = None
+                        yield _sse(chunk_body(request_id, model, created, final,
+                                              index=choice.index))  # fmt: skip
+                    reason = finish_reason_of(tools, reason, stream.has_calls)
+                yield _sse(chunk_body(request_id, model, created, {}, reason,
+                                      index=choice.index))  # fmt: skip
+        else:
+            state.done = True
+            if body.include_usage:
+                usage = _usage(choices.ordered())
+                yield _sse(chunk_body(request_id, model, created, None, None, usage))
         yield "data: [DONE]\n\n"
 
 
@@ -327,10 +323,12 @@ class _Tracker:
         m.generation_tokens.inc(item.num_output_tokens)
 
 
-def _usage(item: Snapshot) -> dict:
+def _usage(choices: list[Choice]) -> dict:
+    """The prompt once (as OpenAI counts n > 1), the completion tokens of every choice."""
+    first = choices[0].last
     return make_usage(
-        item.num_prompt_tokens, item.num_image_tokens, item.num_cached_tokens,
-        item.num_output_tokens,
+        first.num_prompt_tokens, first.num_image_tokens, first.num_cached_tokens,
+        sum(c.last.num_output_tokens for c in choices),
     )  # fmt: skip
 
 

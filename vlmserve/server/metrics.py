@@ -44,6 +44,9 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
         "vlmserve_kv_blocks_free", _G, "KV cache blocks free (cached ones included)."
     ),
     "kv_usage": EngineSeries("vlmserve_kv_cache_usage_ratio", _G, "Fraction of KV blocks in use."),
+    "peak_used_blocks": EngineSeries(
+        "vlmserve_kv_blocks_used_peak", _G, "Most KV blocks held at once since the start."
+    ),
     "encoder_cache_hits": EngineSeries(
         "vlmserve_encoder_cache_hits_total", _C, "Encoder-output cache hits."
     ),

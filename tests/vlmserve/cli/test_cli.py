@@ -104,6 +104,19 @@ def test_generate_answers_about_an_image_file(llava_ov_path, jpeg):
 
 
 @pytest.mark.slow
+def test_generate_n_answers_with_logprobs(llava_ov_path, jpeg):
+    """--n 2 --seed: two answers, each with one logprob line per token (the top 3 after)."""
+    result = vlmserve("generate", "--model", str(llava_ov_path), "--image", str(jpeg),
+                      "--prompt", "where is the star", "--max-tokens", "4", "--n", "2",
+                      "--seed", "3", "--temperature", "1", "--logprobs", "3")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    answers = result.stdout.splitlines()
+    assert [a[:4] for a in answers] == ["[0] ", "[1] "]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("  '")]
+    assert len(lines) == 8 and all(line.count("=") == 3 for line in lines)
+
+
+@pytest.mark.slow
 def test_generate_with_a_corrupt_image_is_a_message_not_a_traceback(llava_ov_path, tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")

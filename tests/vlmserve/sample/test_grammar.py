@@ -191,7 +191,7 @@ def test_ignore_eos_still_ends_at_the_grammars_end(byte_llama):
 def test_compile_timeout_fails_the_request_alone(byte_llama):
     engine = make_engine(byte_llama, structured=StructuredConfig(compile_timeout_s=0.2))
     release = threading.Event()
-    pool = engine.grammars()
+    pool = engine.grammars.get()
     blockers = [pool._pool.submit(release.wait) for _ in range(pool.config.num_compile_threads)]
     try:
         outs = engine.generate(

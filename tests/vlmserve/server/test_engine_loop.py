@@ -132,8 +132,8 @@ def test_stop_answers_a_request_still_being_prepared_at_once(slow_loop):
 def test_fields_the_engine_does_not_implement_are_refused_by_name(llava_ov_path):
     with serve(lambda: Engine(engine_config(llava_ov_path)), api_key=KEY) as served:
         for extra, name in [
-            ({"logit_bias": {"5": 100}}, "logit_bias"),
-            ({"presence_penalty": 0.5, "frequency_penalty": 1.0}, "presence_penalty"),
+            ({"best_of": 2}, "best_of"),
+            ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ]:
             response = served.post(chat("hi", max_tokens=2, **extra))
             assert response.status_code == 400 and name in response.json()["error"]["message"]
