@@ -350,3 +350,25 @@ def test_schema_fuzz_small_no_5xx_and_blocks_back(server):
     assert c["ok"] > 0 and c["4xx"] > 0  # both kinds were sent
     assert server.settled_vitals().free_blocks == before.free_blocks
     assert server.integrity()["ok"]
+
+
+def test_completions_endpoint_takes_the_same_constraints(server):
+    """/v1/completions reads response_format and the guided_* fields too; n > 1 choices each
+    follow the constraint (their own matcher)."""
+    for extra, check in [
+        ({"guided_regex": r"[a-d]{2,4}-\d"}, lambda t: re.fullmatch(r"[a-d]{2,4}-\d", t)),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": {"type": "object", "properties": {"k": {"enum": [1, 2]}},
+                                    "required": ["k"]}}}},
+         lambda t: json.loads(t)["k"] in (1, 2)),
+    ]:  # fmt: skip
+        body = {"prompt": "answer:", "max_tokens": 64, "temperature": 1.0, "seed": 5, "n": 3,
+                **extra}  # fmt: skip
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert len(choices) == 3
+        assert all(c["finish_reason"] == "stop" and check(c["text"]) for c in choices), choices
+    bad = {"prompt": "x", "guided_regex": "(", "max_tokens": 4}
+    r = httpx.post(server.url + "/v1/completions", json=bad, timeout=60)
+    assert r.status_code == 400 and "regex" in r.json()["error"]["message"]
