@@ -15,6 +15,7 @@ import torch
 from encoders.config import EncoderConfig
 from kernels.cpu_build import native_bf16
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from vlmserve.sample.structured import StructuredConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *_DTYPES)
@@ -149,6 +150,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off
     encoder: EncoderConfig = field(default_factory=EncoderConfig)  # preprocessing, cache
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP 1
+    structured: StructuredConfig = field(default_factory=StructuredConfig)  # grammars
     # Run the step shapes live traffic will meet once at start-up (vlmserve/engine/warmup.py;
     # no phase starts after warmup_max_seconds): `serve` turns it on, before /health
     # answers 200.

@@ -19,6 +19,7 @@ from scheduler.config import CacheConfig, SchedulerConfig, SloConfig, Speculativ
 from vlmserve.cli.precision_args import add_dtype_arg, add_kv_cache_dtype_arg, add_warmup_arg
 from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
+from vlmserve.sample.structured import StructuredConfig
 
 # The defaults the flags show are the config dataclasses' own (one source for each).
 # ModelConfig needs a path: its other fields' defaults are read from the class.
@@ -84,6 +85,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_cache_args(parser.add_argument_group("engine: KV cache and scheduling"))
     _add_speculative_args(parser.add_argument_group("engine: speculative decoding (n-gram)"))
     _add_encoder_args(parser.add_argument_group("engine: image preprocessing and encoder cache"))
+    _add_structured_args(parser.add_argument_group("engine: structured outputs (xgrammar)"))
+
+
+def _add_structured_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--grammar-compile-timeout", type=float, default=10.0, metavar="S",
+        help="a JSON schema / regex / grammar still compiling after S seconds fails its "
+        "request (400)",
+    )  # fmt: skip
+    group.add_argument(
+        "--grammar-any-whitespace", action="store_true",
+        help="let constrained JSON hold any whitespace between tokens (default: compact)",
+    )  # fmt: skip
 
 
 def _add_model_args(group: argparse._ArgumentGroup) -> None:
@@ -432,8 +446,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     parallel = _with_flags(
         "--tensor-parallel-size", ParallelConfig, tensor_parallel_size=args.tensor_parallel_size
     )
+    structured = _with_flags(
+        "--grammar-compile-timeout",
+        StructuredConfig,
+        compile_timeout_s=args.grammar_compile_timeout,
+        any_whitespace=args.grammar_any_whitespace,
+    )
     config = EngineConfig(
-        model, cache, scheduler, speculative, encoder, parallel, warmup=args.warmup
+        model, cache, scheduler, speculative, encoder, parallel, structured, warmup=args.warmup
     )
     if parallel.tensor_parallel_size > 1:
         from vlmserve.worker.parallel.executor import check_config
