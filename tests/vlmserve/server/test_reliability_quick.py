@@ -169,13 +169,14 @@ def test_encode_raising_for_one_request_fails_only_that_request(embedded):
     server.engine.scheduler.block_manager.check_integrity()
 
 
-def _worker_pids(config) -> list[int]:
-    """The live worker processes of the pool this engine config uses (pools are shared per
-    process and keyed by their settings: earlier tests' pools must not be counted)."""
+def _workers(config) -> dict[int, str]:
+    """pid -> shared-memory block prefix of the live workers of the pool this engine config
+    uses (pools are shared per process and keyed by their settings: earlier tests' pools
+    and their blocks must not be counted)."""
     from encoders.stage import configured_pool
 
     pool = configured_pool(config.encoder)
-    return sorted(w.process.pid for w in pool.workers if w.process.is_alive())
+    return {w.process.pid: w.prefix for w in pool.workers if w.process.is_alive()}
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds workers through /proc")
@@ -195,7 +196,8 @@ def test_killed_worker_is_never_blamed_on_the_image(idefics3_path):
                 )
 
         assert all(o.verdict == "ok" for o in run(send_all([1, 2, 3, 4])))  # pool started
-        before = _worker_pids(config)
+        before_workers = _workers(config)
+        before = sorted(before_workers)
         assert before, "no preprocessing workers found"
         os.kill(before[0], signal.SIGKILL)  # an idle worker: the next image must not pay
         time.sleep(0.2)
@@ -203,10 +205,14 @@ def test_killed_worker_is_never_blamed_on_the_image(idefics3_path):
         bad = [(o.status, o.message) for o in outcomes if not o.is_expected]
         assert bad == [], "a worker's death was blamed on the image (or lost)"
         assert sum(o.status == 503 for o in outcomes) <= 1
-        after = _worker_pids(config)
+        after_workers = _workers(config)
+        after = sorted(after_workers)
         assert len(after) == len(before) and before[0] not in after
-        dead_prefix = [n for n in os.listdir("/dev/shm") if n.startswith(f"vlm{os.getpid():x}_")]
-        assert len(dead_prefix) <= len(after)  # one reused block per live worker at most
+        blocks = os.listdir("/dev/shm")
+        dead = before_workers[before[0]]
+        assert not [n for n in blocks if n.startswith(dead)]  # the dead worker's are unlinked
+        for prefix in after_workers.values():  # one reused block per live worker at most
+            assert len([n for n in blocks if n.startswith(prefix)]) <= 1
         server.settle()
         server.engine.scheduler.block_manager.check_integrity()
 
