@@ -64,7 +64,11 @@ def installs_on_device(path: Path) -> bool:
     manylinux x86_64 no newer than its glibc."""
     _, _, _, tags = parse_wheel_filename(path.name)
     for tag in tags:
-        if tag.interpreter not in ("py3", "py312", "cp312") or tag.abi not in ("none", "abi3", "cp312"):
+        if tag.interpreter not in ("py3", "py312", "cp312") or tag.abi not in (
+            "none",
+            "abi3",
+            "cp312",
+        ):
             continue
         if tag.platform == "any" or tag.platform in ("manylinux1_x86_64", "manylinux2014_x86_64"):
             return True
@@ -103,7 +107,9 @@ def check(wheels: list[Wheel], pins: dict, device: dict) -> list[str]:
             name = canonicalize_name(need.name)
             if name in by_name:
                 if not need.specifier.contains(by_name[name].version, prereleases=True):
-                    problems.append(f"{w.name} needs {need}; the bundle has {by_name[name].version}")
+                    problems.append(
+                        f"{w.name} needs {need}; the bundle has {by_name[name].version}"
+                    )
             elif name in device:
                 known = device[name]
                 if known is not None and not need.specifier.contains(known, prereleases=True):
