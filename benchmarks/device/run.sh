@@ -42,9 +42,14 @@ if compgen -G "$BUNDLE/*.whl" >/dev/null; then
 else
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
-    CUDA_HOME="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"
-    export CUDA_HOME
+if [ -z "${CUDA_HOME:-}" ]; then  # the toolkit's root: bin/nvcc and include/ (not a wrapper's)
+    nvcc_path="$(readlink -f "$(command -v nvcc || echo /none/bin/nvcc)")"
+    for root in /usr/local/cuda "$(dirname "$(dirname "$nvcc_path")")"; do
+        if [ -x "$root/bin/nvcc" ] && [ -f "$root/include/cuda_runtime.h" ]; then
+            export CUDA_HOME="$root"
+            break
+        fi
+    done
 fi
 
 {
