@@ -4,7 +4,7 @@
    Triton kernels compiled, FlashInfer, CUDA graphs, token-exact against torch);
 2. the offline throughput benchmark on the GPU with a larger random model (bfloat16),
    engine against transformers `generate` in the same run;
-3. benchmarks/kernels.py: decode attention's bandwidth per backend (torch, Triton,
+3. benchmarks/ops/kernels.py: decode attention's bandwidth per backend (torch, Triton,
    FlashInfer) as a share of copy bandwidth at 2k/8k/32k x batch 1/64, and decode at
    batch 1 of the same model sizes against its bandwidth bound per backend;
 4. a short table, printed last.
@@ -52,7 +52,7 @@ def gpu_tests(timeout_s: float = 240) -> int:
 
 
 def offline() -> dict:
-    from benchmarks.offline_throughput import main as offline_main
+    from benchmarks.engine.offline_throughput import main as offline_main
 
     return offline_main(
         [
@@ -64,15 +64,15 @@ def offline() -> dict:
 
 
 def kernels() -> dict:
-    from benchmarks.kernels import main as kernels_main
+    from benchmarks.ops.kernels import main as kernels_main
 
     return kernels_main(["--device", "cuda", "--dtype", "bfloat16", *MODEL])
 
 
 def nanobatch() -> dict:
-    """Issue 15: benchmarks/nanobatch.py on the GPU, a ~1.07B-parameter bf16 random Llama
+    """Issue 15: benchmarks/engine/nanobatch.py on the GPU, a ~1.07B-parameter bf16 random Llama
     at a dense batch of 256 decodes (target >= 1.1x over sequential)."""
-    from benchmarks.nanobatch import main as nanobatch_main
+    from benchmarks.engine.nanobatch import main as nanobatch_main
 
     return nanobatch_main(
         [

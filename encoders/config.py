@@ -24,12 +24,15 @@ class EncoderConfig:
     # JPEG draft decoding (1/2..1/8 scale when every resample target is that small) is
     # opt-in: it changed 16-token greedy outputs on 32% of requests for Idefics3, 12% for
     # LLaVA-OneVision, 5% for the embedded model vs 0% with it off
-    # (benchmarks/jpeg_draft_divergence.py, 100 JPEGs per family). Off: exact pixels.
+    # (benchmarks/engine/jpeg_draft_divergence.py, 100 JPEGs per family). Off: exact pixels.
     jpeg_draft: bool = False
     # Encoder-output cache (pooled embeddings on the runner's device); 0 turns it off.
     cache_bytes: int = 256 << 20
     # False: keep the checkpoint's HF image processor on the serving path.
     use_pool: bool = True
+    # Gemma 3: also feed elongated images as 2-4 crops, each one more image's tokens
+    # (transformers' `do_pan_and_scan`, off by default as in its processor).
+    pan_and_scan: bool = False
 
     def __post_init__(self) -> None:
         if self.num_workers is not None and self.num_workers < 0:

@@ -218,3 +218,48 @@ class Idefics3Connector(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         # [T, P, D] -> [T, P / s^2, text_dim]
         return self.proj(pixel_shuffle(features, self.scale_factor))
+
+
+class Gemma3Projector(nn.Module):
+    """Gemma 3's `multi_modal_projector`: the tile's patch grid average-pooled to
+    `tokens_per_image` (a square), a `(1 + weight)` RMSNorm, then a bias-free projection
+    stored as [vision_dim, text_dim] (`mm_input_projection_weight`)."""
+
+    def __init__(
+        self,
+        vision_dim: int,
+        text_dim: int,
+        patches_per_side: int,
+        tokens_per_image: int,
+        eps: float,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        side = math.isqrt(tokens_per_image)
+        if side * side != tokens_per_image or patches_per_side % side:
+            raise ValueError(
+                f"mm_tokens_per_image={tokens_per_image} must be a square whose side divides "
+                f"the {patches_per_side}-patch side of a tile"
+            )
+        self.patches_per_side, self.kernel, self.eps = (
+            patches_per_side,
+            patches_per_side // side,
+            eps,
+        )
+        self.norm_weight = nn.Parameter(torch.empty(vision_dim, dtype=dtype, device=device))
+        self.projection = nn.Parameter(
+            torch.empty(vision_dim, text_dim, dtype=dtype, device=device)
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        # [T, P, D] -> [T, D, side, side] -> pooled [T, tokens, D] -> [T, tokens, text_dim]
+        tiles, _, dim = features.shape
+        grid = features.transpose(1, 2).reshape(tiles, dim, self.patches_per_side, -1)
+        pooled = (
+            F.avg_pool2d(grid.contiguous(), self.kernel, self.kernel).flatten(2).transpose(1, 2)
+        )
+        x = pooled.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = (x * (1.0 + self.norm_weight.float())).to(pooled.dtype)
+        return torch.matmul(x, self.projection).to(features.dtype)

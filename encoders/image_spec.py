@@ -52,7 +52,7 @@ class ImageSpec:
     max_num_tiles: int = 12
     use_thumbnail: bool = True
     # Decoding: JPEG draft mode (DCT-domain downscale) changes pixels, and so some
-    # outputs (benchmarks/jpeg_draft_divergence.py): opt-in.
+    # outputs (benchmarks/engine/jpeg_draft_divergence.py): opt-in.
     jpeg_draft: bool = False
 
     def __post_init__(self) -> None:

@@ -2,7 +2,7 @@
 
 It computes the same float32 function as timm's `Block.forward` (the reference path,
 `SiglipTower(fused=False)`); what is left on CPU is the GEMMs, at ~93% of the core's
-float32 peak, and SDPA (`benchmarks/vision_tower.py`). Against timm's forward:
+float32 peak, and SDPA (`benchmarks/ops/vision_tower.py`). Against timm's forward:
 - rows are flat, `[tiles * patches, hidden]`: every linear is one 2-D GEMM;
 - q, k and v are strided views of the fused qkv GEMM's output, passed to SDPA as they
   are, and SDPA's output is read back through a transpose that costs no copy;
@@ -10,10 +10,9 @@ float32 peak, and SDPA (`benchmarks/vision_tower.py`). Against timm's forward:
   (`kernels.packed_linear`), instead of as passes over `[rows, 3072]` tensors.
 Seven parallel ops per block. On one CPU thread the tiles go through one at a time: each
 tile's buffers fit under glibc's mmap threshold, so ops reuse freed heap memory instead of
-page-faulting in fresh pages (268k faults per image of 7 tiles and 6 layers in timm's
-forward). With more threads every tile goes at once: chunks multiply the ops, and on a
-loaded machine each OpenMP op can wait a scheduler slice (~15 ms measured here) for a
-descheduled thread.
+page-faulting in fresh pages (as timm's forward does, for every tile of every layer).
+With more threads every tile goes at once: chunks multiply the ops, and on a loaded
+machine each OpenMP op can wait a scheduler slice for a descheduled thread.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class ImageWork:
 
 def _tile_now(source: bytes | Image.Image, spec: ImageSpec, layout: ImageLayout,
               max_pixels: int) -> TileResult:  # fmt: skip
-    from encoders.preprocess import _to_tensor
+    from encoders.preprocess_worker import _to_tensor
 
     start = time.perf_counter()
     if isinstance(source, Image.Image):
@@ -156,7 +156,7 @@ def configured_pool(config: EncoderConfig) -> PreprocessPool | None:
 
 def warm_pool(config: EncoderConfig) -> None:
     """Start the shared pool now, on a background thread, so its worker start (the
-    forkserver imports the decode stack: seconds on a loaded 2-core machine) overlaps the
+    forkserver imports the decode stack: seconds on a small loaded machine) overlaps the
     rest of engine start-up instead of the first image request."""
     if config.resolved_num_workers:
         threading.Thread(target=configured_pool, args=(config,), daemon=True).start()

@@ -5,6 +5,9 @@ Families (HF architectures):
   `post_layernorm`, MLP projector, anyres packing with unpadding and image_newline).
 - `idefics3`: Idefics3ForConditionalGeneration and SmolVLMForConditionalGeneration (tower
   `last_hidden_state` after `post_layernorm`, pixel shuffle, linear projection).
+- `gemma3`: Gemma3ForConditionalGeneration (tower after `post_layernorm`, average pool to
+  `mm_tokens_per_image`, RMSNorm, projection); an image is its tile plus its
+  pan-and-scan crops, `mm_tokens_per_image` tokens each.
 
 Every tile of every image runs through the tower in one batched call; tiles must be full
 `image_size` squares (what the HF processors produce). Idefics3 tiles that are partly
@@ -20,6 +23,7 @@ from typing import Literal
 import torch
 
 from encoders.connectors import (
+    Gemma3Projector,
     Idefics3Connector,
     LlavaOnevisionProjector,
     anyres_grid_shape,
@@ -33,12 +37,13 @@ from kernels.packed_linear import pack_linears
 
 __all__ = ["Family", "VisionConfig", "VisionEncoder", "VisionInput", "vision_inputs_from_hf"]
 
-Family = Literal["llava_onevision", "idefics3"]
+Family = Literal["llava_onevision", "idefics3", "gemma3"]
 
 ARCHITECTURES: dict[str, Family] = {
     "LlavaOnevisionForConditionalGeneration": "llava_onevision",
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "idefics3",
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
 
 # Defaults of the HF vision config classes, for fields `save_pretrained` leaves out.
@@ -46,6 +51,9 @@ _SIGLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_laye
                         num_attention_heads=12, image_size=224, patch_size=16)  # fmt: skip
 _IDEFICS3_VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12,
                                  num_attention_heads=16, image_size=224, patch_size=32)  # fmt: skip
+# Gemma 3's SigLIP at 896 px (what its configs write out in full anyway).
+_GEMMA3_VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                               num_attention_heads=16, image_size=896, patch_size=14)  # fmt: skip
 # LlavaOnevisionConfig's vision sub-config when config.json has none at all.
 _LLAVA_OV_VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26,
                                  num_attention_heads=16, image_size=384, patch_size=14)  # fmt: skip
@@ -62,6 +70,13 @@ _PREFIXES: dict[str, list[str]] = {
     "llava_newline": ["image_newline", "model.image_newline"],
     "idefics3_tower": ["model.vision_model.", "vision_model."],
     "idefics3_connector": ["model.connector.", "connector."],
+    "gemma3_tower": [
+        "model.vision_tower.vision_model.",
+        "vision_tower.vision_model.",
+        "model.vision_tower.",
+        "vision_tower.",
+    ],
+    "gemma3_projector": ["model.multi_modal_projector.", "multi_modal_projector."],
 }
 
 
@@ -90,6 +105,8 @@ class VisionConfig:
     projector_bias: bool = True
     # Idefics3 only
     scale_factor: int = 2
+    # Gemma 3 only
+    tokens_per_image: int = 256
 
     def __post_init__(self) -> None:
         if self.select_strategy not in ("full", "default"):
@@ -111,6 +128,10 @@ class VisionConfig:
             )
         text_hidden_size = (config.get("text_config") or {}).get("hidden_size", 4096)
         vision = config.get("vision_config")
+        if family == "gemma3":
+            tower = SiglipConfig.from_hf(vision or {}, _GEMMA3_VISION_DEFAULTS)
+            tokens = int(config.get("mm_tokens_per_image", 256))
+            return cls(family, tower, text_hidden_size, tokens_per_image=tokens)
         if family == "idefics3":
             tower = SiglipConfig.from_hf(vision or {}, _IDEFICS3_VISION_DEFAULTS)
             return cls(family, tower, text_hidden_size, scale_factor=config.get("scale_factor", 2))
@@ -157,7 +178,7 @@ class VisionEncoder(torch.nn.Module):
         super().__init__()
         self.config = config
         tower_cfg = config.tower
-        post_norm = config.family == "idefics3"
+        post_norm = config.family in ("idefics3", "gemma3")
         self.tower = SiglipTower(tower_cfg, post_norm=post_norm, dtype=dtype, device=device)
         if config.family == "llava_onevision":
             vision_dim = tower_cfg.hidden_size * len(config.feature_layers)
@@ -168,6 +189,11 @@ class VisionEncoder(torch.nn.Module):
             self.image_newline = torch.nn.Parameter(
                 torch.empty(config.text_hidden_size, dtype=dtype, device=device)
             )
+        elif config.family == "gemma3":
+            self.connector = Gemma3Projector(
+                tower_cfg.hidden_size, config.text_hidden_size, tower_cfg.patches_per_side,
+                config.tokens_per_image, tower_cfg.layer_norm_eps, dtype=dtype, device=device,
+            )  # fmt: skip
         else:
             self.connector = Idefics3Connector(
                 tower_cfg.hidden_size, config.text_hidden_size, config.scale_factor,
@@ -189,6 +215,13 @@ class VisionEncoder(torch.nn.Module):
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         probe = "embeddings.patch_embedding.weight"
+        if self.config.family == "gemma3":
+            load_siglip_tower(self.tower, tensors, _find_prefix(tensors, "gemma3_tower", probe))
+            prefix = _find_prefix(tensors, "gemma3_projector", "mm_input_projection_weight")
+            names = {"norm_weight": prefix + "mm_soft_emb_norm.weight",
+                     "projection": prefix + "mm_input_projection_weight"}  # fmt: skip
+            load_into(self.connector, tensors, names)
+            return
         if self.config.family == "idefics3":
             prefix = _find_prefix(tensors, "idefics3_tower", probe)
             position_ids = idefics3_position_ids(self.config.tower.patches_per_side)
@@ -209,7 +242,7 @@ class VisionEncoder(torch.nn.Module):
     def pack_weights(self) -> int:
         """Prepack the CPU float32 linears of the tower and the connector (oneDNN layout,
         fused epilogues); returns how many. The embeddings stay float32 results."""
-        connector = self.connector if self.config.family == "idefics3" else self.projector
+        connector = self.projector if self.config.family == "llava_onevision" else self.connector
         return self.tower.pack() + pack_linears(connector)
 
     def num_image_tokens(self, image: VisionInput) -> int:
@@ -217,6 +250,8 @@ class VisionEncoder(torch.nn.Module):
         computed without running the tower."""
         self._check(image)
         num_tiles = image.pixel_values.shape[0]
+        if self.config.family == "gemma3":
+            return num_tiles * self.config.tokens_per_image
         if self.config.family == "idefics3":
             return num_tiles * (self.config.tower.patches_per_side // self.config.scale_factor) ** 2
         num_patches = self.config.tower.patches_per_side**2
@@ -250,7 +285,7 @@ class VisionEncoder(torch.nn.Module):
 
     def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[num_tiles, 3, H, W] -> [num_tiles, tokens_per_tile, text_hidden]"""
-        if self.config.family == "idefics3":
+        if self.config.family in ("idefics3", "gemma3"):
             return self.connector(self.tower(pixel_values))
         states = self.tower.hidden_states(pixel_values, self.config.feature_layers)
         features = torch.cat(states, dim=-1)  # [T, P, D * num_layers]
@@ -276,7 +311,7 @@ class VisionEncoder(torch.nn.Module):
         pixel_values = torch.cat([image.pixel_values for image in images])
         features = (tile_features or self.tile_features)(pixel_values.to(param.device, param.dtype))
         per_image = features.split([image.pixel_values.shape[0] for image in images])
-        if self.config.family == "idefics3":
+        if self.config.family in ("idefics3", "gemma3"):  # tiles' tokens back to back
             return [tiles.reshape(-1, tiles.shape[-1]) for tiles in per_image]
         return [
             pack_anyres(
@@ -362,6 +397,10 @@ def vision_inputs_from_hf(family: Family, processor_outputs: Mapping) -> list[Vi
         return _llava_inputs_from_hf(processor_outputs)
     if family == "idefics3":
         return _idefics3_inputs_from_hf(processor_outputs)
+    if family == "gemma3":  # `num_crops`: per image, its pan-and-scan crops after it
+        pixel_values = torch.as_tensor(processor_outputs["pixel_values"])
+        counts = [1 + int(n) for n in processor_outputs["num_crops"]]
+        return [VisionInput(tiles) for tiles in pixel_values.split(counts)]
     raise ValueError(
         f"unknown vision family {family!r} (expected one of {list(ARCHITECTURES.values())})"
     )

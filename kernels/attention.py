@@ -35,6 +35,43 @@ class AttentionBatch:
     context_lens: list[int]  # tokens each query attends to, new ones included
     block_tables: list[list[int]]
     block_size: int
+    # Sliding-window layers: a query at position p sees keys at positions > p - window.
+    sliding_window: int | None = None
+    # Per sequence, [start, end) position ranges whose tokens see each other in full
+    # (an image's tokens, Gemma 3); causal elsewhere. Each lies inside its query chunk.
+    spans: list[list[tuple[int, int]]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be positive")
+
+    def seq_spans(self, i: int) -> list[tuple[int, int]]:
+        return self.spans[i] if self.spans is not None else []
+
+
+@dataclass
+class LayeredMetadata:
+    """A step's metadata per attention kind, for models that mix them (Gemma 3): global
+    layers read `full`, sliding-window layers `sliding` (built with the window)."""
+
+    full: object
+    sliding: object
+
+
+def allowed_keys(
+    q_pos: torch.Tensor, num_keys: int, window: int | None, spans: list[tuple[int, int]]
+) -> torch.Tensor:
+    """[len(q_pos), num_keys] bool: which key positions each query position may read.
+    The reference rule every backend implements: causal, or both inside one span; and,
+    with a window, key > query - window (transformers' Gemma 3 masks)."""
+    k_pos = torch.arange(num_keys)[None, :]
+    q_pos = q_pos[:, None]
+    allowed = k_pos <= q_pos
+    for start, end in spans:
+        allowed |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
 
 
 @dataclass
@@ -103,21 +140,26 @@ def _group(
     members: list[int], batch: AttentionBatch, starts: list[int], device: torch.device
 ) -> _Group:
     q_max = max(batch.query_lens[i] for i in members)
-    c_max = max(batch.context_lens[i] for i in members)
+    # Keys from the block holding the first query's window start: whole blocks before it
+    # are never gathered (a hybrid KV pool may have given them to another sequence).
+    firsts = [_window_start(batch, i) for i in members]
+    c_max = max(batch.context_lens[i] - f for i, f in zip(members, firsts, strict=True))
     num = len(members)
     q_index = torch.zeros(num, q_max, dtype=torch.long)
     q_valid = torch.zeros(num, q_max, dtype=torch.bool)
     ctx_slots = torch.zeros(num, c_max, dtype=torch.long)
     mask = torch.zeros(num, q_max, c_max, dtype=torch.bool)
-    for row, i in enumerate(members):
+    for row, (i, first) in enumerate(zip(members, firsts, strict=True)):
         q_len, ctx_len = batch.query_lens[i], batch.context_lens[i]
         q_index[row, :q_len] = torch.arange(starts[i], starts[i] + q_len)
         q_index[row, q_len:] = starts[i]
         q_valid[row, :q_len] = True
-        ctx_slots[row, :ctx_len] = _slots(batch.block_tables[i], ctx_len, batch.block_size)
+        slots = _slots(batch.block_tables[i], ctx_len, batch.block_size)
+        ctx_slots[row, : ctx_len - first] = slots[first:]
         # Query j sits at absolute position ctx_len - q_len + j and sees positions <= it.
-        q_pos = torch.arange(q_len)[:, None] + (ctx_len - q_len)
-        mask[row, :q_len, :ctx_len] = torch.arange(ctx_len)[None, :] <= q_pos
+        q_pos = torch.arange(q_len) + (ctx_len - q_len)
+        allowed = allowed_keys(q_pos, ctx_len, batch.sliding_window, batch.seq_spans(i))
+        mask[row, :q_len, : ctx_len - first] = allowed[:, first:]
         mask[row, q_len:, 0] = True  # padded rows see one slot: no NaN, result discarded
     bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))[:, :, None]
     flat_valid = q_valid.flatten()
@@ -126,6 +168,16 @@ def _group(
         q_index.to(device), q_valid.to(device), ctx_slots.to(device), bias.to(device),
         q_index.flatten()[flat_valid].to(device), valid_rows,
     )  # fmt: skip
+
+
+def _window_start(batch: AttentionBatch, i: int) -> int:
+    """The first position sequence i's attention reads: the start of the block holding its
+    first query's window start (0 without a window)."""
+    if batch.sliding_window is None:
+        return 0
+    first_query = batch.context_lens[i] - batch.query_lens[i]
+    lo = max(0, first_query - batch.sliding_window + 1)
+    return lo // batch.block_size * batch.block_size
 
 
 def _buckets(members: list[int], context_lens: list[int], max_waste: float = 1.3):
@@ -194,9 +246,14 @@ class TorchPagedAttention:
             starts.append(total)
             total += q_len
         lens = list(zip(batch.query_lens, batch.context_lens, strict=True))
-        fresh = [i for i, (q, c) in enumerate(lens) if q > SMALL_QUERY_LEN and q == c]
+        # A window or spans need a mask: such prefills take the gathering path.
+        plain = [batch.sliding_window is None and not batch.seq_spans(i) for i in range(len(lens))]
+        fresh = [i for i, (q, c) in enumerate(lens) if q > SMALL_QUERY_LEN and q == c and plain[i]]
         small = [i for i, (q, _) in enumerate(lens) if q <= SMALL_QUERY_LEN]
-        large = [i for i, (q, c) in enumerate(lens) if q > SMALL_QUERY_LEN and q != c]
+        large = [
+            i for i, (q, c) in enumerate(lens)
+            if q > SMALL_QUERY_LEN and (q != c or not plain[i])
+        ]  # fmt: skip
         groups = [_group([i], batch, starts, device) for i in large]
         ranges = [(starts[i], starts[i] + batch.query_lens[i]) for i in fresh]
         return TorchAttentionMetadata(slot_mapping.to(device), groups, ranges), starts, small
@@ -274,60 +331,3 @@ class TorchPagedAttention:
         probs = scores.softmax(-1).view(kv_heads, num_seqs, q_max * group, ctx_max)
         out = torch.matmul(probs, values).view(kv_heads, num_seqs, q_max, group, dim)
         return out.permute(1, 2, 0, 3, 4).reshape(num_seqs, q_max, kv_heads * group, dim)
-
-
-BACKENDS = ("auto", "torch", "cpu", "cpu-sdpa", "triton", "flashinfer")
-
-
-def select_backend(
-    device: torch.device, preferred: str | None = None, dtype: torch.dtype | None = None
-) -> AttentionBackend:
-    """The attention backend for `device` and activation `dtype`. `preferred`: one of
-    BACKENDS; None or "auto" picks FlashInfer on a GPU where it is installed (it runs
-    float16 / bfloat16), else Triton there; on a CPU the C++ kernels where they build
-    (kernels/cpu_attention.py: "cpu" = the decode and prefill kernels, "cpu-sdpa" = the
-    decode kernel with torch's SDPA for prefills), else plain torch. The torch backend
-    runs anywhere and is the reference every other is tested against. The GPU backends
-    are imported here, lazily: flashinfer is GPU-only, and triton runs on a CPU only in
-    its interpreter."""
-    from kernels import cpu_attention
-
-    if preferred not in (None, *BACKENDS):
-        raise ValueError(f"attention backend {preferred!r} is not one of {', '.join(BACKENDS)}")
-    preferred = None if preferred == "auto" else preferred
-    if preferred == "torch":
-        return TorchPagedAttention()
-    if preferred == "triton" or (preferred is None and device.type == "cuda"):
-        if preferred is None:
-            from kernels import flashinfer_attention
-
-            if flashinfer_attention.available(device, dtype) is None:
-                return flashinfer_attention.FlashInferPagedAttention()
-        from kernels import triton_attention
-
-        why = triton_attention.available(device)
-        if why is None:
-            return triton_attention.TritonPagedAttention()
-        if preferred == "triton":
-            raise ValueError(f"attention backend 'triton' cannot run here: {why}")
-        return TorchPagedAttention()
-    if preferred == "flashinfer":
-        from kernels import flashinfer_attention
-
-        why = flashinfer_attention.available(device, dtype)
-        if why is not None:
-            raise ValueError(f"attention backend 'flashinfer' cannot run here: {why}")
-        return flashinfer_attention.FlashInferPagedAttention()
-    if device.type == "cpu":
-        why = cpu_attention.available()
-        prefill_why = None if preferred == "cpu-sdpa" else cpu_attention.prefill_available()
-        if why is None and (prefill_why is None or preferred is None):
-            use_kernel = preferred != "cpu-sdpa" and prefill_why is None
-            return cpu_attention.CpuPagedAttention(prefill_kernel=use_kernel)
-        if preferred is not None:
-            raise ValueError(
-                f"attention backend {preferred!r} cannot run here: {why or prefill_why}"
-            )
-    elif preferred is not None:
-        raise ValueError(f"attention backend {preferred!r} runs on a CPU device, not {device.type}")
-    return TorchPagedAttention()

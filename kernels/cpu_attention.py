@@ -3,8 +3,8 @@ no per-layer gather.
 
 Decodes and verifications (query_len <= SMALL_QUERY_LEN) go to
 kernels/csrc/paged_attention_cpu.cpp: the torch backend gathers every short-query
-sequence's context into a padded buffer per layer, which at batch 64 is about half of a
-decode step on this CPU; the kernel walks each (sequence, kv head)'s blocks once with an
+sequence's context into a padded buffer per layer, a large share of a decode step at a
+large batch; the kernel walks each (sequence, kv head)'s blocks once with an
 online softmax instead, threads over those pairs, and writes its rows of the output in
 place.
 
@@ -20,6 +20,11 @@ widest vectors the CPU has (AVX-512 or AVX2 + FMA, `csrc/vec.h`). Where no C++ c
 found the build fails once, `available()` says why, and `select_backend` keeps the torch
 backend; where the CPU has neither vector set, `prefill_available()` says so and prefills
 keep SDPA.
+
+Sliding windows and bidirectional spans (Gemma 3): both kernels take the window (keys
+before it are never read, whole blocks before it never touched); the prefill kernel also
+takes each token's key end (`key_ends`: the end of its image span, else its position + 1),
+so a sequence with spans in its chunk goes to the prefill kernel whatever its length.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from kernels.attention import (
     AttentionBatch,
     TorchAttentionMetadata,
     TorchPagedAttention,
+    _group,
 )
 
 
@@ -83,6 +89,23 @@ def paged_rows(batch: AttentionBatch, starts: list[int], members: list[int]) -> 
 class CpuAttentionMetadata(TorchAttentionMetadata):
     paged: PagedRows | None = None  # decodes and verifications
     prefill: PagedRows | None = None  # prefills and chunks on a prefix (prefill kernel)
+    window: int = 0  # > 0: the sliding window
+    key_ends: torch.Tensor | None = None  # [num_tokens] int32, with spans (else empty)
+
+
+def key_ends(batch: AttentionBatch, starts: list[int]) -> torch.Tensor:
+    """Per flat token, the end of the keys it sees: its position + 1, or its span's end."""
+    if batch.spans is None or not any(batch.spans):
+        return torch.empty(0, dtype=torch.int32)
+    ends = []
+    for i, (q_len, ctx) in enumerate(zip(batch.query_lens, batch.context_lens, strict=True)):
+        seq = list(range(ctx - q_len + 1, ctx + 1))
+        for start, end in batch.seq_spans(i):
+            for pos in range(max(start, ctx - q_len), min(end, ctx)):
+                seq[pos - (ctx - q_len)] = end
+        ends += seq
+    assert len(ends) == sum(batch.query_lens) and len(starts) == len(batch.query_lens)
+    return torch.tensor(ends, dtype=torch.int32)
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -99,32 +122,45 @@ class CpuPagedAttention(TorchPagedAttention):
     def build_metadata(
         self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
     ) -> CpuAttentionMetadata:
+        window = batch.sliding_window or 0
         if not self.prefill_kernel:
             meta, starts, small = self._split(batch, slot_mapping, device)
+            # Short chunks with spans: the torch path (the decode kernel has no spans).
+            spans = [i for i in small if batch.seq_spans(i)]
+            meta.groups += [_group([i], batch, starts, device) for i in spans]
+            small = [i for i in small if not batch.seq_spans(i)]
             return CpuAttentionMetadata(
-                meta.slot_mapping, meta.groups, meta.fresh, paged_rows(batch, starts, small)
-            )
+                meta.slot_mapping, meta.groups, meta.fresh, paged_rows(batch, starts, small),
+                window=window,
+            )  # fmt: skip
         starts = [0, *itertools.accumulate(batch.query_lens)][:-1]
-        small = [i for i, q in enumerate(batch.query_lens) if q <= SMALL_QUERY_LEN]
-        large = [i for i, q in enumerate(batch.query_lens) if q > SMALL_QUERY_LEN]
+        short = [q <= SMALL_QUERY_LEN and not batch.seq_spans(i)
+                 for i, q in enumerate(batch.query_lens)]  # fmt: skip
+        small = [i for i, is_short in enumerate(short) if is_short]
+        large = [i for i, is_short in enumerate(short) if not is_short]
         return CpuAttentionMetadata(
             slot_mapping.to(device), [], [],
             paged_rows(batch, starts, small), paged_rows(batch, starts, large),
+            window, key_ends(batch, starts),
         )  # fmt: skip
 
     def _attend(self, out, q, k, v, kv_cache, metadata: CpuAttentionMetadata, scale) -> None:
         super()._attend(out, q, k, v, kv_cache, metadata, scale)
         # Each op is looked up only when used: "cpu-sdpa" never loads the prefill kernel.
         if metadata.paged is not None:
-            _run(torch.ops.vlmserve.paged_attention, out, q, kv_cache, metadata.paged, scale)
+            p = metadata.paged
+            torch.ops.vlmserve.paged_attention(
+                out, q, kv_cache, p.block_tables, p.query_starts, p.query_lens,
+                p.context_lens, p.block_size, scale, metadata.window,
+            )  # fmt: skip
         if metadata.prefill is not None:
-            kernel = torch.ops.vlmserve_prefill.prefill_attention
-            _run(kernel, out, q, kv_cache, metadata.prefill, scale)
-
-
-def _run(kernel, out, q, kv_cache, p: PagedRows, scale: float) -> None:
-    """Either kernel, writing its sequences' rows of `out` in place."""
-    kernel(
-        out, q, kv_cache, p.block_tables, p.query_starts,
-        p.query_lens, p.context_lens, p.block_size, scale,
-    )  # fmt: skip
+            p = metadata.prefill
+            ends = (
+                metadata.key_ends
+                if metadata.key_ends is not None and len(metadata.key_ends)
+                else None
+            )
+            torch.ops.vlmserve_prefill.prefill_attention(
+                out, q, kv_cache, p.block_tables, p.query_starts, p.query_lens,
+                p.context_lens, p.block_size, scale, metadata.window, ends,
+            )  # fmt: skip

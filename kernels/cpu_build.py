@@ -1,14 +1,16 @@
 """Building the C++ CPU kernels (kernels/csrc/*.cpp) with torch.utils.cpp_extension.
 
-Each source is compiled the first time a process needs it (about 20 s) into a build
-directory named for the source's content (and the shared headers'), the flags, the
-torch build and the CPU it compiles for (-march=native), so checkouts
-of the same code share one build, a changed kernel never reuses a stale one, and two
-checkouts of different code never rebuild over each other in turn (torch's default keys
-the directory by the extension's name alone and rebuilds whenever the source path changes).
-The sources are compiled from copies inside that directory: ninja's build file names the
-source path, so checkouts at different paths would otherwise still rebuild each other's
-shared build (about a minute each time on a loaded machine).
+`./dev`'s set-up and `vlmserve info --build-kernels` build them all ahead (`build_all`);
+otherwise each is compiled the first time a process needs it (about 20 s). A build
+directory is named for everything that enters the build file torch writes there: the
+source's content and the shared headers', the compiler and its version, the flags, the
+include and library paths (torch's and Python's), the torch build and the CPU it compiles
+for (-march=native). So checkouts of the same code in one environment share one build, a
+changed kernel never reuses a stale one, and two checkouts of different code, or two
+environments with the same torch at different paths (a second virtualenv, one reached
+through a symlink), never rewrite each other's build file and rebuild in turn (torch's
+default keys the directory by the extension's name alone). The sources are compiled from
+copies inside that directory, since ninja's build file names the source path.
 Where no compiler is found the build fails once and the caller keeps its torch path.
 """
 
@@ -19,6 +21,10 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
+import sysconfig
+import time
 from pathlib import Path
 
 import torch
@@ -27,7 +33,10 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 # -ffp-contract=off: no fused multiply-adds the source does not write, so elementwise
 # kernels round as the eager ops they replace do.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+# Tuples, passed to torch as fresh lists: torch appends its library flags to the list it is
+# given, which would change the next kernel's key in the same process.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
 
 
 @functools.cache
@@ -44,14 +53,49 @@ def cpu_features() -> str:
     return "\n".join(line for line in first.splitlines() if line.split(":")[0].strip() in wanted)
 
 
-def build_directory(name: str, source: Path) -> Path:
+@functools.cache
+def compiler_version(cxx: str) -> str:
+    """`cxx --version`'s first line ("" where it does not run): another compiler at the
+    same path (an upgrade) compiles differently."""
+    try:
+        done = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.partition("\n")[0]
+
+
+def build_inputs() -> list[str]:
+    """Everything but the sources that torch writes into a kernel's build file, as that
+    file spells it (paths unresolved: a path through a symlink is another build file)."""
+    from torch.utils import cpp_extension
+
+    cxx = cpp_extension.get_cxx_compiler()
+    return [
+        f"cxx={cxx}",
+        f"cxx_path={shutil.which(cxx) or ''}",
+        f"cxx_version={compiler_version(cxx)}",
+        f"cflags={' '.join(CFLAGS)}",
+        f"ldflags={' '.join(LDFLAGS)}",
+        f"torch={torch.__version__} {torch.version.git_version}",
+        *(f"include={path}" for path in cpp_extension.include_paths("cpu")),
+        f"include={sysconfig.get_path('include', scheme='posix_prefix')}",
+        *(f"lib={path}" for path in cpp_extension.library_paths("cpu")),
+        f"cpu={cpu_features()}",
+    ]
+
+
+def build_key(source: Path) -> str:
+    """The build directory's key: the source, the headers it may include, build_inputs()."""
     digest = hashlib.sha256(source.read_bytes())
-    for header in sorted(CSRC.glob("*.h")):  # what the sources include
-        digest.update(header.read_bytes())
-    digest.update(" ".join([*CFLAGS, torch.__version__]).encode())
-    digest.update(cpu_features().encode())
+    for header in sorted(CSRC.glob("*.h")):
+        digest.update(header.name.encode() + header.read_bytes())
+    digest.update("\n".join(build_inputs()).encode())
+    return digest.hexdigest()[:12]
+
+
+def build_directory(name: str, source: Path) -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    path = Path(root) / "vlmserve" / f"{name}-{digest.hexdigest()[:12]}"
+    path = Path(root) / "vlmserve" / f"{name}-{build_key(source)}"
     path.mkdir(parents=True, exist_ok=True)
     for file in [source, *CSRC.glob("*.h")]:
         copy = path / file.name
@@ -74,8 +118,8 @@ def load(name: str) -> str | None:
         cpp_load(
             name=f"vlmserve_{name}",
             sources=[str(directory / source.name)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
             build_directory=str(directory),
             is_python_module=False,
         )
@@ -83,3 +127,23 @@ def load(name: str) -> str | None:
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: fall back, say why
         log.warning("C++ kernel %s unavailable, using the torch path: %s", name, e)
         return f"{type(e).__name__}: {e}"
+
+
+KERNELS = tuple(sorted(path.stem for path in CSRC.glob("*.cpp")))
+
+
+def build_all() -> dict[str, dict[str, object]]:
+    """Build (or find built) every kernel: per kernel whether it was already built, the
+    seconds it took, and why it is unavailable (None when it loaded)."""
+    report = {}
+    for name in KERNELS:
+        source = CSRC / f"{name}.cpp"
+        built = any(build_directory(name, source).glob("*.so"))
+        start = time.perf_counter()
+        why = load(name)
+        report[name] = {
+            "already_built": built,
+            "seconds": round(time.perf_counter() - start, 1),
+            "error": why,
+        }
+    return report

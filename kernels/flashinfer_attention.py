@@ -9,7 +9,10 @@ FlashInfer's CSR form (per sequence: its blocks, and how many slots of the last 
 FlashInfer plans once per step on the host (work partitioning for its split-K) and then
 runs every layer on that plan; the plan happens in the first layer's `forward`, on the
 thread that runs the forward, so planning never races a step still in flight.
-FlashInfer runs float16 / bfloat16 only.
+FlashInfer runs float16 / bfloat16 only. Sliding windows go to its `window_left`;
+bidirectional spans to the prefill wrapper's `custom_mask` (the torch reference's
+`allowed_keys`), each attention kind with its own wrappers and plan. GPU-only: the window
+and span paths are written to FlashInfer's documented `plan` arguments, not run here.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionBatch, split_by_query_len
+from kernels.attention import AttentionBatch, allowed_keys, split_by_query_len
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-K scratch (its documented example size)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -87,6 +90,10 @@ class FlashInferMetadata:
     decode: PageTable | None
     extend_rows: torch.Tensor | None  # flat token indices of the longer queries, in order
     extend: PageTable | None
+    # Sliding window (FlashInfer's window_left = window - 1; -1: none) and, with
+    # bidirectional spans, the extend queries' mask ([q_len x ctx] per sequence, flat).
+    window_left: int = -1
+    custom_mask: torch.Tensor | None = None
 
 
 def page_table(batch: AttentionBatch, members: list[int]) -> PageTable:
@@ -115,6 +122,9 @@ class FlashInferPagedAttention:
     def __init__(self) -> None:
         self._decode = self._prefill = None
         self._planned: FlashInferMetadata | None = None
+        # Per window_left: its own wrappers and plan, so a model mixing sliding and global
+        # layers plans each kind once per step (LayeredMetadata), not once per layer.
+        self._kinds: dict[int, tuple] = {}
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -125,13 +135,27 @@ class FlashInferPagedAttention:
         self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
     ) -> FlashInferMetadata:
         starts, decode, extend = split_by_query_len(batch)
+        # Spans take the prefill wrapper's custom mask, a lone span token too.
+        extend = sorted(extend + [i for i in decode if batch.seq_spans(i)])
+        decode = [i for i in decode if not batch.seq_spans(i)]
         extend_rows = [r for i in extend for r in range(starts[i], starts[i] + batch.query_lens[i])]
+        mask = None
+        if extend and batch.spans is not None and any(batch.spans):
+            mask = torch.cat([
+                allowed_keys(
+                    torch.arange(batch.query_lens[i]) + batch.context_lens[i] - batch.query_lens[i],
+                    batch.context_lens[i], batch.sliding_window, batch.seq_spans(i),
+                ).flatten()
+                for i in extend
+            ])  # fmt: skip
+        window_left = -1 if batch.sliding_window is None else batch.sliding_window - 1
         return FlashInferMetadata(
             slot_mapping.to(device),
             torch.tensor([starts[i] for i in decode], device=device) if decode else None,
             page_table(batch, decode) if decode else None,
             torch.tensor(extend_rows, device=device) if extend else None,
             page_table(batch, extend) if extend else None,
+            window_left, None if mask is None else mask.to(device),
         )  # fmt: skip
 
     def _make_wrappers(self, device: torch.device) -> None:
@@ -142,14 +166,18 @@ class FlashInferPagedAttention:
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
 
     def _plan(self, meta: FlashInferMetadata, q: torch.Tensor, kv_cache: torch.Tensor, scale):
-        if self._decode is None:
-            self._make_wrappers(q.device)
+        if meta.window_left not in self._kinds:
+            if self._decode is None or self._kinds:  # the first kind takes any given ones
+                self._make_wrappers(q.device)
+            self._kinds[meta.window_left] = (self._decode, self._prefill, None)
+        self._decode, self._prefill, _ = self._kinds[meta.window_left]
         _, _, kv_heads, size, dim = kv_cache.shape
 
         def ints(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32)
 
-        kinds = dict(sm_scale=scale, q_data_type=q.dtype, kv_data_type=kv_cache.dtype)
+        kinds = dict(sm_scale=scale, q_data_type=q.dtype, kv_data_type=kv_cache.dtype,
+                     window_left=meta.window_left)  # fmt: skip
         if meta.decode is not None:
             t = meta.decode
             self._decode.plan(
@@ -160,9 +188,11 @@ class FlashInferPagedAttention:
             t = meta.extend
             self._prefill.plan(
                 ints(t.qo_indptr), ints(t.kv_indptr), ints(t.kv_indices),
-                ints(t.last_page_len), q.shape[1], kv_heads, dim, size, causal=True, **kinds,
+                ints(t.last_page_len), q.shape[1], kv_heads, dim, size,
+                causal=meta.custom_mask is None, custom_mask=meta.custom_mask, **kinds,
             )  # fmt: skip
         self._planned = meta
+        self._kinds[meta.window_left] = (self._decode, self._prefill, meta)
 
     def forward(
         self,
@@ -174,8 +204,10 @@ class FlashInferPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         write_kv(kv_cache, metadata.slot_mapping, k, v)
-        if metadata is not self._planned:  # the step's first layer
+        planned = self._kinds.get(metadata.window_left, (None, None, None))
+        if metadata is not planned[2]:  # the step's first layer of this kind
             self._plan(metadata, q, kv_cache, scale)
+        self._decode, self._prefill, _ = self._kinds[metadata.window_left]
         out = torch.empty_like(q)
         if metadata.decode_rows is not None:
             rows = metadata.decode_rows

@@ -2,8 +2,9 @@
 
 Each eager function here is the plain-torch definition the decoder used before fusion;
 the fused ones (kernels/csrc/fused_ops_cpu.cpp) read their inputs once and write their
-outputs once and are tested against these. At a 2,048-token prefill chunk the eager
-RMSNorms, residual adds, RoPE and SiLU·mul are about a tenth of the step on this CPU.
+outputs once and are tested against these. At a large prefill chunk the eager RMSNorms,
+residual adds, RoPE and SiLU·mul, each a pass over memory, are a noticeable share of the
+step on a CPU.
 The fused path runs for float32 CPU tensors where the kernels build; on a GPU the residual
 add + RMSNorm is the Triton kernel in kernels/triton_ops.py (RoPE is fused into the Triton
 attention backend's K/V write); anything else takes the eager path.

@@ -10,14 +10,12 @@ the summation order differs), checked against the plain layers in tests.
 
 The decoder's layers can also keep the plain [out, in] weight (`pack_linears(plain=True)`,
 a second copy of each weight) for the batch sizes oneDNN's packed GEMM is not the fastest
-at on a CPU (measured on a Zen 3 with AVX2, `benchmarks/skinny_linear.py`):
+at on a CPU (`benchmarks/ops/skinny_linear.py` measures the crossovers; its results file has
+the figures):
 - up to SKINNY_MAX_ROWS rows (decode steps of a few sequences) the skinny kernel
-  (kernels/csrc/skinny_linear_cpu.cpp), which streams each weight once: 1.1-1.3x faster
-  than oneDNN over a decoder's linears at 1-16 rows;
-- from MKL_MIN_ROWS rows (large prefill chunks) MKL on the plain weight: 1.13x / 1.15x
-  faster than oneDNN's packed GEMM at 1,536 / 2,048 rows (0.9-1.05x at 1,024, 0.8x at
-  256). Between the two, oneDNN's packed GEMM is the fastest (plain-weight oneDNN and MKL
-  are 1.1-1.4x slower at 32-128 rows).
+  (kernels/csrc/skinny_linear_cpu.cpp), which streams each weight once;
+- from MKL_MIN_ROWS rows (large prefill chunks) MKL on the plain weight. Between the two,
+  oneDNN's packed GEMM is the fastest.
 """
 
 from __future__ import annotations

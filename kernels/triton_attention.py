@@ -16,6 +16,10 @@ Extend (2+ query tokens: prefill chunks, speculative verification): one program 
 (sequence, KV head, tile of (query row, group head) pairs), causal over the cached prefix
 plus the chunk; the group's heads share each K/V block read, as in decode.
 
+Sliding windows and bidirectional spans (Gemma 3): a query sees keys [lo, hi], lo past
+the window (`window` > 0; whole blocks before it never read), hi its position or, in
+the extend kernel, its span's end - 1 (`key_ends`, per flat token).
+
 On a CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` in the
 environment before this module is imported): that is how CI checks them without a GPU.
 """
@@ -29,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import AttentionBatch, split_by_query_len
-from kernels.cpu_attention import PagedRows
+from kernels.cpu_attention import PagedRows, key_ends
 from kernels.triton_ops import rope_and_cache_write
 
 # Read where triton reads it: when a kernel is decorated (at this module's import). Its
@@ -64,7 +68,7 @@ def _decode_partial(
     q_ptr, cache_ptr, tables_ptr, rows_ptr, ctx_ptr, acc_ptr, max_ptr, sum_ptr,
     stride_qt, stride_qh, stride_ckv, stride_ch, stride_cs, stride_tb,
     stride_as, stride_ah, stride_ap, stride_ms, stride_mh,
-    scale, split_len,
+    scale, split_len, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -83,13 +87,15 @@ def _decode_partial(
     v_base = k_base + stride_ckv
     lo = split * split_len  # a multiple of BLOCK_N: each step reads one cache block
     hi = tl.minimum(lo + split_len, ctx)
+    first_key = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # the window's start
+    lo = tl.maximum(lo, first_key // BLOCK_N * BLOCK_N)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     s_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         block = tl.load(tables_ptr + seq * stride_tb + start // BLOCK_N).to(tl.int64)
-        n_ok = start + n < hi
+        n_ok = (start + n < hi) & (start + n >= first_key)
         offsets = (block * BLOCK_N + n)[:, None] * stride_cs + d[None, :]
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + offsets, mask=kv_mask, other=0.0)
@@ -140,10 +146,10 @@ def _decode_merge(
 
 @triton.jit
 def _extend(
-    out_ptr, q_ptr, cache_ptr, tables_ptr, starts_ptr, qlens_ptr, ctx_ptr,
+    out_ptr, q_ptr, cache_ptr, tables_ptr, starts_ptr, qlens_ptr, ctx_ptr, key_ends_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ckv, stride_ch, stride_cs, stride_tb,
-    scale, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    scale, window, HAS_SPANS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # A tile's rows are (query row, head of the KV head's group) pairs, query-row major:
     # each K/V block is read once for the whole group, as in decode.
@@ -162,28 +168,36 @@ def _extend(
         mask=q_mask, other=0.0,
     )  # fmt: skip
     position = ctx - q_len + rows  # each row sees context positions <= its own
-    # The tile's last row sees the most; a tile past the chunk's end reads nothing.
-    last_row = (tile * BLOCK_M + BLOCK_M - 1) // GROUP
-    hi = tl.minimum(ctx, ctx - q_len + last_row + 1)
-    hi = tl.where(tile * BLOCK_M < q_len * GROUP, hi, 0)
+    last_key = position  # ... or up to its span's end
+    if HAS_SPANS:
+        last_key = tl.load(key_ends_ptr + first + rows, mask=r_ok, other=1) - 1
+    first_key = tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)
+    # The tile's rows see keys up to the largest last key; a tile past the chunk's end
+    # reads nothing; the first block read holds the tile's earliest window start.
+    hi = tl.minimum(ctx, tl.max(tl.where(r_ok, last_key + 1, 0), axis=0))
+    lo_key = tl.min(tl.where(r_ok, first_key, ctx), axis=0)
     k_base = cache_ptr + kv_head * stride_ch
     v_base = k_base + stride_ckv
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo_key // BLOCK_N * BLOCK_N, hi, BLOCK_N):
         block = tl.load(tables_ptr + seq * stride_tb + start // BLOCK_N).to(tl.int64)
-        n_ok = start + n < hi
+        n_ok = (start + n < hi) & (start + n >= lo_key)
         offsets = (block * BLOCK_N + n)[:, None] * stride_cs + d[None, :]
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + offsets, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
-        seen = n_ok[None, :] & ((start + n)[None, :] <= position[:, None])
+        key = (start + n)[None, :]
+        seen = n_ok[None, :] & (key <= last_key[:, None]) & (key >= first_key[:, None])
         s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: position 0 is seen first
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # A row may see nothing in a block before its window: keep its max at -inf
+        # without an inf - inf.
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         v = tl.load(v_base + offsets, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         s_sum = s_sum * alpha + tl.sum(p, axis=1)
@@ -210,7 +224,7 @@ def decode_splits(max_context: int, num_seqs: int, num_kv_heads: int, block_size
 
 def paged_decode(
     out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, rows: PagedRows,
-    num_splits: int, split_len: int, scale: float,
+    num_splits: int, split_len: int, scale: float, window: int = 0,
 ) -> None:  # fmt: skip
     """out[rows.query_starts[i]] = attention of that single-token query over the first
     context_lens[i] cache slots of block_tables[i]. q, out: [tokens, heads, head_dim]."""
@@ -228,7 +242,7 @@ def paged_decode(
         q, kv_cache, rows.block_tables, rows.query_starts, rows.context_lens, acc, maxes, sums,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         rows.block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
-        maxes.stride(0), maxes.stride(1), scale, split_len,
+        maxes.stride(0), maxes.stride(1), scale, split_len, window,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=rows.block_size,
         HEAD_DIM=dim, BLOCK_D=block_d, PRECISION=_precision(q.dtype),
     )  # fmt: skip
@@ -241,7 +255,7 @@ def paged_decode(
 
 def paged_extend(
     out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, rows: PagedRows,
-    max_query_len: int, scale: float,
+    max_query_len: int, scale: float, window: int = 0, key_ends: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Causal attention of each sequence's query_lens[i] rows (the last of its
     context_lens[i] positions, their K/V already in the cache) over its block table."""
@@ -253,11 +267,13 @@ def paged_extend(
     group = heads // kv_heads
     block_m = 64
     grid = (num_seqs, kv_heads, triton.cdiv(max_query_len * group, block_m))
+    has_spans = key_ends is not None and key_ends.numel() > 0
     _extend[grid](
         out, q, kv_cache, rows.block_tables, rows.query_starts, rows.query_lens,
-        rows.context_lens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        rows.context_lens, key_ends if has_spans else rows.query_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), rows.block_tables.stride(0),
-        scale, GROUP=group, BLOCK_M=block_m, BLOCK_N=rows.block_size,
+        scale, window, HAS_SPANS=has_spans, GROUP=group, BLOCK_M=block_m, BLOCK_N=rows.block_size,
         HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), PRECISION=_precision(q.dtype),
     )  # fmt: skip
 
@@ -270,6 +286,8 @@ class TritonAttentionMetadata:
     max_query_len: int  # of `extend`
     num_splits: int  # of `decode`
     split_len: int
+    window: int = 0  # > 0: the sliding window
+    key_ends: torch.Tensor | None = None  # [num_tokens] int32 with spans (cpu_attention)
 
 
 def paged_rows(batch: AttentionBatch, members: list[int], starts: list[int]) -> PagedRows:
@@ -307,6 +325,10 @@ class TritonPagedAttention:
         self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device
     ) -> TritonAttentionMetadata:
         starts, decode, extend = split_by_query_len(batch)
+        # A single-token query inside a span (an image's last token alone in a chunk)
+        # takes the extend kernel, the one with spans.
+        extend = sorted(extend + [i for i in decode if batch.seq_spans(i)])
+        decode = [i for i in decode if not batch.seq_spans(i)]
         splits, split_len = 1, batch.block_size
         if decode:
             # KV heads are unknown here; one is the conservative guess (more splits).
@@ -317,6 +339,7 @@ class TritonPagedAttention:
             paged_rows(batch, decode, starts) if decode else None,
             paged_rows(batch, extend, starts) if extend else None,
             max((batch.query_lens[i] for i in extend), default=0), splits, split_len,
+            batch.sliding_window or 0, key_ends(batch, starts),
         )  # fmt: skip
         return meta
 
@@ -340,10 +363,14 @@ class TritonPagedAttention:
         out = torch.empty_like(q)
         if metadata.decode is not None:
             paged_decode(
-                out, q, kv_cache, metadata.decode, metadata.num_splits, metadata.split_len, scale
-            )
+                out, q, kv_cache, metadata.decode, metadata.num_splits, metadata.split_len, scale,
+                metadata.window,
+            )  # fmt: skip
         if metadata.extend is not None:
-            paged_extend(out, q, kv_cache, metadata.extend, metadata.max_query_len, scale)
+            paged_extend(
+                out, q, kv_cache, metadata.extend, metadata.max_query_len, scale,
+                metadata.window, metadata.key_ends,
+            )  # fmt: skip
         return out
 
     def forward_rope(

@@ -95,11 +95,11 @@ class SchedulerConfig:
     # planning and bookkeeping are hidden behind the forward, and a request that stops
     # (stop token or string) is noticed one step late, costing one extra token of compute
     # that is never emitted. Outputs are identical either way. A speculating engine runs
-    # synchronously: its drafts need the previous step's tokens. Off by default: on this
-    # 2-core CPU (benchmarks/async_scheduling.py, 1 thread, three runs) it hides ~75% of
-    # the host's 7 ms a step at batch 256 from the forward, but the forward's own Python
-    # shares the GIL with the engine thread's and slows by about as much: 0.94x-1.04x
-    # wall at batch 64 and 256. Unmeasured on a GPU, where it is meant to pay.
+    # synchronously: its drafts need the previous step's tokens. Off by default: on a CPU
+    # it hides most of the host's time from the forward, but the forward's own Python
+    # shares the GIL with the engine thread's and slows by about as much, so the wall time
+    # barely moves (benchmarks/engine/async_scheduling.py and its results file). Unmeasured on a
+    # GPU, where it is meant to pay.
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
@@ -128,6 +128,8 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """n-gram speculative decoding (article §15). Off unless num_speculative_tokens > 0."""
 
+    # Off unless asked for: benchmarks/engine/spec_decode.py did not show adaptive γ never slower
+    # than off at every load (README, "Speculation").
     num_speculative_tokens: int = 0  # γ_max: drafts per sequence per step; 0 = off
     # Suffix lengths the n-gram proposer tries, longest first.
     min_n: int = 2

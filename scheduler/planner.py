@@ -29,27 +29,19 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from scheduler.admission import AdmissionPolicy, Candidate, FcfsAdmission, LumpyAdmission
+from scheduler.admission import AdmissionPolicy, FcfsAdmission, LumpyAdmission
+from scheduler.admit_waiting import WaitingAdmission, _Room
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from scheduler.encoder_budget import cut_chunk, needs_tower
+from scheduler.encoder_budget import cut_chunk
+from scheduler.in_flight import LaunchedStep, advance, resolve
 from scheduler.kv_blocks import BlockManager
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
-from scheduler.spec_policy import SpecPolicy
+from scheduler.spans import span_safe_end
+from scheduler.spec_policy import SpecMetrics, SpecPolicy, SpeedupFn
 from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
-
-
-@dataclass
-class _Room:
-    """What is left of the step being planned: dense tokens, tower tiles spent, and the
-    prefill tokens sequences not admitted as quick may still take (None: no cap)."""
-
-    tokens: int
-    tiles_used: int
-    lump_tokens: int | None
 
 
 def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> AdmissionPolicy:
@@ -63,7 +55,7 @@ def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int)
     )  # fmt: skip
 
 
-class Scheduler:
+class Scheduler(WaitingAdmission):
     """Plans each step over the waiting and running sequences; owns the block manager."""
 
     def __init__(
@@ -74,6 +66,7 @@ class Scheduler:
         admission: AdmissionPolicy | None = None,
         speculative: SpeculativeConfig | None = None,
         encoder_cached: Callable[[bytes], bool] | None = None,
+        spec_speedup: SpeedupFn | None = None,
     ) -> None:
         self.config = config
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
@@ -86,13 +79,15 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # computed KV thrown away by preemption
+        # Finished since the last plan, for the next one (`StepPlan.finished`); in order.
+        self._finished_ids: dict[str, None] = {}
         self.proposer: NgramProposer | None = None
         self.spec_policy: SpecPolicy | None = None
         if speculative is not None and speculative.enabled:
             self.proposer = NgramProposer(speculative.min_n, speculative.max_n)
             # The engine fills in B* for its device; without one the ridge never gates.
             ridge = speculative.ridge_batch if speculative.ridge_batch is not None else math.inf
-            self.spec_policy = SpecPolicy(speculative, ridge)
+            self.spec_policy = SpecPolicy(speculative, ridge, spec_speedup)
         # request id -> the most tokens (prompt + output) the sequence may reach.
         self._max_num_tokens: dict[str, int] = {}
         # request id -> the position its current admission started computing at.
@@ -141,11 +136,37 @@ class Scheduler:
         seq.num_waiting_steps = 0
         self.waiting.append(seq)
         self.seqs[seq.request_id] = seq
+        self._finished_ids.pop(seq.request_id, None)  # a new request under a finished id
         if max_num_tokens is not None:
             self._max_num_tokens[seq.request_id] = max_num_tokens
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Async scheduling: `plan`'s step goes in flight (`in_flight.advance`)."""
+        return advance(plan, self.seqs)
+
+    def land(self, step: LaunchedStep, sampled: list[list[int]]) -> None:
+        """A launched step came back with `sampled` per item (`in_flight.resolve`)."""
+        resolve(step, sampled, self.seqs, self.block_manager)
+
+    def stats(self) -> dict[str, float]:
+        """Queue and KV-pool gauges, preemption counters (the engine's `stats()`)."""
+        bm = self.block_manager
+        used = bm.num_blocks - bm.num_free_blocks
+        return {
+            "waiting": float(len(self.waiting)), "running": float(len(self.running)),
+            "num_blocks": float(bm.num_blocks), "free_blocks": float(bm.num_free_blocks),
+            "used_blocks": float(used), "kv_usage": used / bm.num_blocks,
+            "num_preemptions": float(self.num_preemptions),
+            "recomputed_tokens_total": float(self.num_recomputed_tokens),
+        }  # fmt: skip
+
+    @property
+    def spec_metrics(self) -> SpecMetrics | None:
+        """Speculation counters; None when off."""
+        return self.spec_policy.metrics if self.spec_policy is not None else None
 
     def finish(self, seq: Sequence) -> None:
         """Retire `seq` (done, aborted or failed): its blocks return to the pool."""
@@ -156,6 +177,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = "finished"
         self.seqs.pop(seq.request_id, None)
+        self._finished_ids[seq.request_id] = None
         self._max_num_tokens.pop(seq.request_id, None)
         self._admitted_at.pop(seq.request_id, None)
         self._quick_ids.discard(seq.request_id)
@@ -229,7 +251,8 @@ class Scheduler:
         for seq in self.waiting:
             if seq.ready:
                 seq.num_waiting_steps += 1
-        return StepPlan(scheduled, tuple(seq.request_id for seq in preempted))
+        finished, self._finished_ids = tuple(self._finished_ids), {}
+        return StepPlan(scheduled, tuple(seq.request_id for seq in preempted), finished)
 
     def _has_quick(self) -> bool:
         """A quick request is running, or waits ready to start as one."""
@@ -262,7 +285,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, room.tokens)
             lump = self._is_lump(seq)
             if lump and room.lump_tokens is not None:
-                if room.lump_tokens == 0:
+                if room.lump_tokens <= 0:  # (< 0: a whole image went past it)
                     continue
                 num_new = min(num_new, room.lump_tokens)
             if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
@@ -275,6 +298,9 @@ class Scheduler:
                 if end == start:
                     continue  # its next image waits for a step with tower room
                 num_new, room.tiles_used = end - start, room.tiles_used + tiles
+            if seq.spans:  # never half an image (scheduler/spans.py)
+                start = seq.num_computed_tokens
+                num_new = span_safe_end(seq.spans, start, start + num_new) - start
             total = seq.num_computed_tokens + num_new
             sample = total == seq.num_tokens
             drafts: tuple[int, ...] = ()
@@ -300,121 +326,6 @@ class Scheduler:
             room.tokens -= num_new
             if lump and room.lump_tokens is not None:
                 room.lump_tokens -= num_new
-
-    def _candidates(self) -> list[tuple[Candidate, list[int]]]:
-        """Ready waiting sequences, each with its prefix-cache match (blocks)."""
-        bm, out = self.block_manager, []
-        for seq in self.waiting:
-            # (Preempted while its last token is in flight: that token is unknown yet.)
-            if not seq.ready or seq.num_pending_tokens:
-                continue
-            hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
-            # Keep at least one token to compute: its logits give the next token.
-            matched = bm.match_prefix(hashes)[: (seq.num_tokens - 1) // self.block_size]
-            num_cached = len(matched) * self.block_size
-            tower = any(
-                needs_tower(img, num_cached, seq.num_tokens, num_cached, self._is_cached(img))
-                for img in seq.images
-            )
-            quick = not tower and seq.num_tokens - num_cached <= self.config.max_num_batched_tokens
-            aged = seq.num_waiting_steps >= self.config.max_wait_steps
-            out.append((Candidate(seq, quick, aged), matched))
-        return out
-
-    def _admit(self, room: _Room, quick_only: bool = False) -> list[ScheduledSeq]:
-        """Start waiting sequences in the policy's order while `room` and the pool allow;
-        `quick_only`: quick ones alone; the others count as not fitting, so quick ones pass
-        an aged lump only where the policy lets them pass one that does not fit."""
-        bm, policy, scheduled = self.block_manager, self.admission, []
-        found = self._candidates()
-        if not found:  # nothing to admit: skip the reservations' sums over every runner
-            return scheduled
-        # Blocks that admitted sequences have yet to take are spoken for: the rest of
-        # their prompt and (lumpy) their expected growth.
-        # (A speculating sequence may hold more than its tokens need: that is not a credit.)
-        reserved = sum(
-            max(0, bm.blocks_for(self._reserve(s)) - len(s.block_table)) for s in self.running
-        )
-        available = bm.num_free_blocks - reserved
-        quick_blocks = sum(
-            max(len(s.block_table), bm.blocks_for(self._reserve(s)))
-            for s in self.running
-            if s.request_id in self._quick_ids
-        )
-        matches = {id(c.seq): m for c, m in found}
-        blocked: tuple[Candidate, int] | None = None  # an aged candidate that did not fit
-        for cand in policy.order([c for c, _ in found]):
-            seq = cand.seq
-            if room.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            matched = matches[id(seq)]
-            cost = bm.cost_of(matched, self._reserve(seq))
-            if blocked is not None and not policy.may_pass(*blocked, cand, cost, quick_blocks):
-                continue
-            num_cached = len(matched) * self.block_size
-            lump_tokens = room.lump_tokens
-            step_room = (
-                room.tokens if cand.quick or lump_tokens is None else min(room.tokens, lump_tokens)
-            )
-            chunk = self._first_chunk(seq, num_cached, step_room, room.tiles_used)
-            fits = chunk is not None and policy.can_admit(cand, cost, available, quick_blocks)
-            if not fits or (quick_only and not cand.quick):
-                if policy.may_overtake(cand):
-                    continue
-                if blocked is not None:
-                    break
-                blocked = (cand, cost)  # later ones start only if the policy lets them pass
-                continue
-            num_new, tiles = chunk
-            room.tiles_used += tiles
-            self._start(seq, matched, num_cached, num_new, cand.quick)
-            scheduled.append(schedule_item(seq, num_new, num_cached + num_new == seq.num_tokens))
-            room.tokens -= num_new
-            available -= cost
-            if cand.quick:
-                quick_blocks += cost
-            elif room.lump_tokens is not None:
-                room.lump_tokens -= num_new
-        return scheduled
-
-    def _first_chunk(
-        self, seq: Sequence, num_cached: int, room: int, tiles_used: int
-    ) -> tuple[int, int] | None:
-        """(tokens, tiles) of the first chunk of a waiting sequence given `room` tokens
-        this step, or None when it cannot start this step (chunking off, no tower room)."""
-        todo = seq.num_tokens - num_cached
-        num_new, tiles = min(todo, room), 0
-        chunked = self.config.enable_chunked_prefill
-        if num_new == 0 or (num_new < todo and not chunked):
-            return None
-        if seq.images:
-            end, tiles = self._cut_for_tiles(seq, num_cached, num_cached + num_new, tiles_used)
-            if end == num_cached or (end < num_cached + num_new and not chunked):
-                return None
-            num_new = end - num_cached
-        return num_new, tiles
-
-    def _start(
-        self, seq: Sequence, matched: list[int], num_cached: int, num_new: int, quick: bool
-    ) -> None:
-        """Move `seq` from waiting to running with its prefix-cache blocks and its first
-        chunk's blocks."""
-        bm = self.block_manager
-        bm.take(seq, matched)
-        seq.num_computed_tokens = num_cached
-        if seq.num_preemptions == 0:
-            seq.num_cached_tokens = num_cached
-        bm.grow(seq, num_cached + num_new)
-        self.waiting.remove(seq)
-        self.running.append(seq)
-        seq.status = "running"
-        seq.num_waiting_steps = 0
-        self._admitted_at[seq.request_id] = num_cached
-        if quick:
-            self._quick_ids.add(seq.request_id)
-
-    def _reserve(self, seq: Sequence) -> int:
-        return self.admission.reserve_tokens(seq, self._max_num_tokens.get(seq.request_id))
 
     def update(self, plan: StepPlan, sampled: list[list[int]]) -> None:
         """Advance after the runner executed `plan`: `sampled[i]` are the tokens accepted

@@ -19,7 +19,6 @@ class ImagePlaceholder:
 
     content_hash: bytes
     positions: list[int]
-    data: object = None  # what the runner needs to encode it; opaque to the scheduler
     # Tiles the tower runs for it (the per-step encoder budget); 0 = unknown, counts as 1.
     num_tiles: int = 0
 
@@ -53,6 +52,9 @@ class Sequence:
     # Tokens sampled by a step still in flight (async scheduling): they count in
     # num_tokens but are not in token_ids yet; they lie past its end until resolved.
     num_pending_tokens: int = 0
+    # [start, end) position ranges that attend to each other in full (scheduler/spans.py):
+    # a chunk never ends inside one. Empty: causal everywhere.
+    spans: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

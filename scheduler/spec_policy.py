@@ -13,10 +13,15 @@ Two gates, both from the cost model (article §11, §15):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler.config import SpeculativeConfig
-from search.costmodel.cost_model import spec_speedup
+
+# speed-up(α, γ, c) of speculating γ drafts at acceptance rate α and draft cost c: the cost
+# model's `spec_speedup` (search/costmodel), handed in by the engine so that the scheduler
+# imports nothing from search.
+SpeedupFn = Callable[[float, int, float], float]
 
 
 @dataclass(frozen=True)
@@ -43,9 +48,14 @@ class _Evidence:
 
 
 class SpecPolicy:
-    def __init__(self, config: SpeculativeConfig, ridge_batch: float) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, ridge_batch: float, speedup: SpeedupFn | None = None
+    ) -> None:
+        if config.adaptive and speedup is None:
+            raise ValueError("adaptive speculation needs the speed-up model (speedup=)")
         self.config = config
         self.ridge_batch = ridge_batch
+        self._speedup = speedup
         self._evidence: dict[str, _Evidence] = {}
         self.num_proposed_tokens = 0
         self.num_accepted_tokens = 0
@@ -65,8 +75,10 @@ class SpecPolicy:
         if not self.config.adaptive or step_gamma == 0:
             return step_gamma
         alpha, cost = self.acceptance_rate(request_id), self.config.row_cost
+        speedup = self._speedup
+        assert speedup is not None
         # Ties go to the smaller γ: no rows spent for nothing.
-        gamma = max(range(step_gamma + 1), key=lambda g: (spec_speedup(alpha, g, cost), -g))
+        gamma = max(range(step_gamma + 1), key=lambda g: (speedup(alpha, g, cost), -g))
         evidence = self._evidence.setdefault(request_id, _Evidence())
         if gamma > 0:
             evidence.num_steps_off = 0

@@ -2,10 +2,15 @@
 
 Self-contained, like vLLM v1's `SchedulerOutput`: request ids, the tokens and positions to
 compute, the block-table change since the runner last saw the request, the image
-placeholders the chunk fills (the encoder work of the step), drafts, and whether a row
-samples. The runner keeps its own block tables and applies the deltas; it never reads a
-`Sequence`. The scheduler keeps the live sequences and looks them up by request id when
-the step comes back (`Scheduler.seqs`).
+placeholders the chunk fills (the encoder work of the step, named by request id, image
+index and encoder-cache key), drafts, whether a row samples, and the requests that finished
+or lost their KV since the plan before. The runner keeps its own block tables and the
+encoder records of each request's images (encoders/stage.py makes them) and applies the
+plan to them; it never reads a `Sequence`. The scheduler keeps the live sequences and
+looks them up by request id when the step comes back.
+
+What must stay true: a plan holds plain data only (ints, strings, bytes, tuples, lists,
+frozen records of those); tests/scheduler/test_step_plan.py walks it.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ class ImageChunk:
     """The placeholders of one image that a chunk covers: embeddings
     [offset_start, offset_start + len(positions)) of the image go to `positions`."""
 
-    index: int  # the image's index in its request
-    work: object  # the encoder's record of the image (ImagePlaceholder.data)
+    index: int  # the image's index in its request: the runner's record of it
+    cache_key: bytes  # ImagePlaceholder.content_hash (a pool image's encoder-cache key)
     num_tokens: int  # embeddings the whole image yields
     offset_start: int
     positions: tuple[int, ...]  # absolute prompt positions, inside the chunk
@@ -66,6 +71,9 @@ class ScheduledSeq:
 class StepPlan:
     scheduled: list[ScheduledSeq]
     preempted: tuple[str, ...] = ()  # request ids that lost their KV this step
+    # Request ids finished (done, aborted, failed) since the plan before: the runner
+    # forgets them. A request added again under such an id meanwhile is not here.
+    finished: tuple[str, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:
@@ -103,7 +111,7 @@ def image_chunks(seq: Sequence, start: int, end: int) -> tuple[ImageChunk, ...]:
         if lo < hi:
             chunks.append(
                 ImageChunk(
-                    index, image.data, image.num_tokens, lo, tuple(positions[lo:hi]),
+                    index, image.content_hash, image.num_tokens, lo, tuple(positions[lo:hi]),
                     hi == len(positions),
                 )
             )  # fmt: skip

@@ -1,42 +1,12 @@
-"""Shared fixtures: tiny random checkpoints in the real HF formats, built once per run."""
+"""Fixtures every folder may use, and the markers' rules. Imports no torch: the scheduler
+and search tests run without it. The torch folders (benchmarks, encoders, kernels,
+vlmserve) load tests/fixtures/models.py from their own conftest.py."""
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-# Without a GPU the Triton kernels run in Triton's interpreter, which triton reads when its
-# language module and each kernel are decorated, i.e. at their first import (transformers'
-# model classes import triton): set here, before any test module is collected.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from PIL import Image  # noqa: E402
-
-from vlmserve.worker.models.random_checkpoint import (  # noqa: E402
-    make_text_checkpoint,
-    make_vlm_checkpoint,
-)
-
-
-@pytest.fixture(scope="session")
-def llava_ov_path(tmp_path_factory):
-    """LLaVA-OneVision: SigLIP + Qwen2 with GQA (4 query heads over 2 KV heads)."""
-    return make_vlm_checkpoint(tmp_path_factory.mktemp("llava_ov"), "llava_onevision")
-
-
-@pytest.fixture(scope="session")
-def idefics3_path(tmp_path_factory):
-    """Idefics3: SigLIP + Llama with MHA (4 query heads, 4 KV heads)."""
-    return make_vlm_checkpoint(tmp_path_factory.mktemp("idefics3"), "idefics3", kv_heads=4)
-
-
-@pytest.fixture(scope="session")
-def llama_path(tmp_path_factory):
-    return make_text_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+import numpy as np
+import pytest
+from PIL import Image
 
 
 @pytest.fixture(scope="session")
@@ -51,38 +21,16 @@ def random_image():
     return make
 
 
-@pytest.fixture(scope="session")
-def chi_square():
-    """chi_square(counts, probs): the p-value of integer token `counts` against `probs`
-    (goodness of fit; bins expecting under 5 pooled); 0 when a token of probability 0
-    occurred."""
-    import torch
-
-    def p_value(counts, probs) -> float:
-        counts, probs = counts.double(), probs.double()
-        if counts[probs == 0].sum() > 0:
-            return 0.0
-        expected = probs * counts.sum()
-        rare = expected < 5
-        counts = torch.cat([counts[~rare], counts[rare].sum(0, keepdim=True)])
-        expected = torch.cat([expected[~rare], expected[rare].sum(0, keepdim=True)])
-        keep = expected > 0
-        stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-        dof = int(keep.sum()) - 1
-        if dof <= 0:
-            return 1.0
-        return float(torch.special.gammaincc(torch.tensor(dof / 2.0).double(), stat / 2))
-
-    return p_value
-
-
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.gpu` tests skip cleanly without an NVIDIA GPU."""
+    """`@pytest.mark.gpu` tests skip cleanly without an NVIDIA GPU (torch is asked only
+    when such a test was collected)."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
     import torch
 
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu_items:
+        item.add_marker(skip)

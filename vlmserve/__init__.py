@@ -8,15 +8,13 @@ policy once, when it is loaded, so the choice is the process's, made from its co
   little Python between them. Their OpenMP threads spin for GOMP_SPINCOUNT = 10M
   iterations (about 0.2 s on a 3 GHz core; Intel OpenMP's default KMP_BLOCKTIME, which
   vLLM's CPU build runs with, is 0.2 s) before they sleep: a thread that sleeps between
-  the regions is woken for every one. On the 2-core VM here a served decode step at 1
-  sequence took 29-62 ms waiting passively and 19-29 ms spinning, and the offline text
-  benchmark's 64 requests 76-105 s against 58-63 s (fresh processes, interleaved; see
-  the issue notes).
+  the regions is woken for every one, which made served decode steps and offline runs
+  measurably slower (the README's "OpenMP waiting" paragraph has the figures).
 - Anything else (the library, the tests) waits passively: on a CPU shared with other
   processes (a busy CI machine, a notebook beside a server) spinning threads take the
   cores the working threads need, and every parallel region waits for a descheduled
-  peer. Passive waiting gave 2-6x the decode throughput on a 2-core machine under a
-  load of 5-11 (and a fifth of the CPU time). `ENGINE_OPENMP` is the engine commands'
+  peer: there passive waiting gave several times the decode throughput, for a fraction
+  of the CPU time. `ENGINE_OPENMP` is the engine commands'
   setting, for a program that owns its cores to put in its environment before it
   starts Python.
 

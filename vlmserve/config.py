@@ -23,11 +23,12 @@ def default_device() -> str:
 class ModelConfig:
     path: str
     device: str = field(default_factory=default_device)
-    # None: float32 on CPU (bfloat16 matmul is ~100x slower there), bfloat16 on GPU.
+    # None: float32 on CPU (bfloat16 matmul is far slower there on most CPUs), bfloat16 on
+    # GPU.
     dtype: str | None = None
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     max_images_per_request: int = 16
-    # None / "auto", "torch", "cpu", "triton", "flashinfer" (kernels.attention.select_backend)
+    # None / "auto", "torch", "cpu", "triton", "flashinfer" (kernels.backends.select_backend)
     attention_backend: str | None = None
     # CPU float32: the decoder's and the vision encoder's linear layers in oneDNN's
     # prepacked layout (PackedLinear; the tower's GELU and residual adds fused into them).

@@ -22,8 +22,8 @@ import traceback
 PACKAGES = ("vlmserve", "kernels", "encoders", "scheduler", "search")
 # gpu_check.py's parts and what they import inside functions.
 GPU_CHECK_MODULES = (
-    "benchmarks.gpu_check", "benchmarks.offline_throughput", "benchmarks.kernels",
-    "benchmarks.nanobatch", "benchmarks.decode_bound",
+    "benchmarks.gpu_check", "benchmarks.engine.offline_throughput", "benchmarks.ops.kernels",
+    "benchmarks.engine.nanobatch", "benchmarks.ops.decode_bound",
     "vlmserve.worker.models.random_checkpoint", "vlmserve.worker.runner",
 )  # fmt: skip
 OPTIONAL = ("flashinfer", "pulp", "fastapi", "uvicorn", "tvm_ffi")

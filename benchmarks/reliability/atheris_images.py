@@ -38,7 +38,7 @@ with atheris.instrument_imports(include=["PIL", "encoders"]):  # not torch (conn
     from encoders.images import load_image
     from encoders.pixel_budget import PixelBudget
 
-from benchmarks.common import RESULTS
+from benchmarks.lib.common import RESULTS
 from benchmarks.reliability.corpus import generate_corpus
 
 FINDINGS = RESULTS / "fuzz_findings"

@@ -27,20 +27,18 @@ from pathlib import Path
 
 from benchmarks.reliability.common import (
     Outcome,
-    ServerProcess,
     chat_body,
     client,
     count,
     data_url,
     gather_limited,
-    in_process_server,
     png_bytes,
     print_table,
     prompt_text,
     send,
-    shm_blocks,
     user_message,
 )
+from benchmarks.reliability.server import ServerProcess, in_process_server, shm_blocks
 
 
 def _section(name: str, outcomes: list[Outcome], extra: dict, ok: bool) -> dict:
@@ -215,9 +213,10 @@ def _faulty_engine_factory(model_config_kwargs: dict):
 
         def add_request(self, request):
             prepared = request if not isinstance(request, Request) else self.prepare(request)
-            for image in prepared.prompt.images:
+            prompt = prepared.prompt
+            for image, work in zip(prompt.images, prompt.works, strict=True):
                 if image.content_hash == self.marker_hash:
-                    self.marked[id(image.data)] = image.data
+                    self.marked[id(work)] = work
             return super().add_request(prepared)
 
     def factory() -> Engine:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from benchmarks.reliability.common import (
     Outcome,
-    ServerProcess,
     chat_body,
     client,
     count,
@@ -25,9 +24,9 @@ from benchmarks.reliability.common import (
     gather_limited,
     print_table,
     send,
-    shm_blocks,
     user_message,
 )
+from benchmarks.reliability.server import ServerProcess, shm_blocks
 
 
 def load_corpus(out_dir: Path, seed: int = 0, num_bad: int = 500) -> list:

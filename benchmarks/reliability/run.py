@@ -20,7 +20,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks.common import table
+from benchmarks.lib.common import table, write_json
 from benchmarks.reliability.common import RESULT_PATH, git_rev, load_average
 
 SECTIONS = ("fuzz", "ssrf", "soak", "chaos")
@@ -125,14 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, list(rows[0])))
     print(load_average())
     passed = all(r["passed"] for r in results.values())
-    output.parent.mkdir(parents=True, exist_ok=True)
     command = "python -m benchmarks.reliability.run " + " ".join(argv or sys.argv[1:])
-    output.write_text(json.dumps({
+    write_json(output, {
         "command": command.strip(), "git_rev": git_rev(),
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "load_average_at_end": load_average(), "passed": passed, "summary": rows,
         "seconds": seconds, "sections": results,
-    }, indent=1, default=str) + "\n")  # fmt: skip
+    })  # fmt: skip
     print(f"wrote {output}; {'PASS' if passed else 'FAIL'}")
     return 0 if passed else 1
 

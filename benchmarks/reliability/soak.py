@@ -20,7 +20,6 @@ from pathlib import Path
 
 from benchmarks.reliability.common import (
     Outcome,
-    ServerProcess,
     chat_body,
     client,
     count,
@@ -28,9 +27,9 @@ from benchmarks.reliability.common import (
     png_bytes,
     print_table,
     prompt_text,
-    shm_blocks,
     user_message,
 )
+from benchmarks.reliability.server import ServerProcess, shm_blocks
 
 KINDS = (("text", 0.30), ("images", 0.40), ("repeat", 0.10), ("bad_image", 0.10),
          ("disconnect", 0.10))  # fmt: skip

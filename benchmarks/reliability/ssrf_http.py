@@ -19,7 +19,6 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 from benchmarks.reliability.common import (
     Outcome,
-    ServerProcess,
     chat_body,
     client,
     count,
@@ -29,6 +28,7 @@ from benchmarks.reliability.common import (
     send,
     user_message,
 )
+from benchmarks.reliability.server import ServerProcess
 
 # Hosts that all mean loopback, private, link-local or otherwise non-public.
 LOOPBACK_SPELLINGS = [

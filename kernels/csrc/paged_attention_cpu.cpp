@@ -10,7 +10,9 @@
 // One work item is (sequence, kv head): its query_len * group query rows (group = query
 // heads per kv head) walk the sequence's blocks once with an online softmax, so each K/V
 // block is read once for all the rows that share it. Query row i of a sequence sits at
-// position context_len - query_len + i and sees positions <= it.
+// position context_len - query_len + i and sees positions <= it; with a sliding window w
+// (> 0) only those > it - w, and blocks wholly before the first row's window are skipped
+// (a hybrid KV pool may have reused them).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,7 +40,7 @@ constexpr int64_t kPrefetchAhead = 1;
 // Register tiles (AVX2: 16 vector registers, AVX-512: 32): R rows x J keys of partial dot
 // products in score_tile, R rows x D dim vectors of accumulators in value_tile. Enough
 // independent FMA chains to keep both FMA ports busy: with one chain a dot product (or a
-// value row) waits out every FMA's latency, which held decode attention to ~10 GB/s.
+// value row) waits out every FMA's latency, far below the memory bandwidth.
 constexpr int kTileRows = 4;
 constexpr int kTileKeys = kLanes == 16 ? 6 : 3;
 constexpr int kTileDims = kLanes == 16 ? 4 : 2;
@@ -211,11 +213,12 @@ inline void block_values(const float* p, const float* vb, const float* correctio
 // online softmax across blocks. K/V blocks are float32 (other dtypes are converted into
 // `kbuf`/`vbuf` first).
 template <typename scalar_t>
-void attend_one(const float* qs, float* acc, const int64_t* last, int64_t rows, int64_t dim,
+void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t* lo,
+                int64_t rows, int64_t dim,
                 int64_t ctx, int64_t block_size, const int32_t* table, const scalar_t* k_head,
                 const scalar_t* v_head, float* kbuf, float* vbuf, float* p, float* m, float* l,
                 float* correction) {
-  for (int64_t first = 0; first < ctx; first += block_size) {
+  for (int64_t first = lo[0] / block_size * block_size; first < ctx; first += block_size) {
     const int64_t count = std::min(block_size, ctx - first);
     const int64_t slot = static_cast<int64_t>(table[first / block_size]) * block_size;
     const float* kb;
@@ -249,12 +252,15 @@ void attend_one(const float* qs, float* acc, const int64_t* last, int64_t rows, 
     block_scores(qs, kb, p, rows, dim, count, block_size);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::max<int64_t>(0, std::min(count, last[r] - first + 1));
-      if (visible == 0) {  // all of this block lies past the row's position
+      const int64_t skip = std::clamp<int64_t>(lo[r] - first, 0, count);  // before the window
+      if (visible <= skip) {  // all of this block lies past the row's position or window
         correction[r] = 1.f;
         std::fill(p + r * block_size, p + r * block_size + count, 0.f);
         continue;
       }
-      softmax_block_row(p + r * block_size, count, visible, m[r], l[r], correction[r]);
+      float* pr = p + r * block_size;
+      softmax_block_row(pr + skip, count - skip, visible - skip, m[r], l[r], correction[r]);
+      std::fill(pr, pr + skip, 0.f);
     }
     block_values(p, vb, correction, acc, rows, dim, count, block_size);
   }
@@ -264,7 +270,7 @@ template <typename scalar_t>
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
             const at::Tensor& block_tables, const at::Tensor& query_starts,
             const at::Tensor& query_lens, const at::Tensor& context_lens, int64_t block_size,
-            double scale) {
+            double scale, int64_t window) {
   const int64_t num_seqs = query_starts.size(0);
   const int64_t num_heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = kv_cache.size(1), num_slots = kv_cache.size(2);
@@ -296,7 +302,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
   {
     std::vector<float> qs, acc, m, l, p, correction;
     std::vector<float> kbuf(block_size * dim), vbuf(block_size * dim);
-    std::vector<int64_t> last;
+    std::vector<int64_t> last, lo;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < num_items; ++n) {
       const int64_t seq = order[n] / kv_heads, h = order[n] % kv_heads;
@@ -309,16 +315,18 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
       p.resize(rows * block_size);
       correction.resize(rows);
       last.resize(rows);
+      lo.resize(rows);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r / group, head = h * group + r % group;
         const scalar_t* src = q_ptr + (start + i) * q_stride + head * dim;
         for (int64_t d = 0; d < dim; ++d) qs[r * dim + d] = static_cast<float>(src[d]) * fscale;
         last[r] = ctx - q_len + i;
+        lo[r] = window > 0 ? std::max<int64_t>(0, last[r] - window + 1) : 0;
       }
       const int32_t* table = tables + seq * max_blocks;
       const scalar_t* k_head = k_base + h * num_slots * dim;
       const scalar_t* v_head = v_base + h * num_slots * dim;
-      attend_one<scalar_t>(qs.data(), acc.data(), last.data(), rows, dim, ctx, block_size,
+      attend_one<scalar_t>(qs.data(), acc.data(), last.data(), lo.data(), rows, dim, ctx, block_size,
                            table, k_head, v_head, kbuf.data(), vbuf.data(), p.data(), m.data(),
                            l.data(), correction.data());
       for (int64_t r = 0; r < rows; ++r) {
@@ -334,14 +342,14 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, const at::Tensor& context_lens,
-                     int64_t block_size, double scale) {
+                     int64_t block_size, double scale, int64_t window) {
   vlmserve_paged::check_inputs(out, q, kv_cache, block_tables, query_starts, query_lens,
                                context_lens);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
                                   [&] {
                                     attend<scalar_t>(out, q, kv_cache, block_tables,
                                                      query_starts, query_lens, context_lens,
-                                                     block_size, scale);
+                                                     block_size, scale, window);
                                   });
 }
 
@@ -351,7 +359,7 @@ TORCH_LIBRARY(vlmserve, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor query_starts, Tensor query_lens, Tensor context_lens, int block_size, "
-      "float scale) -> ()");
+      "float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -14,7 +14,9 @@
 // scores (keys x rows of accumulators, a broadcast key element times a row of qt) and
 // values (rows x dims, a broadcast probability times a row of V), sized to the registers. Tiles past a row
 // block's last position are never visited; only the tiles that straddle the diagonal are
-// masked.
+// masked. Each row sees the keys [lo, hi]: hi its position, or the end of the bidirectional
+// span it is in (`key_ends`, an image's tokens); lo past the sliding window (`window` > 0),
+// tiles wholly before every row's lo are never visited.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +26,7 @@
 #include <cmath>
 #include <immintrin.h>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -144,7 +147,8 @@ inline void values(const float* const* vals, int64_t count, const float* p, int6
 // diagonal); m, l and each row's rescale factor `correction` advance.
 template <bool Masked>
 inline void softmax_tile(float* st, int64_t count, int64_t vecs, int64_t first,
-                         const int32_t* positions, float* m, float* l, float* correction) {
+                         const int32_t* positions, const int32_t* neg_lows, float* m, float* l,
+                         float* correction) {
   const int64_t ld = kLanes * vecs;
   for (int64_t v = 0; v < vecs; ++v) {
     const int32_t* pos = positions + kLanes * v;
@@ -152,17 +156,24 @@ inline void softmax_tile(float* st, int64_t count, int64_t vecs, int64_t first,
       if constexpr (!Masked) return vec::all_lanes();
       return vec::le(static_cast<int32_t>(first + j), pos);
     };
+    // key >= lo as -key <= -lo: the one comparison vec.h has.
+    auto in_window = [&](int64_t j) {
+      return vec::le(static_cast<int32_t>(-(first + j)), neg_lows + kLanes * v);
+    };
     const vfloat old_max = vec::load(m + kLanes * v);
     vfloat new_max = old_max;
     for (int64_t j = 0; j < count; ++j) {
       const vfloat s = vec::load(st + j * ld + kLanes * v);
-      new_max = Masked ? vec::mask_max(new_max, seen(j), s) : vec::max(new_max, s);
+      if constexpr (Masked)  // both masks: max(new_max, s) only where both hold
+        new_max = vec::mask_max(new_max, seen(j), vec::mask_max(new_max, in_window(j), s));
+      else
+        new_max = vec::max(new_max, s);
     }
     vfloat sum = vec::zero();
     for (int64_t j = 0; j < count; ++j) {
       float* s = st + j * ld + kLanes * v;
       vfloat e = vec::exp2_neg_ps(vec::sub(vec::load(s), new_max));
-      if constexpr (Masked) e = vec::maskz(seen(j), e);
+      if constexpr (Masked) e = vec::maskz(seen(j), vec::maskz(in_window(j), e));
       vec::store(s, e);
       sum = vec::add(sum, e);
     }
@@ -184,6 +195,8 @@ struct Problem {
   const int32_t *tables, *starts, *qlens, *clens;
   int64_t q_stride, o_stride, num_slots, max_blocks, group, dim, block_size;
   float scale2;  // the softmax scale times log2(e): scores in base-2 units
+  int64_t window;  // > 0: keys > position - window only
+  const int32_t* key_ends;  // per flat token, the end of the keys it sees; null: causal
 };
 
 struct Item {
@@ -193,7 +206,7 @@ struct Item {
 // Per-thread buffers, reused across items.
 struct Scratch {
   std::vector<float> qt, st, o, m, l, correction, ktile, vtile;
-  std::vector<int32_t> positions;
+  std::vector<int32_t> positions, neg_lows;
   std::vector<const float*> keys, vals, shifted;
 };
 
@@ -215,13 +228,21 @@ void attend_item(const Problem<scalar_t>& pb, const Item& item, Scratch& w) {
   w.l.assign(rows, 0.f);
   w.correction.resize(rows);
   w.positions.resize(rows);
+  w.neg_lows.resize(rows);
   const int64_t query_len = pb.qlens[item.seq], ctx = pb.clens[item.seq];
   const int64_t first_token = pb.starts[item.seq] + item.first_query;
   // Query token i sits at position ctx - query_len + first_query + i and sees keys <= it.
   const int64_t first_pos = ctx - query_len + item.first_query;
+  int64_t min_hi = ctx, max_hi = 0, min_lo = ctx, max_lo = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = std::min(r, rows_used - 1) / group;  // padding rows copy the last one
-    w.positions[r] = static_cast<int32_t>(first_pos + i);
+    const int64_t pos = first_pos + i;
+    const int64_t hi = pb.key_ends ? pb.key_ends[first_token + i] - 1 : pos;
+    const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
+    w.positions[r] = static_cast<int32_t>(hi);
+    w.neg_lows[r] = static_cast<int32_t>(-lo);
+    min_hi = std::min(min_hi, hi), max_hi = std::max(max_hi, hi);
+    min_lo = std::min(min_lo, lo), max_lo = std::max(max_lo, lo);
     if (r >= rows_used) continue;
     const int64_t head = item.kv_head * group + r % group;
     const scalar_t* src = pb.q + (first_token + i) * pb.q_stride + head * dim;
@@ -230,7 +251,7 @@ void attend_item(const Problem<scalar_t>& pb, const Item& item, Scratch& w) {
   const scalar_t* k_head = pb.k_base + item.kv_head * pb.num_slots * dim;
   const scalar_t* v_head = pb.v_base + item.kv_head * pb.num_slots * dim;
   const int32_t* table = pb.tables + item.seq * pb.max_blocks;
-  const int64_t last_pos = first_pos + item.num_queries - 1;
+  const int64_t last_pos = max_hi;
   w.keys.resize(kTileKeys);
   w.vals.resize(kTileKeys);
   w.shifted.resize(kTileKeys);
@@ -238,7 +259,7 @@ void attend_item(const Problem<scalar_t>& pb, const Item& item, Scratch& w) {
     w.ktile.assign(kTileKeys * width, 0.f);
     w.vtile.assign(kTileKeys * width, 0.f);
   }
-  for (int64_t first = 0; first <= last_pos; first += kTileKeys) {
+  for (int64_t first = min_lo; first <= last_pos; first += kTileKeys) {
     const int64_t count = std::min(kTileKeys, last_pos + 1 - first);
     for (int64_t j = 0; j < count; ++j) {
       const int64_t p = first + j;
@@ -263,12 +284,13 @@ void attend_item(const Problem<scalar_t>& pb, const Item& item, Scratch& w) {
       w.vals[j] = vt;
     }
     scores(w.keys.data(), count, w.qt.data(), vecs, w.st.data(), dim);
-    if (first + count - 1 > first_pos)  // the tile reaches past some row's position
-      softmax_tile<true>(w.st.data(), count, vecs, first, w.positions.data(), w.m.data(),
-                         w.l.data(), w.correction.data());
+    // The tile reaches past some row's last key or starts before some row's window.
+    if (first + count - 1 > min_hi || first < max_lo)
+      softmax_tile<true>(w.st.data(), count, vecs, first, w.positions.data(),
+                         w.neg_lows.data(), w.m.data(), w.l.data(), w.correction.data());
     else
-      softmax_tile<false>(w.st.data(), count, vecs, first, w.positions.data(), w.m.data(),
-                          w.l.data(), w.correction.data());
+      softmax_tile<false>(w.st.data(), count, vecs, first, w.positions.data(),
+                          w.neg_lows.data(), w.m.data(), w.l.data(), w.correction.data());
     values(w.vals.data(), count, w.st.data(), rows, w.correction.data(), w.o.data(), width,
            w.shifted.data());
   }
@@ -284,7 +306,7 @@ template <typename scalar_t>
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
             const at::Tensor& block_tables, const at::Tensor& query_starts,
             const at::Tensor& query_lens, const at::Tensor& context_lens, int64_t block_size,
-            double scale) {
+            double scale, int64_t window, const at::Tensor& key_ends) {
   const int64_t kv_heads = kv_cache.size(1), num_slots = kv_cache.size(2), dim = q.size(2);
   const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
   const Problem<scalar_t> pb{
@@ -293,7 +315,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
       query_starts.data_ptr<int32_t>(), query_lens.data_ptr<int32_t>(),
       context_lens.data_ptr<int32_t>(), q.stride(0), out.stride(0), num_slots,
       block_tables.size(1), q.size(1) / kv_heads, dim, block_size,
-      static_cast<float>(scale * 1.4426950408889634)};
+      static_cast<float>(scale * 1.4426950408889634), window,
+      key_ends.numel() ? key_ends.data_ptr<int32_t>() : nullptr};
   const int64_t queries_per_item = std::max<int64_t>(1, kTargetRows / pb.group);
   std::vector<Item> items;
   for (int64_t s = 0; s < query_starts.size(0); ++s) {
@@ -320,15 +343,20 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
 void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                        const at::Tensor& block_tables, const at::Tensor& query_starts,
                        const at::Tensor& query_lens, const at::Tensor& context_lens,
-                       int64_t block_size, double scale) {
+                       int64_t block_size, double scale, int64_t window,
+                       const std::optional<at::Tensor>& maybe_key_ends) {
+  const at::Tensor key_ends = maybe_key_ends.value_or(at::empty({0}, q.options().dtype(at::kInt)));
   vlmserve_paged::check_inputs(out, q, kv_cache, block_tables, query_starts, query_lens,
                                context_lens);
+  TORCH_CHECK(key_ends.numel() == 0 || (key_ends.scalar_type() == at::kInt &&
+                                        key_ends.is_contiguous() && key_ends.numel() == q.size(0)),
+              "key_ends: empty or int32 [num_tokens]");
 #if VLMSERVE_VEC_LANES
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
                                   "prefill_attention", [&] {
                                     attend<scalar_t>(out, q, kv_cache, block_tables,
                                                      query_starts, query_lens, context_lens,
-                                                     block_size, scale);
+                                                     block_size, scale, window, key_ends);
                                   });
 #else
   TORCH_CHECK(false, "prefill_attention needs AVX2 + FMA or AVX-512");
@@ -345,7 +373,7 @@ TORCH_LIBRARY(vlmserve_prefill, m) {
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor query_starts, Tensor query_lens, Tensor context_lens, int block_size, "
-      "float scale) -> ()");
+      "float scale, int window=0, Tensor? key_ends=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve_prefill, CPU, m) { m.impl("prefill_attention", &prefill_attention); }

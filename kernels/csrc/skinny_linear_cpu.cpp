@@ -4,8 +4,8 @@
 //
 // A decode step with a few sequences reads every weight once for a handful of rows: the
 // GEMM is bound by the weight stream, yet BLAS GEMMs (MKL, oneDNN) block and pack for
-// large batches (on a Zen 3, oneDNN's packed GEMM streams a decoder's weights at 21 GB/s
-// at 1 row and 16 GB/s at 4). Here each thread streams a share of the weight's rows, NB
+// large batches and stream the weights well below a plain read's bandwidth at a few rows
+// (benchmarks/skinny_linear.py). Here each thread streams a share of the weight's rows, NB
 // rows at a time, and multiplies each group with all the input rows while it is in L1: a
 // register tile of MR input rows x NB weight rows of vector partial sums. The weight is
 // read exactly once, prefetched well ahead; the inputs (a few KB) stay in L1.
@@ -34,9 +34,8 @@ constexpr int MR = 4;  // input rows a tile
 // (AVX-512: 24 + 6 of 32; AVX2: 12 + 3 of 16).
 constexpr int NB = L == 16 ? 6 : 3;
 // Software prefetch this many floats (8 KB) ahead of the weight rows being read: without
-// it the FMAs and the weight stream do not overlap (18 GB/s at 4 rows on the Zen 3 here;
-// 25 GB/s with it, of 28 GB/s that a plain reduction reads; 1-4 KB or 16-32 KB ahead:
-// less).
+// it the FMAs and the weight stream do not overlap (nearer or farther ahead was slower
+// where it was tuned; benchmarks/skinny_linear.py).
 constexpr int64_t PF = 2048;
 
 // out[m * os + n] for m < R, n < C: R input rows against C weight rows, K long.

@@ -83,7 +83,21 @@ def kv_bytes_per_token(model: ModelShape, cache_bytes: float = 2.0) -> float:
 
 
 def kv_bytes_per_sequence(model: ModelShape, context_len: int, cache_bytes: float = 2.0) -> float:
-    """M_KV/seq = N · bytes per token (§5)."""
+    """M_KV/seq = N · bytes per token (§5); with sliding-window layers (a hybrid KV
+    manager, vLLM's model) those hold min(N, window) tokens: the global layers' N tokens
+    plus the sliding layers' window."""
+    if not model.num_sliding_layers or model.sliding_window is None:
+        return context_len * kv_bytes_per_token(model, cache_bytes)
+    per_layer_token = kv_bytes_per_token(model, cache_bytes) / model.num_layers
+    num_global = model.num_layers - model.num_sliding_layers
+    held = num_global * context_len + model.num_sliding_layers * min(
+        context_len, model.sliding_window
+    )
+    return held * per_layer_token
+
+
+def kv_bytes_all_global(model: ModelShape, context_len: int, cache_bytes: float = 2.0) -> float:
+    """The same sequence's KV were every layer global (the hybrid manager's saving's base)."""
     return context_len * kv_bytes_per_token(model, cache_bytes)
 
 

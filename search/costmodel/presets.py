@@ -38,6 +38,11 @@ class ModelShape:
     num_experts_per_tok: int = 1
     # Where the article prices a backbone by its nominal size ("7B"), not its exact count.
     num_params_override: float | None = None
+    # Hybrid attention (Gemma 3: 5 of 6 layers): `num_sliding_layers` layers attend over
+    # the last `sliding_window` positions only, so a hybrid KV manager holds (and decode
+    # reads) at most that many of their tokens per sequence.
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim"):
@@ -55,6 +60,10 @@ class ModelShape:
             )
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"model {self.name!r}: need 1 <= num_experts_per_tok <= num_experts")
+        if not 0 <= self.num_sliding_layers <= self.num_layers:
+            raise ValueError(f"model {self.name!r}: num_sliding_layers must be in [0, layers]")
+        if self.num_sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"model {self.name!r}: sliding layers need a sliding_window >= 1")
 
     @property
     def group_size(self) -> int:
@@ -161,7 +170,40 @@ MODELS: dict[str, ModelShape] = {
         # the only P for which §17's "LLM prefill over 2,400 tokens ≈ 36.6 TFLOP" reproduces.
         _llama("mha-7b", 32, 4096, 32, 32, 11008, 32000, num_params_override=7.0e9),
         _llama("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, attention_bias=True),
+        # Gemma 3 (google/gemma-3-{4b,27b}-it text_config): head_dim 256 / 128, tied
+        # embeddings, window 1024 on 5 of every 6 layers (34 layers: 29 sliding).
+        ModelShape(
+            "gemma-3-4b",
+            34,
+            2560,
+            8,
+            4,
+            256,
+            10240,
+            262208,
+            tie_embeddings=True,
+            sliding_window=1024,
+            num_sliding_layers=29,
+        ),
+        ModelShape(
+            "gemma-3-27b",
+            62,
+            5376,
+            32,
+            16,
+            128,
+            21504,
+            262208,
+            tie_embeddings=True,
+            sliding_window=1024,
+            num_sliding_layers=52,
+        ),
     )
+}
+# A model's own tower and connector ratio, the `estimate image` defaults for it.
+MODEL_VISION: dict[str, tuple[str, int]] = {
+    "gemma-3-4b": ("siglip-so400m-14-896", 16),
+    "gemma-3-27b": ("siglip-so400m-14-896", 16),
 }
 
 ENCODERS: dict[str, VisionEncoder] = {
@@ -172,6 +214,8 @@ ENCODERS: dict[str, VisionEncoder] = {
         VisionEncoder("siglip-so400m-14-384", 384, 14, 27, 1152, 0.400e9),
         VisionEncoder("siglip-base-16-224", 224, 16, 12, 768, 0.093e9),
         VisionEncoder("siglip-base-16-512", 512, 16, 12, 768, 0.094e9),
+        # Gemma 3's tower: so400m at 896 px (4,096 patches, average-pooled 16:1 to 256).
+        VisionEncoder("siglip-so400m-14-896", 896, 14, 27, 1152, 0.400e9),
     )
 }
 
@@ -230,6 +274,27 @@ def get_accelerator(name: str) -> Accelerator:
     return _lookup(ACCELERATORS, _ACCELERATOR_ALIASES.get(key, key), "accelerator")
 
 
+# A GPU's name (torch.cuda.get_device_name) -> the accelerator preset it runs as, by the
+# first of these its lowered name contains.
+GPU_NAME_PRESETS = (("h200", "h200"), ("h100", "h100"), ("b200", "b200"), ("a100", "a100"),
+                    ("l40s", "l40s"))  # fmt: skip
+
+
+def gpu_preset(device_name: str, what_to_do: str = "") -> str:
+    """The accelerator preset a GPU's name matches ('NVIDIA H100 80GB HBM3' -> 'h100'). A
+    GPU no preset matches is refused (ValueError, with `what_to_do` appended): its
+    bandwidth and FLOP/s are unknown, and another device's would be silently wrong."""
+    lowered = device_name.lower()
+    for needle, preset in GPU_NAME_PRESETS:
+        if needle in lowered:
+            return preset
+    known = ", ".join(preset for _, preset in GPU_NAME_PRESETS)
+    raise ValueError(
+        f"no accelerator preset matches the GPU {device_name!r} (presets: {known})"
+        + (f"; {what_to_do}" if what_to_do else "")
+    )
+
+
 def get_model(spec: str) -> ModelShape:
     """A preset name, or a path to an HF ``config.json`` (or the folder holding one)."""
     if spec.strip().lower() in MODELS:
@@ -264,6 +329,7 @@ def model_from_hf_config(path: str | Path) -> ModelShape:
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1)
+        sliding = sliding_layers(cfg)
         ff_key = (
             "moe_intermediate_size"
             if experts > 1 and "moe_intermediate_size" in cfg
@@ -284,11 +350,29 @@ def model_from_hf_config(path: str | Path) -> ModelShape:
             qk_rope_head_dim=cfg.get("qk_rope_head_dim"),
             num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 1) if experts > 1 else 1,
+            sliding_window=int(cfg["sliding_window"]) if sliding else None,
+            num_sliding_layers=sliding,
         )
     except KeyError as exc:
         raise ValueError(f"model config {path} lacks {exc.args[0]!r}") from exc
     except (TypeError, ValueError) as exc:
         raise ValueError(f"model config {path}: {exc}") from exc
+
+
+def sliding_layers(cfg: dict) -> int:
+    """Layers an HF config puts on a sliding window: `layer_types`, or Gemma's
+    `sliding_window_pattern` (every n-th layer global); 0 without a window."""
+    if not cfg.get("sliding_window"):
+        return 0
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return sum(t == "sliding_attention" for t in types)
+    pattern = cfg.get("sliding_window_pattern")
+    if pattern is None and str(cfg.get("model_type", "")).startswith("gemma3"):
+        pattern = 6
+    if not pattern:
+        return 0
+    return sum(bool((i + 1) % int(pattern)) for i in range(int(cfg["num_hidden_layers"])))
 
 
 def measure_cpu(budget_s: float = 0.6) -> Accelerator:

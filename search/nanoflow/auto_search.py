@@ -17,7 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from search.nanoflow.milp import StageResult, solve_stage1, solve_stage2, split_groups
+from search.nanoflow.milp import StageResult, solve_stage1, split_groups
+from search.nanoflow.milp_stage2 import solve_stage2
 from search.nanoflow.nano_schedule import Nano, split_largest
 from search.nanoflow.profiles import Profiles, _slug
 from search.nanoflow.schedule import NanoOp, Schedule, check

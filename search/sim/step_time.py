@@ -178,7 +178,9 @@ def step_time(work: StepWork, hw: StepHardware) -> StepTime:
     flops = 2 * model.num_params * work.num_dense_rows
     flops += 4 * model.num_layers * model.hidden_size * float(work.num_attention_pairs)
     compute_s = cm.compute_time(flops, peak, a.prefill_efficiency)
-    kv_bytes = cm.kv_bytes_per_sequence(model, work.num_kv_tokens_read, hw.cache_bytes)
+    # A sum over sequences, priced as if every layer were global (an upper bound for
+    # sliding-window models, whose per-sequence windows this sum no longer shows).
+    kv_bytes = cm.kv_bytes_all_global(model, work.num_kv_tokens_read, hw.cache_bytes)
     memory_s = (cm.weight_bytes_total(model, a.weight_bytes) + kv_bytes) / hw.accel.mem_bandwidth
     total = vit_s + max(compute_s, memory_s) + hw.step_overhead_s
     return StepTime(vit_s, compute_s, memory_s, total)

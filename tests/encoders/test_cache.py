@@ -9,12 +9,9 @@ import pytest
 import torch
 
 from encoders.cache import EncoderCache, encoder_cache_key
-from encoders.config import EncoderConfig
-from scheduler.config import CacheConfig, SchedulerConfig
-from vlmserve.config import EngineConfig, ModelConfig
+from tests import helpers
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
-from vlmserve.sample.params import SamplingParams
 
 
 def value(num_floats: int) -> torch.Tensor:
@@ -55,14 +52,8 @@ def test_zero_budget_disables_and_keys_depend_on_settings() -> None:
 
 
 def make_engine(path, **encoder) -> Engine:
-    return Engine(
-        EngineConfig(
-            ModelConfig(str(path)),
-            CacheConfig(num_blocks=256, block_size=4),
-            SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8),
-            encoder=EncoderConfig(num_workers=0, **encoder),
-        )
-    )
+    encoder = {"num_workers": 0, **encoder}
+    return helpers.make_engine(path, budget=512, max_num_seqs=8, encoder=encoder)
 
 
 def png_bytes(image) -> bytes:
@@ -74,12 +65,10 @@ def png_bytes(image) -> bytes:
 def ask(image, before: str, after: str = "what colour is the star", **kw) -> Request:
     # text BEFORE the image: a different prefix, so the prefix cache cannot stand in for
     # the encoder cache
-    content = [{"type": "text", "text": before}, {"type": "image", "image": image},
-               {"type": "text", "text": after}]  # fmt: skip
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    return Request(messages=[{"role": "user", "content": content}], sampling=params, **kw)
+    return helpers.chat([image], after, helpers.greedy(6), before=before, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llava_onevision", "idefics3"])
 def test_a_cache_hit_gives_the_same_tokens_as_a_miss(family, request, random_image) -> None:
     path = request.getfixturevalue("llava_ov_path" if family == "llava_onevision"
@@ -112,10 +101,10 @@ def test_the_tower_runs_once_for_two_requests_with_the_same_image_in_one_step(
     assert stage.num_tower_images == 1
 
 
+@pytest.mark.slow
 def test_pool_workers_serve_the_same_tokens_as_inline(idefics3_path, random_image) -> None:
     data = png_bytes(random_image(8, 70, 45))
-    pooled = Engine(EngineConfig(ModelConfig(str(idefics3_path)),
-                                 encoder=EncoderConfig(num_workers=2, cache_bytes=0)))  # fmt: skip
+    pooled = helpers.make_engine(idefics3_path, encoder={"num_workers": 2, "cache_bytes": 0})
     [out] = pooled.generate([ask(data, "tell me")])
     [inline] = make_engine(idefics3_path).generate([ask(data, "tell me")])
     assert out.error is None and out.token_ids == inline.token_ids

@@ -142,6 +142,7 @@ def test_a_worker_killed_mid_image_is_replaced_and_the_image_retried(tmp_path) -
     assert shared_blocks() <= before
 
 
+@pytest.mark.slow
 def test_backpressure_bounds_the_pending_images() -> None:
     with PreprocessPool(num_workers=1, max_pending=2, process_fn=crash_or_tile) as pool:
         held = [pool.submit(b"slow", SPEC, False, 0) for _ in range(2)]

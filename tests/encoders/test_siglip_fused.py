@@ -48,6 +48,7 @@ def our_tower(hf: SiglipVisionModel, post_norm: bool, packed: bool, **kwargs) ->
     return tower.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_onednn)])
 @pytest.mark.parametrize("tiles_per_chunk", [None, 2])  # 2: chunks of 2, 2 and 1 tiles

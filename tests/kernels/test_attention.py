@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_attention
-from kernels.attention import AttentionBatch, TorchPagedAttention, _buckets, select_backend
+from kernels.attention import AttentionBatch, TorchPagedAttention, _buckets
+from kernels.backends import select_backend
 
 HEADS, KV_HEADS, DIM, BLOCK, NUM_BLOCKS = 4, 2, 8, 4, 128
 # Per sequence: (tokens cached by step 1, new tokens in step 2). Step 1 prefills the
@@ -102,6 +103,7 @@ def test_block_sizes_gqa_and_mha_match_sdpa(heads, kv_heads, block, backend):
     check_paged_attention(torch.device("cpu"), heads, kv_heads, block, WITH_SDPA[backend]())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("block", [16, 32])

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import flashinfer_attention
-from kernels.attention import select_backend
+from kernels.backends import select_backend
 from tests.kernels.test_attention import check_paged_attention
 
 NAN = float("nan")

@@ -9,29 +9,13 @@ import torch
 
 
 def greedy_tokens(path, random_image, device: str, dtype: str, backend: str | None, **model):
-    from scheduler.config import CacheConfig, SchedulerConfig
-    from vlmserve.config import EngineConfig, ModelConfig
-    from vlmserve.engine.core import Engine
-    from vlmserve.inputs.processing import Request
-    from vlmserve.sample.params import SamplingParams
+    from tests.helpers import chat, greedy, make_engine
 
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    requests = [
-        Request(
-            messages=[{"role": "user", "content": [
-                {"type": "image", "image": random_image(seed, 70, 40)},
-                {"type": "text", "text": text}]}],
-            sampling=params,
-        )
-        for seed, text in [(3, "where is the star"), (4, "count the shapes"), (5, "why")]
-    ]  # fmt: skip
-    engine = Engine(
-        EngineConfig(
-            ModelConfig(str(path), device=device, dtype=dtype, attention_backend=backend,
-                        **model),
-            CacheConfig(num_blocks=64, block_size=16),
-            SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8),
-        )
+    texts = [(3, "where is the star"), (4, "count the shapes"), (5, "why")]
+    requests = [chat([random_image(seed, 70, 40)], text, greedy(16)) for seed, text in texts]
+    engine = make_engine(
+        path, num_blocks=64, block_size=16, budget=256, max_num_seqs=8,
+        device=device, dtype=dtype, attention_backend=backend, **model,
     )  # fmt: skip
     return [out.token_ids for out in engine.generate(requests)], engine
 
@@ -80,7 +64,7 @@ def test_flashinfer_backend_gives_the_torch_tokens(family, kv_heads, tmp_path, r
 @pytest.mark.gpu
 def test_auto_picks_a_gpu_backend():
     from kernels import flashinfer_attention
-    from kernels.attention import select_backend
+    from kernels.backends import select_backend
 
     name = select_backend(torch.device("cuda"), "auto", torch.bfloat16).name
     has_flashinfer = flashinfer_attention.available(torch.device("cuda")) is None

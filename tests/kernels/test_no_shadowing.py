@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_transformers_does_not_take_our_kernels_for_the_hub_package():
     code = (
         f"ROOT = {str(ROOT)!r}\n"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kernels import cpu_attention
-from kernels.attention import AttentionBatch, select_backend
+from kernels.attention import AttentionBatch
+from kernels.backends import select_backend
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +76,7 @@ def run_kernel(shapes, heads, kv_heads, dim, block, dtype=torch.float32, seed=0)
 RAGGED = [(0, 17), (0, 130), (45, 20), (64, 64), (1, 97), (200, 33), (0, 64), (31, 150)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 4), (8, 2)])  # GQA groups 1, 2, 4
 @pytest.mark.parametrize("block", [16, 32])

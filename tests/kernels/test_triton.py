@@ -24,7 +24,12 @@ NAN = float("nan")
 
 @pytest.mark.parametrize(
     "heads, kv_heads, dim, block, seed",
-    [(4, 4, 64, 16, 0), (4, 2, 128, 32, 1), (8, 2, 64, 32, 2), (8, 1, 128, 16, 3)],
+    [
+        pytest.param(4, 4, 64, 16, 0, marks=pytest.mark.slow),
+        (4, 2, 128, 32, 1),  # the fast lane's case (Triton's interpreter on a CPU)
+        pytest.param(8, 2, 64, 32, 2, marks=pytest.mark.slow),
+        pytest.param(8, 1, 128, 16, 3, marks=pytest.mark.slow),
+    ],
 )  # GQA ratios 1, 2, 4, 8
 def test_paged_attention_matches_sdpa(heads, kv_heads, dim, block, seed):
     """Two steps over scattered blocks: decodes over ragged contexts (1 token, a block
@@ -38,6 +43,7 @@ def test_paged_attention_matches_sdpa(heads, kv_heads, dim, block, seed):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_long_context_decode_splits_and_merges():
     """One sequence decoding at 4,000 tokens: split-K over the context, then the merge. The
     prefix is written by hand (a 4,000-row prefill is slow in the interpreter)."""
@@ -124,60 +130,40 @@ def test_rope_and_cache_write_match_eager(heads, kv_heads, dim):
     torch.testing.assert_close(cache, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
+@pytest.mark.slow
 def test_engine_with_the_triton_backend_gives_the_torch_tokens(llava_ov_path, random_image):
     """The whole runner path on the Triton backend (fused RoPE + K/V write, decode and
     extend kernels; in the interpreter on a CPU): greedy tokens equal the torch backend's
     for two image requests batched together."""
-    from scheduler.config import CacheConfig, SchedulerConfig
-    from vlmserve.config import EngineConfig, ModelConfig
-    from vlmserve.engine.core import Engine
-    from vlmserve.inputs.processing import Request
-    from vlmserve.sample.params import SamplingParams
+    from tests.helpers import chat, greedy, make_engine
 
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    requests = [
-        Request(
-            messages=[{"role": "user", "content": [
-                {"type": "image", "image": random_image(seed, 70, 40)},
-                {"type": "text", "text": text}]}],
-            sampling=params,
-        )
-        for seed, text in [(3, "where is the star"), (4, "count")]
-    ]  # fmt: skip
+    texts = [(3, "where is the star"), (4, "count")]
+    requests = [chat([random_image(seed, 70, 40)], text, greedy(4)) for seed, text in texts]
     tokens = {}
     for backend in ("torch", "triton"):
-        engine = Engine(
-            EngineConfig(
-                ModelConfig(str(llava_ov_path), device=DEVICE.type, dtype="float32",
-                            attention_backend=backend),
-                CacheConfig(num_blocks=32, block_size=16),
-                SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4),
-            )
+        engine = make_engine(
+            llava_ov_path, num_blocks=32, block_size=16, budget=512, max_num_seqs=4,
+            device=DEVICE.type, dtype="float32", attention_backend=backend,
         )  # fmt: skip
         assert engine.runner.backend.name == backend
         tokens[backend] = [out.token_ids for out in engine.generate(requests)]
     assert tokens["triton"] == tokens["torch"]
 
 
+@pytest.mark.slow
 def test_decode_graph_buffers_and_padding_give_the_unpadded_logits(llava_ov_path):
     """The CUDA-graph decode path minus the capture (vlmserve/worker/cuda_graphs.py with
     capture=False): a 3-sequence decode step copied into the persistent buffers of the
     4-row bucket, the 4th row padded (slot -1, context 0), gives the logits of the plain
     step; the padded row wrote no K/V."""
-    from scheduler.config import CacheConfig, SchedulerConfig
-    from vlmserve.config import EngineConfig, ModelConfig
-    from vlmserve.engine.core import Engine
+    from tests.helpers import make_engine
     from vlmserve.inputs.processing import Request
     from vlmserve.sample.params import SamplingParams
     from vlmserve.worker.cuda_graphs import DecodeGraphs
 
-    engine = Engine(
-        EngineConfig(
-            ModelConfig(str(llava_ov_path), device=DEVICE.type, dtype="float32",
-                        attention_backend="triton"),
-            CacheConfig(num_blocks=16, block_size=16),
-            SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
-        )
+    engine = make_engine(
+        llava_ov_path, num_blocks=16, block_size=16, budget=64, max_num_seqs=4,
+        device=DEVICE.type, dtype="float32", attention_backend="triton",
     )  # fmt: skip
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for ids in ([5, 6, 7], [8, 9, 10, 11, 12], list(range(20, 39))):

@@ -1,13 +1,17 @@
 """The adaptive γ policy, and how the planner schedules and rolls back drafts."""
 
+import pytest
+
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from scheduler.planner import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.spec_policy import SpecPolicy
+from search.costmodel.cost_model import spec_speedup
 
 
 def test_step_gamma_keeps_rows_under_the_ridge():
-    policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=4), ridge_batch=40)
+    config = SpeculativeConfig(num_speculative_tokens=4)
+    policy = SpecPolicy(config, ridge_batch=40, speedup=spec_speedup)
     assert policy.step_gamma(1) == 4  # capped by γ_max
     assert policy.step_gamma(8) == 4  # 8·5 = 40 ≤ B*
     assert policy.step_gamma(10) == 3
@@ -20,7 +24,7 @@ def test_step_gamma_keeps_rows_under_the_ridge():
 
 def test_seq_gamma_follows_the_acceptance_rate_and_probes_again():
     config = SpeculativeConfig(num_speculative_tokens=6, probe_interval=4)
-    policy = SpecPolicy(config, ridge_batch=1e9)
+    policy = SpecPolicy(config, ridge_batch=1e9, speedup=spec_speedup)
     # Prior α = 0.5, c = 0.1: E[tokens]/(1 + γc) peaks at γ = 2 (1.46 vs 1.36 and 1.44).
     assert policy.seq_gamma("a", 6) == 2
     num_rejected = 0
@@ -39,7 +43,9 @@ def test_seq_gamma_follows_the_acceptance_rate_and_probes_again():
 
 
 def test_metrics_count_proposed_and_accepted():
-    policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=4), ridge_batch=1e9)
+    policy = SpecPolicy(
+        SpeculativeConfig(num_speculative_tokens=4), ridge_batch=1e9, speedup=spec_speedup
+    )
     policy.record("a", 4, 4)
     policy.record("a", 3, 1)
     policy.record("b", 0, 0)  # nothing proposed: not a verification
@@ -55,6 +61,7 @@ def make_scheduler(num_blocks=16, budget=64, **spec) -> Scheduler:
         CacheConfig(block_size=4),
         num_blocks,
         speculative=spec,
+        spec_speedup=spec_speedup,
     )
 
 
@@ -127,3 +134,9 @@ def test_no_drafts_past_the_ridge_or_without_free_blocks():
     plan = scheduler.schedule()
     assert plan.scheduled[0].draft_token_ids == () and not plan.preempted
     assert seq.status == "running"
+
+
+def test_adaptive_speculation_needs_the_speedup_model():
+    with pytest.raises(ValueError, match="speed-up model"):
+        SpecPolicy(SpeculativeConfig(num_speculative_tokens=4), ridge_batch=40)
+    SpecPolicy(SpeculativeConfig(num_speculative_tokens=4, adaptive=False), ridge_batch=40)

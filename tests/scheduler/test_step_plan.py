@@ -1,6 +1,7 @@
 """The StepPlan contract: a runner that keeps only what plans tell it (block-table deltas,
-token ids, image chunks) always holds the scheduler's truth, through prefix-cache hits,
-speculative rollbacks and preemptions; and a plan holds no live scheduler object."""
+token ids, image chunks, finished and preempted ids) always holds the scheduler's truth,
+through prefix-cache hits, speculative rollbacks, preemptions and finishes; and a plan
+holds plain data only."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from sched_testing import make_request, make_scheduler
 
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from scheduler.planner import Scheduler
-from scheduler.sequence import ImagePlaceholder, Sequence
+from scheduler.sequence import Sequence
 from scheduler.step_plan import StepPlan, image_chunks
 
 
@@ -22,7 +23,7 @@ class RunnerCopy:
         self.tables: dict[str, list[int]] = {}
 
     def apply(self, plan: StepPlan) -> None:
-        for request_id in plan.preempted:
+        for request_id in plan.finished + plan.preempted:
             self.tables.pop(request_id, None)
         for item in plan.scheduled:
             table = self.tables.setdefault(item.request_id, [])
@@ -30,15 +31,37 @@ class RunnerCopy:
             table.extend(item.block_table.new_block_ids)
 
 
-def live_objects(value: object) -> list[object]:
-    """Scheduler objects reachable from `value` through dataclasses and containers."""
-    if isinstance(value, Sequence | ImagePlaceholder | Scheduler):
-        return [value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [x for f in dataclasses.fields(value) for x in live_objects(getattr(value, f.name))]
+PLAIN = (int, float, str, bytes, bool, type(None))
+
+
+def not_plain(value: object, path: str = "plan") -> list[str]:
+    """Where `value` holds anything but plain data: ints, floats, strings, bytes, bools,
+    None, and tuples, lists, dicts and frozen dataclasses of those."""
+    if isinstance(value, PLAIN):
+        return []
     if isinstance(value, list | tuple):
-        return [x for v in value for x in live_objects(v)]
-    return []
+        return [x for i, v in enumerate(value) for x in not_plain(v, f"{path}[{i}]")]
+    if isinstance(value, dict):
+        return [
+            x for k, v in value.items() for x in not_plain(k, path) + not_plain(v, f"{path}[{k!r}]")
+        ]
+    is_record = dataclasses.is_dataclass(value) and not isinstance(value, type)
+    if is_record and type(value).__dataclass_params__.frozen:
+        return [
+            x
+            for f in dataclasses.fields(value)
+            for x in not_plain(getattr(value, f.name), f"{path}.{f.name}")
+        ]
+    return [f"{path}: {type(value).__name__}"]
+
+
+def test_the_plain_data_check_finds_a_live_object():
+    seq = make_request("img", 20, images=[(3, 10, 1)])
+    [chunk] = image_chunks(seq, 0, 20)
+    assert not_plain(StepPlan([], ("a",), ("b",))) == []
+    assert not_plain(dataclasses.replace(chunk, cache_key=seq)) == ["plan.cache_key: Sequence"]
+    assert not_plain({"x": [1, (2, object())]}) == ["plan['x'][1][1]: object"]
+    assert not_plain(Sequence("a", [1])) == ["plan: Sequence"]  # a mutable dataclass
 
 
 def test_the_runner_copy_of_every_block_table_follows_the_deltas():
@@ -48,7 +71,7 @@ def test_the_runner_copy_of_every_block_table_follows_the_deltas():
         SchedulerConfig(max_num_batched_tokens=24, admission="fcfs"),
         CacheConfig(block_size=4), num_blocks=16, speculative=spec,
     )  # fmt: skip
-    runner, limits = RunnerCopy(), {}
+    runner, limits, finished = RunnerCopy(), {}, []
     seen = {"preempted": 0, "rolled_back": 0, "prefix_hits": 0}
     for step in range(400):
         if step < 300 and rng.random() < 0.4:
@@ -58,7 +81,7 @@ def test_the_runner_copy_of_every_block_table_follows_the_deltas():
             limits[seq.request_id] = len(prompt) + rng.randrange(1, 20)
             scheduler.add(seq, limits[seq.request_id])
         plan = scheduler.schedule()
-        assert live_objects(plan) == []
+        assert not_plain(plan) == []
         runner.apply(plan)
         seen["preempted"] += len(plan.preempted)
         for item in plan.scheduled:
@@ -78,9 +101,11 @@ def test_the_runner_copy_of_every_block_table_follows_the_deltas():
             if seq.num_tokens >= limits[seq.request_id]:
                 seen["prefix_hits"] += seq.num_cached_tokens > 0
                 scheduler.finish(seq)
-                runner.tables.pop(seq.request_id)
+                finished.append(seq.request_id)
         scheduler.block_manager.check_integrity()
     assert not scheduler.has_unfinished()
+    runner.apply(scheduler.schedule())  # the last finished ones reach the runner
+    assert runner.tables == {} and sorted(finished) == sorted(set(finished))
     assert all(count > 0 for count in seen.values()), seen  # each path was exercised
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from encoders.preprocess import _workers_wait_passively
+from encoders.preprocess_worker import _workers_wait_passively
 
 KEYS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "VLMSERVE_SPIN_ENGINE_ONLY")
 
@@ -49,6 +49,7 @@ def _child_env(queue) -> None:
     queue.put(tuple(os.environ.get(k) for k in KEYS[:2]))
 
 
+@pytest.mark.slow
 def test_pool_workers_wait_passively_beside_a_spinning_server(monkeypatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "10000000")
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)

@@ -10,18 +10,23 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 
 from encoders.config import EncoderConfig
-from kernels.attention import BACKENDS
+from kernels.backends import BACKENDS
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 
-# Speculation is off unless asked for: benchmarks/spec_decode.py did not show adaptive γ
-# never slower than off at every load (README, "Speculation").
-DEFAULT_SPECULATIVE_TOKENS = 0
-_ENCODER = EncoderConfig()  # the defaults the flags show
+# The defaults the flags show are the config dataclasses' own (one source for each).
+# ModelConfig needs a path: its other fields' defaults are read from the class.
+_MODEL = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+_CACHE = CacheConfig()
+_SCHED = SchedulerConfig()
+_SPEC = SpeculativeConfig()
+_ENCODER = EncoderConfig()
+_PARALLEL = ParallelConfig()
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -78,15 +83,20 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--max-model-len", type=_int_at_least(2), default=None, help="default: the checkpoint's"
     )
-    group.add_argument("--max-images-per-request", type=_int_at_least(0), default=16)
+    group.add_argument(
+        "--max-images-per-request",
+        type=_int_at_least(0),
+        default=_MODEL["max_images_per_request"],
+    )
     group.add_argument(
         "--tensor-parallel-size",
         type=_int_at_least(1),
-        default=1,
+        default=_PARALLEL.tensor_parallel_size,
         metavar="N",
         help="split the decoder's heads and MLP over N ranks, one process each (gloo on "
         "CPU, NCCL on GPUs); the vision tower runs data-parallel over them. N must divide "
-        "the attention heads; past the KV heads they are replicated (default: 1)",
+        "the attention heads; past the KV heads they are replicated (default: "
+        f"{_PARALLEL.tensor_parallel_size})",
     )
     group.add_argument(
         "--eager",
@@ -112,12 +122,12 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--nano-batch",
-        default="off",
+        default=_MODEL["nano_batch"],
         metavar="off|auto|PATH",
         help="nano-batched layers (NanoFlow): auto = the auto-search's schedules for this "
         "model and device (profiled and searched on first use, then cached), or a schedule "
         "JSON or a folder of them (one per dense batch size); steps where the schedule does "
-        "not pay run unsplit (default: off)",
+        f"not pay run unsplit (default: {_MODEL['nano_batch']})",
     )
 
 
@@ -125,9 +135,10 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--kv-cache-mb",
         type=_int_at_least(1),
-        default=1024,
+        default=_CACHE.memory_bytes >> 20,
         metavar="MB",
-        help="KV pool budget on CPU (default: 1024); the pool is never larger than "
+        help=f"KV pool budget on CPU (default: {_CACHE.memory_bytes >> 20}); the pool is "
+        "never larger than "
         "--max-num-seqs sequences of --max-model-len tokens can fill",
     )
     group.add_argument(
@@ -137,16 +148,20 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
         metavar="N",
         help="KV pool size in blocks (overrides the sizing above)",
     )
-    group.add_argument("--block-size", type=_int_at_least(1), default=16, help="a power of two")
-    group.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=2048)
-    group.add_argument("--max-num-seqs", type=_int_at_least(1), default=64)
+    group.add_argument(
+        "--block-size", type=_int_at_least(1), default=_CACHE.block_size, help="a power of two"
+    )
+    group.add_argument(
+        "--max-num-batched-tokens", type=_int_at_least(1), default=_SCHED.max_num_batched_tokens
+    )
+    group.add_argument("--max-num-seqs", type=_int_at_least(1), default=_SCHED.max_num_seqs)
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument(
         "--no-chunked-prefill",
         action="store_true",
         help="a prompt longer than --max-num-batched-tokens waits for a step of its own",
     )
-    sched = SchedulerConfig()
+    sched = _SCHED
     group.add_argument(
         "--admission",
         choices=["lumpy", "fcfs"],
@@ -209,14 +224,15 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
-    spec = SpeculativeConfig()
+    spec = _SPEC
     group.add_argument(
         "--speculative-tokens",
         type=_int_at_least(0),
-        default=DEFAULT_SPECULATIVE_TOKENS,
+        default=spec.num_speculative_tokens,
         metavar="N",
         help="draft up to N tokens per sequence per step from the sequence's own n-grams, "
-        "verified losslessly (default: 0, off); γ adapts to the load and to each "
+        f"verified losslessly (default: {spec.num_speculative_tokens}, 0 = off); γ adapts to "
+        "the load and to each "
         "sequence's acceptance unless --no-adaptive-speculation",
     )
     group.add_argument(
@@ -293,8 +309,15 @@ def _add_encoder_args(group: argparse._ArgumentGroup) -> None:
         help="decode large JPEGs at 1/2..1/8 scale when the tiles are that small: faster, "
         "but the pixels differ from transformers' processor, and so do outputs: 16-token "
         "greedy answers changed on 32%% of requests for Idefics3, 12%% for LLaVA-OneVision, "
-        "5%% for the default model (0%% with it off; benchmarks/jpeg_draft_divergence.py, "
+        "5%% for the default model (0%% with it off; benchmarks/engine/jpeg_draft_divergence.py, "
         "100 JPEGs each). Off by default: pixels are exact",
+    )
+    group.add_argument(
+        "--pan-and-scan",
+        action="store_true",
+        help="Gemma 3: an elongated image (aspect >= 1.2, crops >= 256 px) also goes in as "
+        "2-4 crops along its long side, each another 256 tokens (transformers' "
+        "do_pan_and_scan; off by default, as there)",
     )
     group.add_argument(
         "--hf-image-processor",
@@ -361,6 +384,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_decode_pixels=args.max_decode_pixels,
         jpeg_draft=args.jpeg_draft,
         use_pool=not args.hf_image_processor,
+        pan_and_scan=args.pan_and_scan,
     )
     parallel = _with_flags(
         "--tensor-parallel-size", ParallelConfig, tensor_parallel_size=args.tensor_parallel_size

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import platform
+import sys
 from pathlib import Path
 
 import torch
 
-from kernels.attention import select_backend
+from kernels.backends import select_backend
 from kernels.fused_ops import op_backends
 from vlmserve.config import default_device
+from vlmserve.worker.models.loader import SUPPORTED_FAMILIES
 
 
 def dist_version(dist: str) -> str | None:
@@ -77,6 +79,30 @@ def tensor_parallel(model_path: str, size: int) -> dict[str, object]:
     }
 
 
+def build_kernels() -> tuple[dict[str, str], bool]:
+    """Build every C++ CPU kernel ahead (kernels/cpu_build.py), saying so on stderr while it
+    happens: per kernel "built in N s", "already built" or why it is unavailable; and
+    whether all of them are available."""
+    from kernels import cpu_build
+
+    print(
+        f"building the C++ CPU kernels ({', '.join(cpu_build.KERNELS)}): once per "
+        "environment and kernel source, a minute or two",
+        file=sys.stderr,
+        flush=True,
+    )
+    report = {}
+    results = cpu_build.build_all()
+    for name, done in results.items():
+        if done["error"]:
+            report[name] = f"unavailable ({done['error']})"
+        elif done["already_built"]:
+            report[name] = "already built"
+        else:
+            report[name] = f"built in {done['seconds']} s"
+    return report, not any(done["error"] for done in results.values())
+
+
 def collect(model_path: str | None = None, tp: int = 1) -> dict[str, object]:
     device = default_device()
     dtype = torch.float32 if device == "cpu" else torch.bfloat16  # ModelConfig's default
@@ -89,6 +115,7 @@ def collect(model_path: str | None = None, tp: int = 1) -> dict[str, object]:
         "attention_backend": attention,
         "ops": op_backends(torch.device(device), attention),
         "threads": torch.get_num_threads(),
+        "model_families": ", ".join(SUPPORTED_FAMILIES),
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)

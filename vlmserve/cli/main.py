@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from vlmserve.cli import caption
+from vlmserve.cli import caption_cli
 from vlmserve.cli import serve as serve_cli
 from vlmserve.cli.engine_args import add_engine_args, engine_config_from_args
 from vlmserve.cli.estimate import main as estimate_cli
@@ -17,9 +17,12 @@ from vlmserve.engine.stats import render_engine_stats
 def cmd_info(args: argparse.Namespace) -> int:
     from vlmserve.cli import info
 
+    kernels, built = info.build_kernels() if args.build_kernels else ({}, True)
     data = info.collect(args.model, args.tensor_parallel_size)
+    if kernels:
+        data["cpu_kernels"] = kernels
     print(json.dumps(data, indent=2) if args.json else info.render(data))
-    return 0
+    return 0 if built else 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -64,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--model", help="checkpoint folder: also how --tensor-parallel-size splits it")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N")
+    p.add_argument(
+        "--build-kernels",
+        action="store_true",
+        help="build the C++ CPU kernels now (otherwise the first engine start builds them)",
+    )
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="one offline multimodal generation")
@@ -80,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     estimate_cli.register(sub)
     serve_cli.register(sub)
-    caption.register(sub)
+    caption_cli.register(sub)
     return parser
 
 

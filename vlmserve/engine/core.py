@@ -28,23 +28,21 @@ from concurrent import futures
 from dataclasses import dataclass
 
 from encoders.errors import PromptTooLongError, RequestError
-from scheduler.in_flight import LaunchedStep, advance, resolve
+from scheduler.in_flight import LaunchedStep
 from scheduler.planner import Scheduler
 from scheduler.sequence import Sequence
+from scheduler.spans import image_spans
 from scheduler.spec_policy import SpecMetrics
 from scheduler.step_plan import ScheduledSeq, StepPlan
+from search.costmodel.cost_model import spec_speedup
 from vlmserve.config import EngineConfig
 from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, run_step
 from vlmserve.engine.image_wait import pending_images, poll_images, wait_for_images
 from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
 from vlmserve.engine.stats import engine_stats
-from vlmserve.inputs.processing import (
-    Request,
-    check_prompt_chars,
-    eos_token_ids,
-    make_prompt_processor,
-)
+from vlmserve.inputs.processing import Request, check_prompt_chars, eos_token_ids
+from vlmserve.inputs.prompt_processor import make_prompt_processor
 from vlmserve.sample.params import SamplerState, SamplingParams
 from vlmserve.sample.verify import ridge_batch_for
 from vlmserve.worker.parallel.executor import make_runner
@@ -63,6 +61,7 @@ class _State:
     output: RequestOutput
     detokenizer: IncrementalDetokenizer
     stop_token_ids: frozenset[int]  # its own and, unless ignore_eos, the model's EOS ids
+    works: list[object]  # its images' encoder records (the runner has them too)
 
 
 @dataclass(frozen=True)
@@ -86,8 +85,7 @@ class Engine:
         self.tokenizer = self.processor.tokenizer
         # The engine thread's own copy: preparer threads tokenise with theirs meanwhile.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
-        context = model.decoder.cfg.max_position_embeddings
-        self.max_model_len = min(config.model.max_model_len or context, context)
+        self.max_model_len = self.runner.max_model_len  # the flag, capped by the context
         speculative = config.speculative
         if speculative.enabled and speculative.adaptive and speculative.ridge_batch is None:
             ridge = ridge_batch_for(self.runner.device, self.runner.dtype)
@@ -95,7 +93,7 @@ class Engine:
         cache = self.runner.encoder_cache  # pool images: content_hash is the cache key
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.runner.num_blocks, speculative=speculative,
-            encoder_cached=cache.__contains__,
+            encoder_cached=cache.__contains__, spec_speedup=spec_speedup,
         )  # fmt: skip
         self.eos_token_ids = eos_token_ids(config.model.path, model.config, self.tokenizer)
         self._states: dict[str, _State] = {}
@@ -143,6 +141,8 @@ class Engine:
         prompt, params = request.prompt, request.params
         num_prompt = len(prompt.token_ids)
         seq = Sequence(request_id, list(prompt.token_ids), prompt.images)
+        if self.runner.model.bidirectional_images:
+            seq.spans = image_spans(prompt.images)
         output = RequestOutput(
             request_id,
             num_prompt_tokens=num_prompt,
@@ -153,12 +153,14 @@ class Engine:
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         )
         state = _State(
-            seq, params, SamplerState(params), request.max_tokens, output, detokenizer, stops
-        )
+            seq, params, SamplerState(params), request.max_tokens, output, detokenizer, stops,
+            prompt.works,
+        )  # fmt: skip
         self._states[request_id] = state
         # Its images may still be decoding in the pool: queued now, admitted once ready.
-        seq.ready = not pending_images(seq)
+        seq.ready = not pending_images(prompt.works)
         self.scheduler.add(seq, num_prompt + request.max_tokens)
+        self.runner.add_request(request_id, prompt.works)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -222,15 +224,15 @@ class Engine:
         failed). `idle_wait`: with nothing to run, wait briefly for a decoding image."""
         failed = self._poll_images()
         plan = self.scheduler.schedule()
-        for request_id in plan.preempted:
-            self.runner.preempt(request_id)
+        # The runner forgets the finished, keeps the preempted's images, encodes the step's.
+        image_failures = self.runner.begin_step(plan)
         if plan.is_empty:
             if idle_wait and not failed:
-                wait_for_images(self.scheduler.waiting)
+                wait_for_images(s.works for s in self._states.values() if not s.seq.ready)
             return plan, failed
         failed += [
             self._fail(self._states[request_id], error)
-            for request_id, error in self.runner.encode_images(plan).items()
+            for request_id, error in image_failures.items()
         ]
         return self._without(plan, {out.request_id for out in failed}), failed
 
@@ -251,7 +253,7 @@ class Engine:
             future = self._forward.submit(inputs, plan.scheduled, samplers, before)
         except Exception as e:  # noqa: BLE001 - as the forward raising: fails when taken
             future.set_exception(e)
-        return _InFlight(advance(plan, self.scheduler.seqs), states, future)
+        return _InFlight(self.scheduler.launch(plan), states, future)
 
     def _collect(self, flight: _InFlight | None) -> list[RequestOutput]:
         """Wait for `flight`'s output and take it like a synchronous step's. Requests that
@@ -269,7 +271,7 @@ class Engine:
         step = flight.step
         tokens = [accepted.get(item.request_id, ([], None))[0] for item in step.plan.scheduled]
         self._count_prompt_work(step.plan.scheduled)
-        resolve(step, tokens, self.scheduler.seqs, self.scheduler.block_manager)
+        self.scheduler.land(step, tokens)
         self.num_steps += 1
         return failed + self._emit(accepted)
 
@@ -310,20 +312,25 @@ class Engine:
 
     def _poll_images(self) -> list[RequestOutput]:
         """Ready the sequences whose images are decoded; fail those whose decode failed."""
-        failures = poll_images(self.scheduler.waiting)
-        return [self._fail(self._states[seq.request_id], e) for seq, e in failures]
+        unready = {rid: s.works for rid, s in self._states.items() if not s.seq.ready}
+        if not unready:
+            return []
+        ready, failures = poll_images(unready)
+        for request_id in ready:
+            self._states[request_id].seq.ready = True
+        return [self._fail(self._states[request_id], e) for request_id, e in failures]
 
     @staticmethod
     def _without(plan: StepPlan, request_ids: set[str]) -> StepPlan:
         kept = [item for item in plan.scheduled if item.request_id not in request_ids]
-        return StepPlan(kept, plan.preempted) if request_ids else plan
+        return dataclasses.replace(plan, scheduled=kept) if request_ids else plan
 
     def _count_prompt_work(self, scheduled: list[ScheduledSeq]) -> None:
         """Prompt tokens the items computed, failed ones left out."""
         for item in scheduled:
-            seq = self.scheduler.seqs.get(item.request_id)
-            if seq is not None:
-                prompt_end = min(item.end, seq.num_prompt_tokens)
+            state = self._states.get(item.request_id)  # None: finished meanwhile
+            if state is not None:
+                prompt_end = min(item.end, state.seq.num_prompt_tokens)
                 self.num_computed_prompt_tokens += max(0, prompt_end - item.num_computed_tokens)
 
     def _accept(self, state: _State, new: list[int]) -> tuple[list[int], FinishReason | None]:
@@ -362,8 +369,7 @@ class Engine:
         state.output.finished = True
         state.output.finish_reason = reason
         state.output.num_cached_tokens = state.seq.num_cached_tokens
-        self.scheduler.finish(state.seq)
-        self.runner.release(state.seq.request_id)
+        self.scheduler.finish(state.seq)  # the runner forgets it with the next plan
         del self._states[state.seq.request_id]
 
     def close(self) -> None:
@@ -374,13 +380,15 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Engine-side gauges and counters for metrics: queue, KV pool, prefix and encoder
         caches, preprocessing stage seconds, speculation."""
-        return engine_stats(self)
+        return engine_stats(
+            self.scheduler.stats(), self.num_steps, self.num_computed_prompt_tokens,
+            self.runner.encoder_cache.stats(), self.processor.pool_metrics(), self.spec_metrics,
+        )  # fmt: skip
 
     @property
     def spec_metrics(self) -> SpecMetrics | None:
         """Speculation counters (proposed, accepted, mean accepted length); None when off."""
-        policy = self.scheduler.spec_policy
-        return policy.metrics if policy is not None else None
+        return self.scheduler.spec_metrics
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         """Run `requests` to completion. A request that cannot be served gets an output

@@ -32,14 +32,15 @@ Sampled = list[list[int] | Exception]  # per plan item, as `sample_plan` returns
 # The engine thread's Python (stop checks, detokenising, planning) and the forward's
 # Python between ops share the GIL. At CPython's default switch interval (5 ms) an op
 # that ends while the engine thread runs waits up to 5 ms to go on, and the next step
-# waits as long to start: benchmarks/async_scheduling.py (batch 256, 1 thread) hid 39% of
-# the host's time at 5 ms, 79% at 0.5 ms, 77% at 0.2 ms. Lowered process-wide, never raised.
+# waits as long to start; at 0.5 ms benchmarks/engine/async_scheduling.py hides about twice as
+# much of the host's time as at 5 ms, and going lower gains nothing (its results file).
+# Lowered process-wide, never raised.
 SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
 class StepTimes:
-    """Where the engine's time went, summed over steps (benchmarks/async_scheduling.py)."""
+    """Where the engine's time went, summed over steps (benchmarks/engine/async_scheduling.py)."""
 
     # Engine thread CPU time outside the forward: planning, the vision tower, building
     # inputs, stop checks, detokenising, bookkeeping (time.thread_time).

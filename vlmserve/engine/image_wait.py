@@ -1,50 +1,52 @@
-"""Waiting sequences whose images are still being decoded and tiled in the pool: which
-are ready, which failed, and a short wait when the engine has nothing else to do."""
+"""Requests whose images are still being decoded and tiled in the pool: which are ready,
+which failed, and a short wait when the engine has nothing else to do. A request's images
+are its encoder records (`ProcessedPrompt.works`: ImageWork, or a VisionInput that needs
+no wait)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent import futures
 
 from encoders.stage import ImageWork
-from scheduler.sequence import Sequence
 
 # Longest an idle step waits for an image decode (the engine thread has nothing else).
 IMAGE_POLL_S = 0.005
 
 
-def poll_images(waiting: Iterable[Sequence]) -> list[tuple[Sequence, Exception]]:
-    """Mark sequences whose images are all decoded ready; return those whose decode
-    failed, with the error (the engine fails them alone). Never blocks."""
-    failed = []
-    for seq in [s for s in waiting if not s.ready]:
-        if pending_images(seq):
+def poll_images(
+    unready: Mapping[str, list[object]],
+) -> tuple[list[str], list[tuple[str, Exception]]]:
+    """Of the requests (id -> image records) not ready yet: those whose images are all
+    decoded, and those whose decode failed, with the error (the engine fails them alone).
+    Never blocks."""
+    ready, failed = [], []
+    for request_id, works in unready.items():
+        if pending_images(works):
             continue
         try:
-            for image in seq.images:
-                if isinstance(image.data, ImageWork):
-                    image.data.wait()  # done: records timings, raises a decode error
+            for work in works:
+                if isinstance(work, ImageWork):
+                    work.wait()  # done: records timings, raises a decode error
         except Exception as e:  # noqa: BLE001 - this request's image alone
-            failed.append((seq, e))
+            failed.append((request_id, e))
             continue
-        seq.ready = True
-    return failed
+        ready.append(request_id)
+    return ready, failed
 
 
-def wait_for_images(waiting: Iterable[Sequence]) -> None:
+def wait_for_images(unready: Iterable[list[object]]) -> None:
     """Nothing to run but images still decoding: wait briefly for one of them rather
     than spin (short, so new requests and aborts are still taken promptly)."""
-    pending = [f for s in waiting for f in pending_images(s)]
+    pending = [f for works in unready for f in pending_images(works)]
     if pending:
         futures.wait(pending, timeout=IMAGE_POLL_S, return_when=futures.FIRST_COMPLETED)
 
 
-def pending_images(seq: Sequence) -> list[futures.Future]:
-    """Futures of `seq`'s images still being decoded and tiled in the pool."""
+def pending_images(works: Iterable[object]) -> list[futures.Future]:
+    """Futures of images still being decoded and tiled in the pool."""
     return [
-        image.data.future
-        for image in seq.images
-        if isinstance(image.data, ImageWork)
-        and image.data.future is not None
-        and not image.data.future.done()
+        work.future
+        for work in works
+        if isinstance(work, ImageWork) and work.future is not None and not work.future.done()
     ]

@@ -4,38 +4,30 @@ they finish: the KV pool, speculation, the encoder cache and the preprocessing p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from vlmserve.engine.core import Engine
+from encoders.cache import EncoderCacheStats
+from scheduler.spec_policy import SpecMetrics
 
 
-def engine_stats(engine: Engine) -> dict[str, float]:
-    """Gauges and counters: queue, KV pool, prefix and encoder caches, preprocessing stage
-    seconds, speculation."""
-    scheduler, bm = engine.scheduler, engine.scheduler.block_manager
-    used = bm.num_blocks - bm.num_free_blocks
+def engine_stats(
+    scheduler: dict[str, float],
+    num_steps: int,
+    num_computed_prompt_tokens: int,
+    encoder_cache: EncoderCacheStats,
+    pool: dict[str, float],
+    spec: SpecMetrics | None,
+) -> dict[str, float]:
+    """Gauges and counters: queue, KV pool and preemptions (`Scheduler.stats()`), steps,
+    prompt tokens computed, encoder cache, preprocessing stage seconds (`pool`),
+    speculation."""
     stats = {
-        "waiting": float(len(scheduler.waiting)),
-        "running": float(len(scheduler.running)),
-        "num_blocks": float(bm.num_blocks),
-        "free_blocks": float(bm.num_free_blocks),
-        "used_blocks": float(used),
-        "kv_usage": used / bm.num_blocks,
-        "num_steps": float(engine.num_steps),
-        "num_preemptions": float(scheduler.num_preemptions),
-        "recomputed_tokens_total": float(scheduler.num_recomputed_tokens),
-        "computed_prompt_tokens": float(engine.num_computed_prompt_tokens),
+        **scheduler,
+        "num_steps": float(num_steps),
+        "computed_prompt_tokens": float(num_computed_prompt_tokens),
+        "encoder_cache_hits": float(encoder_cache.hits),
+        "encoder_cache_misses": float(encoder_cache.misses),
+        "encoder_cache_bytes": float(encoder_cache.num_bytes),
     }
-    cache = engine.runner.encoder_cache.stats()
-    stats |= {
-        "encoder_cache_hits": float(cache.hits),
-        "encoder_cache_misses": float(cache.misses),
-        "encoder_cache_bytes": float(cache.num_bytes),
-    }
-    pool = engine.processor.pool_metrics()
     stats |= {f"preprocess_{k}": float(v) for k, v in pool.items()}
-    spec = engine.spec_metrics
     if spec is not None:
         stats |= {
             "spec_proposed": float(spec.num_proposed_tokens),

@@ -27,6 +27,7 @@ from encoders.image_spec import ImageSpec, placeholder_text
 from encoders.images import ImageSource, load_image
 from encoders.pixel_budget import PixelBudget, shared_budget
 from encoders.stage import ImageWork, pool_metrics, submit_images, warm_pool
+from encoders.tiling.pan_and_scan import pan_and_scan_crops
 from scheduler.sequence import ImagePlaceholder
 from vlmserve.worker.models.loader import LoadedModel
 
@@ -49,7 +50,10 @@ class Request:
 @dataclass(frozen=True)
 class ProcessedPrompt:
     token_ids: list[int]
-    images: list[ImagePlaceholder]
+    images: list[ImagePlaceholder]  # the scheduler's view: content key, positions, tiles
+    # The encoder's record of each image, in order (ImageWork, or a VisionInput on the HF
+    # image processor's path): the runner's, handed over with the request.
+    works: list[object] = field(default_factory=list)
 
 
 # No tokenizer averages more characters per token than this, so a prompt over
@@ -95,15 +99,15 @@ def check_prompt_chars(request: Request, max_model_len: int) -> None:
 
 
 def place_images(
-    token_ids: Sequence[int], image_token_id: int, images: Sequence[tuple[bytes, int, object]]
+    token_ids: Sequence[int], image_token_id: int, images: Sequence[tuple[bytes, int]]
 ) -> list[ImagePlaceholder]:
     """Each image's placeholder positions, in order: images are (content key, number of
-    tokens, data for the encoder) and take the image-token positions one run after the
-    other. ValueError when the prompt's image tokens and the images' counts differ."""
+    tokens) and take the image-token positions one run after the other. ValueError when
+    the prompt's image tokens and the images' counts differ."""
     positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
     placeholders, cursor = [], 0
-    for key, count, data in images:
-        placeholders.append(ImagePlaceholder(key, positions[cursor : cursor + count], data))
+    for key, count in images:
+        placeholders.append(ImagePlaceholder(key, positions[cursor : cursor + count]))
         cursor += count
     if cursor != len(positions):
         raise ValueError(
@@ -157,7 +161,7 @@ def place_works(
 ) -> list[ImagePlaceholder]:
     """`place_images` for images on the pool path: keyed by their encoder-cache key, with
     their tile counts (the scheduler's encoder-budget unit) known from the header."""
-    images = [(work.cache_key, work.layout.num_tokens, work) for work in works]
+    images = [(work.cache_key, work.layout.num_tokens) for work in works]
     placed = place_images(token_ids, image_token_id, images)
     for placeholder, work in zip(placed, works, strict=True):
         placeholder.num_tiles = work.layout.num_tiles
@@ -167,24 +171,6 @@ def place_works(
 def check_image_count(num_images: int, max_images: int) -> None:
     if num_images > max_images:
         raise TooManyImagesError(f"request has {num_images} images, the limit is {max_images}")
-
-
-def make_prompt_processor(
-    path: str,
-    model: LoadedModel,
-    max_images: int,
-    encoder: EncoderConfig | None = None,
-    encoder_cache: EncoderCache | None = None,
-):
-    """The processor a checkpoint folder asks for: the embedded model's own (its
-    preprocessor_config.json names `SceneProcessor`) or the HF processor."""
-    config_path = Path(path) / "preprocessor_config.json"
-    if config_path.is_file():
-        if json.loads(config_path.read_text()).get("processor_class") == "SceneProcessor":
-            from vlmserve.inputs.scene_prompts import ScenePromptProcessor
-
-            return ScenePromptProcessor(path, model, max_images, encoder, encoder_cache)
-    return HFPromptProcessor(path, model, max_images, encoder, encoder_cache)
 
 
 class HFPromptProcessor:
@@ -255,10 +241,14 @@ class HFPromptProcessor:
         family = self.model.family
         batch_images = [images] if family == "idefics3" else images
         processor = self._processor.get()
+        extra = {"do_pan_and_scan": self.encoder.pan_and_scan} if family == "gemma3" else {}
         outputs = processor(
-            text=[text], images=batch_images, return_tensors="pt", add_special_tokens=add_special
-        )
+            text=[text], images=batch_images, return_tensors="pt", add_special_tokens=add_special,
+            **extra,
+        )  # fmt: skip
         token_ids = outputs["input_ids"][0].tolist()
+        if family == "gemma3":  # the processor drops num_crops: the same rule gives it
+            outputs = {**outputs, "num_crops": gemma3_num_crops(processor, images, extra)}
         if family == "idefics3" and len(images) > 1:
             # The Idefics3 processor drops each image's tile grid from its output; only the
             # image processor reports it, and it is needed to split the tiles per image.
@@ -266,9 +256,11 @@ class HFPromptProcessor:
             outputs = {**outputs, "rows": grid["rows"], "cols": grid["cols"]}
         inputs = vision_inputs_from_hf(family, outputs)
         count = self.model.vision.num_image_tokens
-        placed = [(key, count(v), v) for v, key in zip(inputs, hashes, strict=True)]
+        placed = [(key, count(v)) for v, key in zip(inputs, hashes, strict=True)]
         image_token_id = self.model.image_token_id
-        return ProcessedPrompt(token_ids, place_images(token_ids, image_token_id, placed))
+        return ProcessedPrompt(
+            token_ids, place_images(token_ids, image_token_id, placed), list(inputs)
+        )
 
     def _budget(self) -> PixelBudget:
         return shared_budget(self.encoder.resolved_max_decode_pixels)
@@ -298,8 +290,28 @@ class HFPromptProcessor:
         )
         token_ids = self._tokenizer.get()(expanded, add_special_tokens=add_special)["input_ids"]
         return ProcessedPrompt(
-            list(token_ids), place_works(token_ids, self.model.image_token_id, works)
+            list(token_ids), place_works(token_ids, self.model.image_token_id, works), works
         )
+
+
+def gemma3_num_crops(processor: object, images: list[Image.Image], kwargs: dict) -> list[int]:
+    """Pan-and-scan crops per image under the processor's settings (its defaults, which
+    win over the image processor's, then `kwargs`)."""
+    settings = {**getattr(processor, "images_kwargs", {}), **kwargs}
+    if not settings.get("do_pan_and_scan"):
+        return [0] * len(images)
+    return [
+        len(
+            pan_and_scan_crops(
+                image.width,
+                image.height,
+                min_crop_size=settings["pan_and_scan_min_crop_size"],
+                max_crops=settings["pan_and_scan_max_num_crops"],
+                min_ratio=settings["pan_and_scan_min_ratio_to_activate"],
+            )
+        )  # fmt: skip
+        for image in images
+    ]
 
 
 def eos_token_ids(path: str, config: dict, tokenizer: object) -> set[int]:

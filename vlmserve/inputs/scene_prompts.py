@@ -80,7 +80,8 @@ class ScenePromptProcessor:
         # Queued on the header's layout while the pool decodes (as HFPromptProcessor does).
         works = submit_images(sources, self.image_spec, self.encoder, self.encoder_cache)
         token_ids = scene.expand_ids(text, [work.layout.num_tiles for work in works])
-        return ProcessedPrompt(token_ids, place_works(token_ids, scene.image_token_id, works))
+        placed = place_works(token_ids, scene.image_token_id, works)
+        return ProcessedPrompt(token_ids, placed, works)
 
     def _with_scene_processor(
         self, templated: list[dict], sources: list[ImageSource]
@@ -91,11 +92,12 @@ class ScenePromptProcessor:
         scene = self._scene.get()
         encoded = scene.encode(templated, images=[image for image, _ in loaded])
         per_tile = scene.image_config.tokens_per_tile
+        inputs = [VisionInput(tiles) for tiles in encoded.pixel_values]
         images = [
-            (digest, tiles.shape[0] * per_tile, VisionInput(tiles))
+            (digest, tiles.shape[0] * per_tile)
             for (_, digest), tiles in zip(loaded, encoded.pixel_values, strict=True)
         ]
         placeholders = place_images(encoded.token_ids, scene.image_token_id, images)
         for placeholder, tiles in zip(placeholders, encoded.pixel_values, strict=True):
             placeholder.num_tiles = tiles.shape[0]  # [num_tiles, 3, S, S]
-        return ProcessedPrompt(encoded.token_ids, placeholders)
+        return ProcessedPrompt(encoded.token_ids, placeholders, inputs)

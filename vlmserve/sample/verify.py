@@ -21,7 +21,7 @@ import torch
 
 from scheduler.step_plan import ScheduledSeq
 from search.costmodel.cost_model import b_star
-from search.costmodel.presets import Precision, get_accelerator, measure_cpu
+from search.costmodel.presets import Precision, get_accelerator, gpu_preset, measure_cpu
 from vlmserve.sample.params import SamplerState
 from vlmserve.sample.sampler import GroupResult, RowGroup, sample_rows
 
@@ -85,15 +85,12 @@ def sample_plan(
     return [_emitted(next(taken), next(results)) if item.sample else [] for item in scheduled]
 
 
-_PRESET_KEYS = ("h200", "h100", "b200", "a100", "l40s")
-
-
 def ridge_batch_for(device: torch.device, dtype: torch.dtype) -> float:
     """B* = s_w·π/(2β) (article §11) for the engine's device and weight dtype: a datasheet
-    preset for a known GPU (the H100 one otherwise), this machine measured for a CPU."""
+    preset for a GPU (one no preset matches is refused), this machine measured for a CPU."""
     weight = Precision(str(dtype), torch.finfo(dtype).bits / 8, "bf16")
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).lower()
-        key = next((k for k in _PRESET_KEYS if k in name), "h100")
-        return b_star(get_accelerator(key), weight)
+        name = torch.cuda.get_device_name(device)
+        preset = gpu_preset(name, "adaptive speculation needs B*: --no-adaptive-speculation")
+        return b_star(get_accelerator(preset), weight)
     return b_star(measure_cpu(), weight)

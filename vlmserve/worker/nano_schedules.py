@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from search.costmodel.presets import ModelShape, get_accelerator, get_model
+from search.costmodel.presets import ModelShape, get_accelerator, get_model, gpu_preset
 from search.nanoflow import profiles as profile_store
 from search.nanoflow.auto_search import cached_schedule
 from search.nanoflow.schedule import Schedule
@@ -25,9 +25,6 @@ from search.nanoflow.schedule import Schedule
 CPU_DENSE_BATCHES = (64, 128, 256)  # multiples of the CPU profiles' 16 rows
 GPU_DENSE_BATCHES = (256, 512, 1024, 2048)  # multiples of the GPU profiles' 128 rows
 TIME_LIMIT_S = 5.0  # per MILP solve: the first start of a new shape waits for the search
-# A GPU's name (torch.cuda.get_device_name) -> the accelerator preset it runs as.
-_GPU_PRESETS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("l40s", "l40s"),
-                ("b200", "b200"))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -40,18 +37,6 @@ class EngineSchedules:
     def paying_batches(self) -> list[int]:
         """The dense batches whose schedule splits the layer and beats running in order."""
         return [s.dense_batch for s in self.schedules if s.notes.get("overlap_pays")]
-
-
-def accelerator_for(device_name: str) -> str:
-    """The accelerator preset a GPU's name matches ('NVIDIA H100 80GB HBM3' -> 'h100')."""
-    lowered = device_name.lower()
-    for needle, preset in _GPU_PRESETS:
-        if needle in lowered:
-            return preset
-    raise ValueError(
-        f"--nano-batch auto: no accelerator preset matches the GPU {device_name!r}; search a "
-        "schedule with `vlmserve estimate pipeline` and give --nano-batch its JSON file"
-    )
 
 
 def dense_batches(device_type: str, max_rows: int) -> list[int]:
@@ -105,7 +90,12 @@ def engine_schedules(
             profiles = replace(measure_cpu_profiles(model, largest), device=device)
             profile_store.save_profiles(profiles, cache_dir)
     else:
-        accelerator = get_accelerator(accelerator_for(device_name))
+        preset = gpu_preset(
+            device_name,
+            "search a schedule with `vlmserve estimate pipeline` and give "
+            "--nano-batch its JSON file",
+        )
+        accelerator = get_accelerator(preset)
         profiles = profile_store.synthetic_gpu_profiles(model, accelerator, largest)
         cached = True  # computed, not measured: nothing to wait for or to keep
     schedules = []

@@ -9,12 +9,10 @@ and each of its 1 + len(drafts) rows returns logits, for verification."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,10 +21,12 @@ import torch
 from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
-from kernels.attention import AttentionBatch, select_backend
+from kernels.attention import AttentionBatch, LayeredMetadata
+from kernels.backends import select_backend
+from kernels.malloc_tuning import keep_freed_memory
 from kernels.packed_linear import pack_linears
 from scheduler.config import kv_pool_num_blocks
-from scheduler.step_plan import ImageChunk, StepPlan
+from scheduler.step_plan import ScheduledSeq, StepPlan
 from vlmserve.config import EngineConfig
 from vlmserve.worker.models.loader import LoadedModel, load_model
 from vlmserve.worker.parallel.layers import shard_decoder
@@ -39,37 +39,29 @@ from vlmserve.worker.nano_exec import NanoExecutor
 
 log = logging.getLogger(__name__)
 
-# glibc mallopt parameters, and ours: a prefill step's activations (up to 32 MiB each at
-# 2,048 tokens) stay in the heap between steps, and up to 512 MiB of free heap is kept.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# A prefill step's activations stay in the heap between steps (each is at most tens of
+# MiB at the step budget), and up to 512 MiB of freed heap is kept (kernels/malloc_tuning).
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 64 << 20, 512 << 20
 
 
 @functools.cache
-def keep_activations_in_heap() -> bool:
-    """By default glibc serves each allocation over 32 MiB with fresh zeroed pages from the
-    kernel and returns them on free: at a 2,048-token prefill step that is ~120k page
-    faults (~470 MB of page zeroing) per step on this CPU, about 5% of the step. Raising
-    the mmap and trim thresholds lets freed activations be reused (the fault count drops
-    to ~0), as tcmalloc, which vLLM's CPU build preloads, does. Process-wide, once;
-    False where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
-        return ok and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
-    except (OSError, AttributeError, TypeError):
-        log.info("no glibc mallopt here (%s): CPU activations use the default allocator", name)
-        return False
+def keep_activations_in_heap() -> int | None:
+    """Freed activations are reused from the heap instead of glibc handing each large one
+    fresh zeroed pages and unmapping it on free (page faults and page zeroing every
+    step). Process-wide, once; the mmap threshold set, None where the C library is not
+    glibc."""
+    return keep_freed_memory(_MMAP_THRESHOLD, _TRIM_THRESHOLD)
 
 
 @dataclass
 class _RequestState:
     """What the runner keeps of a request between steps: its block table (the plans'
-    deltas applied) and the encoder records of the images its chunks reached."""
+    deltas applied), the encoder records of its images by index (ImageWork from
+    encoders/stage.py, or a VisionInput), and the indices its chunks have reached."""
 
     block_table: list[int] = field(default_factory=list)
-    images: dict[int, object] = field(default_factory=dict)
+    images: list[object] = field(default_factory=list)
+    reached: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -106,6 +98,10 @@ class ModelRunner:
         )
         if group is not None:
             shard_decoder(self.model.decoder, group)
+        # The longest prompt + output served: the flag, capped by the checkpoint's context
+        # (the one place this is decided; the engine reads it here).
+        context = self.model.decoder.cfg.max_position_embeddings
+        self.max_model_len = min(config.model.max_model_len or context, context)
         if config.model.pack_weights and self.device.type == "cpu":
             pack_linears(self.model.decoder, plain=config.model.plain_weights)
             if self.model.vision is not None:
@@ -114,7 +110,13 @@ class ModelRunner:
         self.model.decoder.fused = config.model.fused_ops
         self.nano_batcher: NanoBatcher | None = None
         self.num_nano_steps = 0
-        schedules = nano_schedules(config, self.device)
+        windows = {w for w in self.model.decoder.cfg.layer_windows if w is not None}
+        assert len(windows) <= 1, f"one sliding window per model, got {sorted(windows)}"
+        # Layers with a sliding window read their own attention metadata (LayeredMetadata).
+        self.sliding_window: int | None = windows.pop() if windows else None
+        # The nano-batched layers and the decode graphs run Llama-shaped layers only.
+        llama_layers = self.model.decoder.cfg.variant == "llama"
+        schedules = nano_schedules(config, self.device) if llama_layers else None
         if schedules:
             self.nano_batcher = NanoBatcher(schedules, self.backend)
             # On a CPU the streams share the cores torch was given (one each on 2 cores).
@@ -137,13 +139,16 @@ class ModelRunner:
         # Per request id: the block table and images, from the plans (StepPlan deltas).
         self._requests: dict[str, _RequestState] = {}
         self.graphs = None  # CUDA graphs of the decode step (vlmserve/worker/cuda_graphs.py)
-        if self.device.type == "cuda" and config.model.cuda_graphs and config.model.fused_ops:
+        if (
+            self.device.type == "cuda" and config.model.cuda_graphs and config.model.fused_ops
+            and llama_layers
+        ):  # fmt: skip
             if self.backend.name == "triton":
                 from vlmserve.worker.cuda_graphs import DecodeGraphs
 
                 self.graphs = DecodeGraphs(
                     self.model.decoder, self.kv_caches, config.scheduler.max_num_seqs,
-                    self._max_model_len(config), self.block_size,
+                    self.max_model_len, self.block_size,
                 )  # fmt: skip
         # Pooled image embeddings of prompts still in prefill, by (request id, image index).
         self._image_embeds: dict[tuple[str, int], torch.Tensor] = {}
@@ -170,31 +175,49 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(1, int(free * 0.85) // self.block_bytes)
-        max_model_len = self._max_model_len(config)
         return kv_pool_num_blocks(
             config.cache.memory_bytes, self.block_bytes, self.block_size,
-            config.scheduler.max_num_seqs, max_model_len,
+            config.scheduler.max_num_seqs, self.max_model_len,
         )  # fmt: skip
 
-    def _max_model_len(self, config: EngineConfig) -> int:
-        context = self.model.decoder.cfg.max_position_embeddings
-        return min(config.model.max_model_len or context, context)
+    def add_request(self, request_id: str, images: Sequence[object] = ()) -> None:
+        """A new request under `request_id` and the encoder records of its images, in
+        order (what a plan's image chunks name by index). Whatever the runner kept of an
+        earlier request under that id goes."""
+        self._forget(request_id)
+        self._requests[request_id] = _RequestState(images=list(images))
 
-    def release(self, request_id: str) -> None:
-        """Forget per-request state (finished, aborted or preempted)."""
+    def begin_step(self, plan: StepPlan) -> dict[str, Exception]:
+        """Apply `plan`'s finished and preempted requests, then encode its images
+        (`encode_images`: returns the requests whose images failed)."""
+        for request_id in plan.finished:
+            self._forget(request_id)
+        for request_id in plan.preempted:
+            self._preempt(request_id)
+        return self.encode_images(plan)
+
+    def _forget(self, request_id: str) -> None:
+        """Drop per-request state (finished or aborted)."""
         self._requests.pop(request_id, None)
+        self._drop_embeds(request_id)
+
+    def _drop_embeds(self, request_id: str) -> None:
         for key in [k for k in self._image_embeds if k[0] == request_id]:
             del self._image_embeds[key]
 
-    def preempt(self, request_id: str) -> None:
+    def _preempt(self, request_id: str) -> None:
         """The request lost its KV: pin the encoder-cache entries of the images it reached
         to it (as a hit at arrival is pinned), so its recompute never runs the tower again,
-        then forget it."""
+        and drop its block table and embeddings; its image records stay."""
         state = self._requests.get(request_id)
-        for work in state.images.values() if state is not None else ():
+        if state is None:
+            return
+        for index in state.reached:
+            work = state.images[index]
             if isinstance(work, ImageWork) and work.embedding is None:
                 work.embedding = self.encoder_cache.peek(work.cache_key)
-        self.release(request_id)
+        state.block_table.clear()
+        self._drop_embeds(request_id)
 
     @torch.inference_mode()
     def prepare(self, plan: StepPlan, in_flight: Mapping[str, int] | None = None) -> StepInputs:
@@ -204,6 +227,7 @@ class ModelRunner:
         sampling; its row is filled from that step's output in `run`."""
         token_ids, positions, slots, sample_rows = [], [], [], []
         query_lens, context_lens, block_tables = [], [], []
+        spans: list[list[tuple[int, int]]] = []
         image_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         pending_rows: list[tuple[int, int]] = []
         row = 0
@@ -227,6 +251,7 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(end)
             block_tables.append(table)
+            spans.append(image_spans(item) if self.model.bidirectional_images else [])
             for chunk in item.images:
                 embeds = self._image_embeds[(item.request_id, chunk.index)]
                 rows = torch.tensor(chunk.positions, dtype=torch.long) - start + row
@@ -237,9 +262,16 @@ class ModelRunner:
             row += n
             if item.sample:
                 sample_rows.extend(range(row - 1 - len(item.draft_token_ids), row))
-        batch = AttentionBatch(query_lens, context_lens, block_tables, self.block_size)
+        batch = AttentionBatch(
+            query_lens, context_lens, block_tables, self.block_size,
+            spans=spans if any(spans) else None,
+        )  # fmt: skip
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         metadata = self.backend.build_metadata(batch, slot_mapping, torch.device("cpu"))
+        if self.sliding_window is not None:  # the sliding layers' own metadata
+            windowed = dataclasses.replace(batch, sliding_window=self.sliding_window)
+            sliding = self.backend.build_metadata(windowed, slot_mapping, torch.device("cpu"))
+            metadata = LayeredMetadata(metadata, sliding)
         nano = self.nano_batcher.plan(batch, slot_mapping) if self.nano_batcher else None
         return StepInputs(
             torch.tensor(token_ids, dtype=torch.long), pending_rows,
@@ -302,14 +334,18 @@ class ModelRunner:
         """Run the vision tower once over every image this step's chunks need. Returns
         the requests whose images failed (decode error, tower error, wrong embedding
         count) by id: the engine fails those alone and runs the step without them."""
-        wanted: list[tuple[tuple[str, int], ImageChunk]] = []
+        wanted: list[tuple[tuple[str, int], object, int]] = []  # key, record, num_tokens
         for item in plan.scheduled:
             for chunk in item.images:
                 key = (item.request_id, chunk.index)
                 if key not in self._image_embeds:
-                    wanted.append((key, chunk))
-                    state = self._requests.setdefault(item.request_id, _RequestState())
-                    state.images[chunk.index] = chunk.work
+                    state = self._requests[item.request_id]
+                    work = state.images[chunk.index]
+                    assert not isinstance(work, ImageWork) or work.cache_key == chunk.cache_key, (
+                        f"{item.request_id}: image {chunk.index} is not the plan's"
+                    )
+                    wanted.append((key, work, chunk.num_tokens))
+                    state.reached.add(chunk.index)
         if not wanted:
             return {}
         try:
@@ -318,23 +354,23 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - find the culprits: each request's images alone
             pass
         failures: dict[str, Exception] = {}
-        for request_id in dict.fromkeys(key[0] for key, _ in wanted):
+        for request_id in dict.fromkeys(key[0] for key, _, _ in wanted):
             try:
-                self._encode([(key, chunk) for key, chunk in wanted if key[0] == request_id])
+                self._encode([want for want in wanted if want[0][0] == request_id])
             except Exception as e:  # noqa: BLE001 - this request's failure alone
                 failures[request_id] = e
         return failures
 
-    def _encode(self, wanted: list[tuple[tuple[str, int], ImageChunk]]) -> None:
+    def _encode(self, wanted: list[tuple[tuple[str, int], object, int]]) -> None:
         if self.encoder_stage is None:
             raise RequestError("this model is text-only and cannot take images")
-        embeds = self.encoder_stage.encode([chunk.work for _, chunk in wanted])  # cache + tower
-        for (_, chunk), emb in zip(wanted, embeds, strict=True):
-            if emb.shape[0] != chunk.num_tokens:
+        embeds = self.encoder_stage.encode([work for _, work, _ in wanted])  # cache + tower
+        for (_, _, num_tokens), emb in zip(wanted, embeds, strict=True):
+            if emb.shape[0] != num_tokens:
                 raise RuntimeError(
-                    f"image gave {emb.shape[0]} embeddings for {chunk.num_tokens} placeholders"
+                    f"image gave {emb.shape[0]} embeddings for {num_tokens} placeholders"
                 )
-        for (key, _), emb in zip(wanted, embeds, strict=True):
+        for (key, _, _), emb in zip(wanted, embeds, strict=True):
             self._image_embeds[key] = emb.to(self.dtype)
         self.num_encoded_images += len(wanted)
 
@@ -352,6 +388,19 @@ def _to_device(value: object, device: torch.device) -> object:
         }
         return dataclasses.replace(value, **fields)
     return value
+
+
+def image_spans(item: ScheduledSeq) -> list[tuple[int, int]]:
+    """[start, end) position runs of the chunk's image placeholders: each run (an image,
+    or one pan-and-scan crop) attends to itself in full."""
+    runs: list[tuple[int, int]] = []
+    for chunk in item.images:
+        for pos in chunk.positions:
+            if runs and runs[-1][1] == pos:
+                runs[-1] = (runs[-1][0], pos + 1)
+            else:
+                runs.append((pos, pos + 1))
+    return runs
 
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:

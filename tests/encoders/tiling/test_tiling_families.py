@@ -130,6 +130,7 @@ def test_idefics3_matches_transformers(split: bool) -> None:
         assert layout.num_tokens == 4 * layout.num_tiles
 
 
+@pytest.mark.slow
 def test_idefics3_real_settings_grid() -> None:
     # Idefics3-8B / SmolVLM defaults: longest edge 4 * 364, 364-px tiles
     processors = _idefics3_processors(4 * 364, 364, True, smolvlm=True)

@@ -335,3 +335,16 @@ def test_nanoflow_tr_splits_memory_and_compute():
     assert tr == within3(closed_form)
     t_net = cm.nanoflow_t_net(8, 2048, 8192, 2, 80, 8 * 600e9)
     assert t_net == within3(4 * 8 * 2048 * 8192 * 2 * 80 / (8 * 600e9))
+
+
+def test_sliding_window_layers_hold_only_their_window():
+    """Gemma 3 4B at 8k: 5 global layers hold 8,192 tokens, 29 sliding ones 1,024 each."""
+    from search.costmodel.presets import get_model
+
+    model = get_model("gemma-3-4b")
+    per_layer_token = 2 * model.num_kv_heads * model.head_dim * 2.0
+    assert cm.kv_bytes_all_global(model, 8192) == 34 * 8192 * per_layer_token
+    assert cm.kv_bytes_per_sequence(model, 8192) == (5 * 8192 + 29 * 1024) * per_layer_token
+    assert cm.kv_bytes_per_sequence(model, 512) == cm.kv_bytes_all_global(model, 512)
+    ratio = cm.kv_bytes_per_sequence(model, 8192) / cm.kv_bytes_all_global(model, 8192)
+    assert ratio == pytest.approx(0.25, abs=0.01)

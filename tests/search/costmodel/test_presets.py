@@ -12,6 +12,7 @@ from search.costmodel.presets import (
     get_encoder,
     get_model,
     get_weight_precision,
+    gpu_preset,
     measure_cpu,
 )
 
@@ -106,3 +107,36 @@ def test_cpu_is_measured_on_the_spot():
     assert cpu.name == "cpu"
     assert cpu.flops_bf16 > 1e8 and cpu.mem_bandwidth > 1e8 and cpu.memory_bytes > 1e8
     assert cpu.peak_flops("fp8") == cpu.flops_bf16  # no fp8 units: falls back
+
+
+@pytest.mark.parametrize(
+    ("name", "preset"),
+    [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100"),
+     ("NVIDIA H200", "h200"), ("NVIDIA L40S", "l40s"), ("NVIDIA B200", "b200")],
+)  # fmt: skip
+def test_gpu_names_map_to_their_presets(name, preset):
+    assert gpu_preset(name) == preset
+    get_accelerator(preset)  # a preset by that name exists
+
+
+def test_a_gpu_without_a_preset_is_refused_not_guessed():
+    with pytest.raises(ValueError, match="GTX 1080.*presets: h200.*; do this"):
+        gpu_preset("NVIDIA GeForce GTX 1080", "do this")
+
+
+def test_gemma3_config_reads_its_sliding_layers(tmp_path):
+    """From an HF Gemma 3 config.json: `layer_types` (or the 6-layer pattern) and window."""
+    import json
+
+    from search.costmodel.presets import get_model
+
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    text = {"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 12,
+            "intermediate_size": 128, "vocab_size": 256, "sliding_window": 64}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    model = get_model(str(path))
+    assert (model.num_sliding_layers, model.sliding_window, model.head_dim) == (10, 64, 16)
+    path.write_text(json.dumps({**text, "layer_types": layer_types * 2, "num_hidden_layers": 12}))
+    assert get_model(str(path)).num_sliding_layers == 10

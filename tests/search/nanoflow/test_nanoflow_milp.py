@@ -13,7 +13,8 @@ from search.nanoflow.auto_search import (
     schedule_cost_us,
     search_schedule,
 )
-from search.nanoflow.milp import solve_stage1, solve_stage2, split_groups
+from search.nanoflow.milp import solve_stage1, split_groups
+from search.nanoflow.milp_stage2 import solve_stage2
 from search.nanoflow.op_graph import PARTITIONINGS, BatchMix, layer_ops
 from search.nanoflow.profiles import TABLE3_KNOTS, OpProfile, Profiles, synthetic_gpu_profiles
 from search.nanoflow.schedule import NanoOp, Schedule, check
@@ -96,6 +97,7 @@ def test_stage2_with_no_interference_overlaps_for_free():
 TINY = ModelShape("tiny-gqa", 2, 512, 8, 2, 64, 1024, 1000)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, dense_batch", [(1, 256), (2, 256)])
 def test_every_emitted_schedule_passes_the_checker(tp, dense_batch):
     accel = get_accelerator("a100")
@@ -108,6 +110,7 @@ def test_every_emitted_schedule_passes_the_checker(tp, dense_batch):
         assert schedule.notes["counts"]["qkv"] >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cyclic", [False, True])
 def test_the_search_keeps_the_faster_partitioning(cyclic):
     # NanoFlow §4.1.2's operation transformations: the attention half's all-reduce, or an
@@ -160,6 +163,7 @@ def _two_way(model: str, tp: int):
     return profiles, stage1, sequential
 
 
+@pytest.mark.slow
 def test_8b_two_nano_operations_put_decode_attention_beside_up_gate_down():
     # NanoFlow §4.1.4: LLaMA-3-8B on one A100 runs every op in two nano-operations, decode
     # attention of one nano-batch overlapping the Up/Gate/Down GEMMs of the other.
@@ -170,6 +174,7 @@ def test_8b_two_nano_operations_put_decode_attention_beside_up_gate_down():
     assert any(_overlaps(a, m) for a in attention for m in mlp)
 
 
+@pytest.mark.slow
 def test_70b_stage2_shares_are_in_the_reference_ballpark():
     # NanoFlow Figure 6: decode attention at R = 0.4 beside KQV, collectives at R 0.1-0.2.
     profiles, stage1, sequential = _two_way("llama-2-70b", 8)
@@ -185,6 +190,7 @@ def test_70b_stage2_shares_are_in_the_reference_ballpark():
             assert n.share <= 0.4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_random_profiles_and_splits_never_break_a_dependency(seed):
     # Random affine op times (a weight read plus a per-row part) over the whole layer at
@@ -258,6 +264,7 @@ def test_cyclic_stage1_respects_the_dependency_into_the_next_layer():
     assert any("next layer" in p for p in check(_schedule(cyclic, early)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_cyclic_random_profiles_pass_the_checker_and_never_lose_to_one_layer(seed):
     # Random affine op times over the whole TP-2 layer: the cyclic schedule is valid across

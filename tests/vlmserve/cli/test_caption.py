@@ -12,12 +12,11 @@ import shutil
 import pytest
 
 from encoders import image_io
-from scheduler.config import CacheConfig, SchedulerConfig
-from vlmserve.cli.caption import CaptionItem, discover, read_done, register, run_caption
-from vlmserve.config import EngineConfig, ModelConfig
+from tests.helpers import chat, make_engine
+from vlmserve.cli.caption import CaptionItem, discover, read_done, run_caption
+from vlmserve.cli.caption_cli import register
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 from vlmserve.engine.core import Engine
-from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -25,13 +24,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(llava_ov_path) -> Engine:
-    return Engine(
-        EngineConfig(
-            ModelConfig(str(llava_ov_path)),
-            CacheConfig(num_blocks=512, block_size=4),
-            SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16),
-        )
-    )
+    return make_engine(llava_ov_path, num_blocks=512, budget=256)
 
 
 @pytest.fixture
@@ -52,8 +45,7 @@ def lines(path) -> list[dict]:
 
 
 def reference_caption(engine: Engine, path, prompt: str = "Describe the image.") -> str:
-    content = [{"type": "image", "image": str(path)}, {"type": "text", "text": prompt}]
-    [out] = engine.generate([Request([{"role": "user", "content": content}], sampling=GREEDY)])
+    [out] = engine.generate([chat([str(path)], prompt, GREEDY)])
     return out.text
 
 
@@ -65,6 +57,7 @@ def test_discover_walks_the_folder_recursively(folder):
         discover(folder / "missing")
 
 
+@pytest.mark.slow
 def test_folder_with_a_corrupt_file(engine, folder, tmp_path):
     out = tmp_path / "captions.jsonl"
     summary = run_caption(engine, discover(folder), out, GREEDY, max_in_flight=3, progress=False)
@@ -182,6 +175,7 @@ def test_bad_jsonl_names_the_line(tmp_path):
         discover(spec)
 
 
+@pytest.mark.slow
 def test_cli_captions_a_folder(llava_ov_path, folder, tmp_path, capsys):
     import argparse
 
@@ -197,6 +191,7 @@ def test_cli_captions_a_folder(llava_ov_path, folder, tmp_path, capsys):
     assert "5 captioned, 1 failed" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_embedded_model_captions_match_the_scenes(tmp_path):
     from vlmserve.embedded.evaluate import heldout_scenes
     from vlmserve.embedded.scenes import caption, render_scene
@@ -206,13 +201,8 @@ def test_embedded_model_captions_match_the_scenes(tmp_path):
     scenes = heldout_scenes(6) + heldout_scenes(2, multi_tile=True)
     for i, scene in enumerate(scenes):
         render_scene(scene).save(root / f"s{i}.{'png' if i % 2 else 'jpg'}", quality=95)
-    engine = Engine(
-        EngineConfig(
-            ModelConfig(str(DEFAULT_MODEL_DIR)),  # the default model of every front door
-            CacheConfig(num_blocks=512, block_size=16),
-            SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16),
-        )
-    )
+    # The default model of every front door.
+    engine = make_engine(DEFAULT_MODEL_DIR, num_blocks=512, block_size=16, budget=512)
     shutil.copy(root / "s0.jpg", root / "s0_again.jpg")  # the same bytes twice
     sources = []  # what the job hands the engine: bytes, never a decoded image
     prepare = engine.prepare
@@ -233,6 +223,7 @@ def test_embedded_model_captions_match_the_scenes(tmp_path):
     assert right >= 7, (got, [caption(s) for s in scenes])
 
 
+@pytest.mark.slow
 def test_cli_speculates_and_captions_as_without(tmp_path, capsys):
     from vlmserve.cli.main import main
     from vlmserve.embedded.evaluate import heldout_scenes

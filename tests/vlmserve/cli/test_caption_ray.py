@@ -129,6 +129,7 @@ def whole_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines()]
 
 
+@pytest.mark.slow
 def test_ray_job_matches_the_single_process_job_and_resumes_after_a_kill(scenes, cluster, tmp_path):
     from vlmserve.cli.main import main
 

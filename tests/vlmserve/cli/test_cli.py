@@ -30,6 +30,7 @@ def vlmserve(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_info_reports_versions_pil_device_and_backend():
     result = vlmserve("info", "--json")
     assert result.returncode == 0, result.stderr
@@ -38,6 +39,7 @@ def test_info_reports_versions_pil_device_and_backend():
     assert info["pil"]["variant"] in ("pillow", "pillow-simd")
     assert isinstance(info["pil"]["simd"], bool)
     assert info["device"] in ("cpu", "cuda")
+    assert "Gemma 3" in info["model_families"] and "LLaVA-OneVision" in info["model_families"]
     from kernels.cpu_attention import available
 
     if info["device"] == "cpu":
@@ -56,6 +58,26 @@ def test_info_reports_versions_pil_device_and_backend():
         assert ops["linear"].startswith("onednn packed; skinny C++")
 
 
+@pytest.mark.slow
+def test_info_build_kernels_builds_each_cpu_kernel_ahead_of_the_engine():
+    from kernels import cpu_build
+
+    first = vlmserve("info", "--build-kernels", "--json")
+    if first.returncode != 0 and "unavailable" in first.stdout:
+        pytest.skip("no C++ compiler here")
+    assert first.returncode == 0, first.stderr
+    assert "building the C++ CPU kernels" in first.stderr  # says so while it happens
+    kernels = json.loads(first.stdout)["cpu_kernels"]
+    assert set(kernels) == set(cpu_build.KERNELS) and len(kernels) >= 4
+    assert all(v == "already built" or v.startswith("built in") for v in kernels.values())
+    # Built where an engine in this environment looks: a later process compiles nothing.
+    for name in cpu_build.KERNELS:
+        directory = cpu_build.build_directory(name, cpu_build.CSRC / f"{name}.cpp")
+        assert any(directory.glob("*.so")), name
+    second = json.loads(vlmserve("info", "--build-kernels", "--json").stdout)["cpu_kernels"]
+    assert set(second.values()) == {"already built"}
+
+
 def test_info_reports_how_tensor_parallelism_splits_a_model(llava_ov_path, capsys):
     # LLaVA-OV random: 2 layers, 4 heads over 2 KV heads, head_dim 16, float32 on CPU.
     # 4 ranks: one query head each, each KV head on two ranks (article §16).
@@ -72,6 +94,7 @@ def jpeg(tmp_path_factory, random_image):
     return path
 
 
+@pytest.mark.slow
 def test_generate_answers_about_an_image_file(llava_ov_path, jpeg):
     result = vlmserve("generate", "--model", str(llava_ov_path), "--image", str(jpeg),
                       "--prompt", "where is the star", "--max-tokens", "5")  # fmt: skip
@@ -80,6 +103,7 @@ def test_generate_answers_about_an_image_file(llava_ov_path, jpeg):
     assert "prompt tokens" in result.stderr and "5 output" in result.stderr
 
 
+@pytest.mark.slow
 def test_generate_with_a_corrupt_image_is_a_message_not_a_traceback(llava_ov_path, tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
@@ -116,6 +140,7 @@ def scene_png(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_generate_speculates_and_answers_as_without(scene_png, capsys):
     args = ["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
             "--max-tokens", "40"]  # fmt: skip
@@ -134,6 +159,7 @@ def test_generate_speculates_and_answers_as_without(scene_png, capsys):
     assert num_drafted(always.err) > 0
 
 
+@pytest.mark.slow
 def test_generate_with_async_scheduling_answers_as_without(scene_png, capsys):
     args = ["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
             "--max-tokens", "40"]  # fmt: skip
@@ -144,6 +170,7 @@ def test_generate_with_async_scheduling_answers_as_without(scene_png, capsys):
     assert plain.out.strip() and overlapped.out == plain.out
 
 
+@pytest.mark.slow
 def test_demo_speculates_and_answers_as_without(capsys):
     def answers(text: str) -> list[str]:
         return [line for line in text.splitlines() if line.strip().startswith("A:")]
@@ -160,6 +187,7 @@ def test_demo_speculates_and_answers_as_without(capsys):
     assert re.search(r"encoder cache 5 hits, 3 misses, [1-9]\d* KiB held", plain)
 
 
+@pytest.mark.slow
 def test_preprocess_and_encoder_cache_flags_reach_the_engine(llava_ov_path, jpeg, capsys):
     args = ["generate", "--model", str(llava_ov_path), "--image", str(jpeg), "--prompt",
             "where is the star", "--max-tokens", "3"]  # fmt: skip
@@ -213,6 +241,7 @@ def needs_server_libraries() -> None:
     pytest.importorskip("uvicorn")
 
 
+@pytest.mark.slow
 def test_serve_speculates_and_answers_as_generate(scene_png, capsys):
     needs_server_libraries()
     assert main(["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
@@ -237,6 +266,7 @@ def test_serve_speculates_and_answers_as_generate(scene_png, capsys):
     assert metric(metrics, "vlmserve_num_kv_blocks") == 64 * 512 / 16
 
 
+@pytest.mark.slow
 def test_serve_exits_non_zero_when_its_engine_dies(tmp_path):
     """A checkpoint whose weights are cut short: the engine fails to load on the engine
     thread, and the server stops and exits 1 instead of keeping a port open."""

@@ -4,11 +4,17 @@ what the model can use."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from pathlib import Path
+
 import pytest
 
-from scheduler.config import kv_pool_num_blocks
+from encoders.config import EncoderConfig
+from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig, kv_pool_num_blocks
 from vlmserve.cli.engine_args import engine_config_from_args
 from vlmserve.cli.main import build_parser, main
+from vlmserve.config import ModelConfig, ParallelConfig
 from vlmserve.worker.runner import ModelRunner
 
 # How each front door is reached on the command line (its own required arguments).
@@ -134,6 +140,7 @@ def test_kv_pool_is_what_the_budget_holds_capped_by_what_sequences_fill():
     assert kv_pool_num_blocks(100, 1024, 16, 4, 100) == 1  # never empty
 
 
+@pytest.mark.slow
 def test_kv_flags_size_the_cpu_pool_of_the_default_model_through_a_door():
     def num_blocks(*flags: str) -> int:
         config = config_for("serve", "--device", "cpu", *flags)
@@ -145,3 +152,41 @@ def test_kv_flags_size_the_cpu_pool_of_the_default_model_through_a_door():
     assert num_blocks("--kv-cache-mb", "1") == 32  # the budget binds
     assert num_blocks("--max-num-seqs", "2", "--max-model-len", "64") == 8
     assert num_blocks("--num-kv-blocks", "5000") == 5000
+
+
+@pytest.mark.parametrize("door", list(DOORS))
+def test_flag_defaults_are_the_config_dataclasses_defaults(door):
+    """No flag retypes a default: with no flags, each sub-config is its dataclass's own."""
+    config = config_for(door)
+    assert config.cache == CacheConfig()
+    assert config.scheduler == SchedulerConfig()
+    assert config.speculative == SpeculativeConfig()
+    assert config.encoder == EncoderConfig()
+    assert config.parallel == ParallelConfig()
+    model_defaults = ModelConfig(config.model.path, device=config.model.device)
+    assert config.model == dataclasses.replace(model_defaults, attention_backend="auto")
+
+
+def _readme_flag_defaults() -> dict[str, str]:
+    """`--flag` N pairs the README's "Engine flags" section states (`--a/-b` x/y: both)."""
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = text.split("## Engine flags", 1)[1].split("\n## ", 1)[0]
+    stated = {}
+    for flags, value in re.findall(r"`(--[a-z-/]+)(?: N)?`,? \(?(\d+(?:/\d+)?)\b", section):
+        if "/" in flags:  # `--speculative-ngram-min/-max` 2/4
+            first, second = flags.split("/")
+            prefix = first.rsplit("-", 1)[0]
+            values = value.split("/")
+            stated[first], stated[f"{prefix}-{second.lstrip('-')}"] = values
+        else:
+            stated[flags] = value
+    return stated
+
+
+def test_the_readme_states_the_flags_real_defaults():
+    stated = _readme_flag_defaults()
+    assert {"--kv-cache-mb", "--block-size", "--max-num-seqs", "--encoder-cache-mb"} <= set(stated)
+    parser = build_parser()
+    serve = parser.parse_args(DOORS["serve"])
+    for flag, value in stated.items():
+        assert str(getattr(serve, flag[2:].replace("-", "_"))) == value, flag

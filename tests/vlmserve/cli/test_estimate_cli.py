@@ -5,6 +5,7 @@ Expected figures are the article's (§11 Table 4, §17), not this code's output.
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmserve.cli.estimate.main import read_image_size, register
+from vlmserve.cli.estimate.labs import read_image_size
+from vlmserve.cli.estimate.main import register
 
 REPO = Path(__file__).resolve().parents[3]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -223,6 +225,7 @@ def run_process(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # two `vlmserve estimate` subprocesses
 def test_subprocess_json_and_error_exit():
     ok = run_process("batching", "--context", "131072", "--json")
     assert ok.returncode == 0, ok.stderr
@@ -236,6 +239,7 @@ def test_subprocess_json_and_error_exit():
 # --- capacity (trace simulator) ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_capacity_table_per_class(capsys):
     argv = ["capacity", "--mix", "vlm", "--num-requests", "80", "--rate", "2"]
     code, out, err = run_cli(capsys, *argv)
@@ -311,3 +315,13 @@ def test_kv_tp_per_gpu_bytes_and_replication(capsys):
     assert "tp=16 > n_kv=8: cache replicated" in out
     code, _, err = run_cli(capsys, "kv", "--tp", "3")
     assert code == 2 and "does not divide the 32 attention heads" in err
+
+
+def test_kv_and_image_know_gemma3(capsys):
+    code, out, _ = run_cli(capsys, "kv", "--model", "gemma-3-4b", "--context", "8192")
+    assert code == 0
+    assert "29 of 34, window 1,024" in out
+    assert re.search(r"hybrid KV / all global\s+25%", out)
+    code, out, _ = run_cli(capsys, "image", "--model", "gemma-3-27b", "--width", "900",
+                           "--height", "600")  # fmt: skip
+    assert code == 0 and "siglip-so400m-14-896" in out and "256 per image (16:1" in out

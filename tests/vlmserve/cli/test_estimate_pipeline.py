@@ -4,9 +4,9 @@ profiles) and on this CPU (measured), with its caches and its errors."""
 import json
 
 import pytest
-from tests.vlmserve.cli.test_estimate_cli import PNG_MAGIC, run_cli
 
 from search.nanoflow.schedule import Schedule, check
+from tests.vlmserve.cli.test_estimate_cli import PNG_MAGIC, run_cli
 
 # A small GQA decoder's HF config: the search and a CPU profile of it both take seconds.
 TINY = {
@@ -44,6 +44,7 @@ def test_gpu_preset_table_plot_and_cache(tmp_path, tiny_config, capsys):
     assert check(Schedule.from_json(json.dumps(doc))) == []
 
 
+@pytest.mark.slow
 def test_cyclic_search_prints_its_period_and_caches_apart(tmp_path, tiny_config, capsys):
     cache = tmp_path / "cache"
     argv = ["pipeline", "--model", tiny_config, "--accelerator", "a100", "--dense-batch", "256"]
@@ -64,6 +65,7 @@ def test_cyclic_search_prints_its_period_and_caches_apart(tmp_path, tiny_config,
     assert ("period " in out) == (period is not None)
 
 
+@pytest.mark.slow
 def test_under_tp_both_partitionings_are_searched_and_the_faster_kept(
     tmp_path, tiny_config, capsys
 ):
@@ -85,6 +87,7 @@ def test_under_tp_both_partitionings_are_searched_and_the_faster_kept(
     assert "partitioning_costs_us" not in doc["notes"]
 
 
+@pytest.mark.slow
 def test_cpu_profiles_are_measured_then_reused(tmp_path, tiny_config, capsys):
     cache = tmp_path / "cache"
     argv = ["pipeline", "--model", tiny_config, "--accelerator", "cpu", "--dense-batch", "64"]

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from encoders.config import EncoderConfig
 from encoders.images import load_image
-from scheduler.config import CacheConfig, SchedulerConfig
-from vlmserve.config import EngineConfig, ModelConfig
+from tests.helpers import chat, make_engine
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 from vlmserve.embedded.evaluate import CAPTION_PROMPT, generate_answers, heldout_scenes, load
 from vlmserve.embedded.scenes import caption, heldout_questions, render_scene
@@ -21,18 +19,13 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(
-        EngineConfig(
-            ModelConfig(str(DEFAULT_MODEL_DIR)),
-            CacheConfig(num_blocks=2048, block_size=16),
-            SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=64),
-        )
+    return make_engine(
+        DEFAULT_MODEL_DIR, num_blocks=2048, block_size=16, budget=1024, max_num_seqs=64
     )
 
 
 def ask(image, prompt: str) -> Request:
-    content = [{"type": "image", "image": image}, {"type": "text", "text": prompt}]
-    return Request(messages=[{"role": "user", "content": content}], sampling=GREEDY)
+    return chat([image], prompt, GREEDY)
 
 
 def queries(scenes) -> list[tuple[object, str, str, str]]:
@@ -45,6 +38,7 @@ def queries(scenes) -> list[tuple[object, str, str, str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_engine_answers_equal_transformers_and_captions_are_right(engine):
     rows = queries(heldout_scenes(20))
     outputs = engine.generate([ask(image, prompt) for image, _, prompt, _ in rows])
@@ -62,6 +56,7 @@ def test_engine_answers_equal_transformers_and_captions_are_right(engine):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.slow
 def test_multi_tile_scene_prefix_cache_and_images_counted(engine):
     [scene] = heldout_scenes(1, multi_tile=True)
     image = render_scene(scene)
@@ -75,16 +70,12 @@ def test_multi_tile_scene_prefix_cache_and_images_counted(engine):
 
 
 def _engine(**encoder) -> Engine:
-    return Engine(
-        EngineConfig(
-            ModelConfig(str(DEFAULT_MODEL_DIR)),
-            CacheConfig(num_blocks=512, block_size=16),
-            SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=16),
-            encoder=EncoderConfig(**encoder),
-        )
+    return make_engine(
+        DEFAULT_MODEL_DIR, num_blocks=512, block_size=16, budget=1024, encoder=encoder
     )
 
 
+@pytest.mark.slow
 def test_files_go_through_the_pool_and_the_encoder_cache(tmp_path):
     """The default model takes the same image path as every other: header-only token
     count, tiles from the pool, embeddings from the encoder cache on a repeat; the token
@@ -103,8 +94,8 @@ def test_files_go_through_the_pool_and_the_encoder_cache(tmp_path):
         "content": [{"type": "image"}, {"type": "text", "text": CAPTION_PROMPT}],
     }
     assert prepared.token_ids == processor.encode([message], images=[image]).token_ids
-    for placeholder in prepared.images:  # queued on its header: its tiles may still be coming
-        placeholder.data.wait()
+    for work in prepared.works:  # queued on its header: its tiles may still be coming
+        work.wait()
     before = pooled.stats()["preprocess_images"]  # the pool is shared by the process
     [first] = pooled.generate([request])
     [second] = pooled.generate([ask(str(path), question.question)])

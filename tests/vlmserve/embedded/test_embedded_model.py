@@ -72,6 +72,7 @@ def test_inline_and_separate_images_encode_the_same():
         processor.encode([{"role": "user", "content": [text]}], [image])
 
 
+@pytest.mark.slow
 def test_single_prompt_generate_answers_caption(model_and_processor):
     model, processor = model_and_processor
     scene = heldout_scenes(1)[0]
@@ -92,6 +93,7 @@ def test_single_prompt_generate_answers_caption(model_and_processor):
     assert processor.decode(out[0, input_ids.shape[1] :]) == caption(scene)
 
 
+@pytest.mark.slow
 def test_batched_answers_equal_one_by_one(model_and_processor):
     model, processor = model_and_processor
     images = [render_scene(s) for s in heldout_scenes(3)]
@@ -115,6 +117,7 @@ def heldout_scores(model_and_processor):
 BELOW_TARGET: set[str] = set()
 
 
+@pytest.mark.slow
 def test_answers_20_heldout_captions(heldout_scores):
     assert heldout_scores.total["caption"] == 20
     assert heldout_scores.correct["caption"] >= 18, heldout_scores.failures

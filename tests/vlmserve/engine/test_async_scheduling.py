@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 import torch
-from test_engine import chat, make_engine, mixed_requests, run_checked
 
-from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from vlmserve.config import EngineConfig, ModelConfig
+from scheduler.config import SpeculativeConfig
+from tests.helpers import chat, make_engine, run_checked
+from tests.vlmserve.engine.test_engine import mixed_requests
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
@@ -55,6 +55,7 @@ def count_rows(engine: Engine) -> list[int]:
     return rows
 
 
+@pytest.mark.slow
 def test_mixed_batch_of_images_and_chunked_prefills_gives_the_sync_tokens(
     llava_ov_path, random_image
 ):
@@ -63,6 +64,7 @@ def test_mixed_batch_of_images_and_chunked_prefills_gives_the_sync_tokens(
     assert engine.times.wait_s > 0 and engine.times.forward_s > 0
 
 
+@pytest.mark.slow
 def test_preemption_under_a_tiny_pool_gives_the_sync_tokens(llava_ov_path, random_image):
     fcfs = {"admission": "fcfs"}
     reference = run_checked(
@@ -86,6 +88,7 @@ def test_second_question_about_an_image_still_hits_the_prefix_cache(llava_ov_pat
     assert second.token_ids == fresh.token_ids
 
 
+@pytest.mark.slow
 def test_seeded_sampling_gives_the_sync_tokens(llama_path):
     def requests():
         return [
@@ -100,6 +103,7 @@ def test_seeded_sampling_gives_the_sync_tokens(llama_path):
     same(sync, fast)
 
 
+@pytest.mark.slow
 def test_stops_are_seen_a_step_late_and_the_extra_token_is_never_emitted(llama_path):
     def requests(params: list[SamplingParams]):
         return lambda: [
@@ -147,13 +151,11 @@ def first_new(token_ids: list[int], start: int) -> int:
 def test_speculation_falls_back_to_sync_and_keeps_its_tokens(llama_path):
     requests = [Request(prompt=t + " " + t, sampling=SamplingParams(
         max_tokens=20, temperature=0.0, ignore_eos=True)) for t in TEXTS]  # fmt: skip
-    spec = Engine(
-        EngineConfig(
-            ModelConfig(str(llama_path)),
-            CacheConfig(num_blocks=256, block_size=4),
-            SchedulerConfig(max_num_batched_tokens=64, async_scheduling=True),
-            speculative=SpeculativeConfig(num_speculative_tokens=3, min_n=1, adaptive=False),
-        )
+    spec = make_engine(
+        llama_path,
+        max_num_seqs=64,
+        scheduler={"async_scheduling": True},
+        speculative=SpeculativeConfig(num_speculative_tokens=3, min_n=1, adaptive=False),
     )
     assert not spec.async_scheduling  # drafts need the tokens of the step before
     with_spec = run_checked(spec, requests)

@@ -11,45 +11,9 @@ from encoders.errors import (
     RequestError,
     TooManyImagesError,
 )
-from scheduler.config import CacheConfig, SchedulerConfig
-from vlmserve.config import EngineConfig, ModelConfig
-from vlmserve.engine.core import Engine
+from tests.helpers import GREEDY_32, chat, make_engine, run_checked
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
-
-GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-
-
-def make_engine(
-    path, *, num_blocks=256, block_size=4, budget=64, scheduler=None, **model
-) -> Engine:
-    return Engine(
-        EngineConfig(
-            ModelConfig(str(path), **model),
-            CacheConfig(num_blocks=num_blocks, block_size=block_size),
-            SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, **(scheduler or {})),
-        )
-    )
-
-
-def run_checked(engine: Engine, requests: list[Request]) -> list:
-    """generate(), checking the block manager after every step and on drain."""
-    outputs = []
-    for request in requests:
-        rid = engine.add_request(request)
-        outputs.append(engine._states[rid].output)
-    while engine.has_unfinished():
-        engine.step()
-        engine.scheduler.block_manager.check_integrity()
-    bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked after the queue drained"
-    return outputs
-
-
-def chat(images, text: str, params: SamplingParams = GREEDY_32, **kw) -> Request:
-    content = [{"type": "image", "image": image} for image in images]
-    content.append({"type": "text", "text": text})
-    return Request(messages=[{"role": "user", "content": content}], sampling=params, **kw)
 
 
 def hf_greedy(path, family: str, images, text: str, max_new_tokens: int = 32) -> list[int]:
@@ -79,11 +43,11 @@ def hf_greedy(path, family: str, images, text: str, max_new_tokens: int = 32) ->
 
 @pytest.mark.parametrize(
     ("family", "sizes"),
-    [
-        ("llava_onevision", [(90, 50)]),  # anyres grid with unpadding
+    [  # one case per family in the fast lane
+        pytest.param("llava_onevision", [(90, 50)], marks=pytest.mark.slow),  # anyres, unpadding
         ("llava_onevision", [(40, 40), (100, 30)]),  # multi-image: base tile + newline each
         ("idefics3", [(70, 45)]),
-        ("idefics3", [(33, 90), (64, 64)]),
+        pytest.param("idefics3", [(33, 90), (64, 64)], marks=pytest.mark.slow),
     ],
 )
 def test_greedy_matches_transformers(family, sizes, request, random_image):
@@ -102,7 +66,9 @@ def test_greedy_matches_transformers(family, sizes, request, random_image):
                                        for p in range(len(ref_ids)))  # fmt: skip
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["fused-packed", "eager"])
+@pytest.mark.parametrize(
+    "eager", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fused-packed", "eager"]
+)
 def test_text_only_llama_gqa_matches_transformers(llama_path, eager):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -130,6 +96,7 @@ def mixed_requests(random_image) -> list[Request]:
     return requests
 
 
+@pytest.mark.slow
 def test_concurrent_requests_match_each_alone(llava_ov_path, random_image):
     alone = []
     for request in mixed_requests(random_image):
@@ -142,6 +109,7 @@ def test_concurrent_requests_match_each_alone(llava_ov_path, random_image):
     assert [len(t) for t in alone] == [4 + 3 * i for i in range(8)]
 
 
+@pytest.mark.slow
 def test_second_question_about_same_image_reuses_its_blocks(llava_ov_path, random_image):
     image = random_image(7, 80, 50)
     engine = make_engine(llava_ov_path, budget=512)
@@ -157,6 +125,7 @@ def test_second_question_about_same_image_reuses_its_blocks(llava_ov_path, rando
     assert second.token_ids == fresh.token_ids
 
 
+@pytest.mark.slow
 def test_tiny_kv_pool_preempts_and_still_gives_the_same_tokens(llava_ov_path, random_image):
     reference = run_checked(make_engine(llava_ov_path, budget=64), mixed_requests(random_image))
     # FCFS reserves only the prompt, so the burst of 8 image requests thrashes the pool.
@@ -183,6 +152,7 @@ def test_request_that_can_never_fit_the_pool_is_refused_at_arrival(llava_ov_path
     assert not engine.has_unfinished()  # nothing was queued
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_images_still_decoding_are_waited_for_and_a_late_bad_one_fails_alone(
     llava_ov_path, random_image, async_scheduling
@@ -197,7 +167,7 @@ def test_images_still_decoding_are_waited_for_and_a_late_bad_one_fails_alone(
         engine.add_request(chat([random_image(3, 40, 40)], "c", request_id="fine")),
     ]
     seqs = [engine._states[rid].seq for rid in ids]
-    slow_work, bad_work = seqs[0].images[0].data, seqs[1].images[0].data
+    slow_work, bad_work = (engine._states[rid].works[0] for rid in ids[:2])
     slow_work.tiles()  # (the real tiles, computed now)
     done, slow_work.future = slow_work.future, Future()  # as if still in the pool
     bad_work.future = Future()
@@ -231,6 +201,7 @@ def test_too_many_images_is_rejected(llava_ov_path, random_image):
         engine.add_request(chat(images, "describe"))
 
 
+@pytest.mark.slow
 def test_unreadable_image_fails_only_its_request(llava_ov_path, random_image):
     engine = make_engine(llava_ov_path)
     good = [chat([random_image(1, 40, 40)], "describe this", request_id="good-1"),
@@ -244,6 +215,7 @@ def test_unreadable_image_fails_only_its_request(llava_ov_path, random_image):
         engine.add_request(chat([b""], "describe"))
 
 
+@pytest.mark.slow
 def test_requests_prepared_on_other_threads_give_the_same_tokens(llava_ov_path, random_image):
     from concurrent.futures import ThreadPoolExecutor
 

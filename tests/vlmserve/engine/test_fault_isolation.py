@@ -10,12 +10,11 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from test_engine import chat, make_engine
 
 from encoders.errors import ImageDecodeError, PromptTooLongError
-from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from scheduler.config import SpeculativeConfig
 from scheduler.step_plan import ScheduledSeq
-from vlmserve.config import EngineConfig, ModelConfig
+from tests.helpers import chat, make_engine
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import MAX_CHARS_PER_TOKEN, PerThread, Request
 from vlmserve.sample.params import SamplerState, SamplingParams
@@ -40,6 +39,7 @@ def alone(engine: Engine, request: Request) -> list[int]:
     return drain(engine, [rid])[rid].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_an_image_failing_at_encode_time_fails_only_its_request(
     llava_ov_path, random_image, async_scheduling
@@ -50,7 +50,7 @@ def test_an_image_failing_at_encode_time_fails_only_its_request(
     want = {"good": alone(engine, good), "text": alone(engine, text)}
     engine.runner.encoder_cache.clear()  # the good image must go through the tower again
     bad = engine.prepare(chat([random_image(2, 50, 50)], "describe", GREEDY_8))
-    work = bad.prompt.images[0].data
+    work = bad.prompt.works[0]
     work.embedding, work.future = None, Future()
     work.future.set_exception(ImageDecodeError("cannot decode image: corrupt data"))
     ids = [
@@ -64,6 +64,7 @@ def test_an_image_failing_at_encode_time_fails_only_its_request(
     assert outs["good"].token_ids == want["good"] and outs["text"].token_ids == want["text"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_placeholder_count_mismatch_fails_only_its_request(
     llava_ov_path, random_image, async_scheduling
@@ -167,14 +168,8 @@ def test_sampling_that_raises_fails_only_its_row():
 
 
 def test_stats_with_speculation_on(llama_path):
-    engine = Engine(
-        EngineConfig(
-            ModelConfig(str(llama_path)),
-            CacheConfig(num_blocks=256, block_size=4),
-            SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16),
-            speculative=SpeculativeConfig(num_speculative_tokens=3, adaptive=False),
-        )
-    )
+    spec = SpeculativeConfig(num_speculative_tokens=3, adaptive=False)
+    engine = make_engine(llama_path, speculative=spec)
     rid = engine.add_request(Request(prompt="a b a b a b a b a b", sampling=GREEDY_8))
     drain(engine, [rid])
     stats = engine.stats()

@@ -32,6 +32,7 @@ def seeded(params: SamplingParams, seed: int) -> SamplerState:
     return SamplerState(replace(params, seed=seed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_mixed_batch_frequencies_match_the_filtered_softmax(device, chi_square):
     """One batch, the combos' rows interleaved with greedy rows: each combo's tokens follow
@@ -74,6 +75,7 @@ def num_rows(groups: list[RowGroup]) -> int:
     return sum(1 + len(g.draft_token_ids) for g in groups)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vocab", [68, 32000])  # the embedded model's, a Llama-2 one
 def test_a_seeded_request_draws_the_same_alone_and_in_any_batch(device, vocab):
@@ -133,6 +135,7 @@ def test_greedy_rows_and_point_masses_take_the_argmax():
     assert sample(logits, [SamplerState(p) for p in params]) == logits.argmax(-1).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_verification_emits_tokens_distributed_as_p(device, monkeypatch, chi_square):
     """Lossless: with drafts (2, 0) over rows p0, p1, p2 the first token follows p0, and

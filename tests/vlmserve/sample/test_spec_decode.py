@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import vlmserve.sample.ops as sampling_ops
-from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from scheduler.config import SpeculativeConfig
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import Sequence
-from vlmserve.config import EngineConfig, ModelConfig
+from tests import helpers
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
@@ -33,14 +33,10 @@ COPY_HEAVY = [
 def make_engine(
     path, spec: SpeculativeConfig | None = None, *, num_blocks=256, budget=24, admission="lumpy"
 ):
-    return Engine(
-        EngineConfig(
-            ModelConfig(str(path)),
-            CacheConfig(num_blocks=num_blocks, block_size=4),
-            SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, admission=admission),
-            speculative=spec or SpeculativeConfig(),
-        )
-    )
+    return helpers.make_engine(
+        path, num_blocks=num_blocks, budget=budget, scheduler={"admission": admission},
+        speculative=spec,
+    )  # fmt: skip
 
 
 def run_checked(engine: Engine, requests: list[Request]) -> list:
@@ -68,6 +64,7 @@ def text_requests(params: list[SamplingParams]) -> list[Request]:
     ]
 
 
+@pytest.mark.slow
 def test_greedy_with_speculation_equals_without(llama_path):
     params = [greedy(40), greedy(5), greedy(17), greedy(33), greedy(1), greedy(40)] * 2
     first = make_engine(llama_path)
@@ -93,15 +90,13 @@ def test_greedy_with_speculation_equals_without(llama_path):
     assert engine.num_steps < plain_engine.num_steps
 
 
+@pytest.mark.slow
 def test_greedy_with_images_and_adaptive_policy_equals_without(llava_ov_path, random_image):
     def requests():
         out = []
         for i in range(6):
             images = [random_image(20 + i * 2 + j, 30 + 15 * i, 50) for j in range(i % 3)]
-            content = [{"type": "image", "image": image} for image in images]
-            content.append({"type": "text", "text": COPY_HEAVY[i]})
-            messages = [{"role": "user", "content": content}]
-            out.append(Request(messages=messages, sampling=greedy(6 + 5 * i), request_id=f"v{i}"))
+            out.append(helpers.chat(images, COPY_HEAVY[i], greedy(6 + 5 * i), request_id=f"v{i}"))
         return out
 
     plain = run_checked(make_engine(llava_ov_path), requests())
@@ -112,6 +107,7 @@ def test_greedy_with_images_and_adaptive_policy_equals_without(llava_ov_path, ra
     assert engine.spec_metrics.num_accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_greedy_with_speculation_equals_without_on_the_embedded_model():
     from vlmserve.embedded.evaluate import CAPTION_PROMPT, heldout_scenes
     from vlmserve.embedded.scenes import render_scene
@@ -119,14 +115,7 @@ def test_greedy_with_speculation_equals_without_on_the_embedded_model():
     images = [render_scene(s) for s in heldout_scenes(6) + heldout_scenes(2, multi_tile=True)]
 
     def requests():
-        return [
-            Request(
-                messages=[{"role": "user", "content": [{"type": "image", "image": image},
-                                                       {"type": "text", "text": CAPTION_PROMPT}]}],
-                sampling=greedy(48),
-            )
-            for image in images
-        ]  # fmt: skip
+        return [helpers.chat([image], CAPTION_PROMPT, greedy(48)) for image in images]
 
     plain = run_checked(make_engine(EMBEDDED), requests())
     engine = make_engine(EMBEDDED, ALWAYS)
@@ -136,6 +125,7 @@ def test_greedy_with_speculation_equals_without_on_the_embedded_model():
     assert engine.spec_metrics.num_accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_rejected_drafts_roll_back_and_every_block_returns(llama_path):
     # Sampling among 3 tokens repeats n-grams, so drafts come often and fail often; a small
     # pool adds preemption on top. run_checked checks the block tables after every step.
@@ -191,13 +181,8 @@ def plain_samples(vocab16_path):
 
 def sample_first_tokens(path, spec: SpeculativeConfig, params: dict) -> torch.Tensor:
     """[NUM_SAMPLES, 4] first tokens of requests with seeds 0..NUM_SAMPLES-1."""
-    engine = Engine(
-        EngineConfig(
-            ModelConfig(str(path)),
-            CacheConfig(num_blocks=2048, block_size=4),
-            SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=128),
-            speculative=spec,
-        )
+    engine = helpers.make_engine(
+        path, num_blocks=2048, budget=1024, max_num_seqs=128, speculative=spec
     )
     requests = [
         Request(prompt=PROMPT16, sampling=SamplingParams(max_tokens=4, seed=i, **params))
@@ -226,6 +211,7 @@ def homogeneity_p_value(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2))  # chi2 sf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [TEMPERATURE_1, {"temperature": 0.7, "top_k": 6, "top_p": 0.9, "ignore_eos": True}],
@@ -240,6 +226,7 @@ def test_sampling_distribution_is_unchanged_by_speculation(vocab16_path, plain_s
         assert p > 1e-3, f"position {position}: p = {p:.2e}"
 
 
+@pytest.mark.slow
 def test_the_chi_square_test_catches_a_wrong_acceptance_rule(
     vocab16_path, plain_samples, monkeypatch
 ):

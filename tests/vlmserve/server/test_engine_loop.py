@@ -51,6 +51,7 @@ def chat(text: str, **extra) -> dict:
     return {"messages": [{"role": "user", "content": text}], **extra}
 
 
+@pytest.mark.slow
 def test_a_dead_engine_fails_what_is_in_flight_at_once_and_health_turns_503(llava_ov_path):
     deaths: list[BaseException] = []
     DyingEngine.die.clear()
@@ -132,6 +133,7 @@ def test_stop_answers_a_request_still_being_prepared_at_once(slow_loop):
     assert len(items) == 1 and slow_loop.num_pending == 0
 
 
+@pytest.mark.slow
 def test_fields_the_engine_does_not_implement_are_refused_by_name(llava_ov_path):
     with serve(lambda: Engine(engine_config(llava_ov_path)), api_key=KEY) as served:
         for extra, name in [

@@ -11,11 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from scheduler.config import CacheConfig, SchedulerConfig
-from vlmserve.config import EngineConfig, ModelConfig
+from tests.helpers import chat, greedy, make_engine
 from vlmserve.engine.core import Engine
-from vlmserve.inputs.processing import Request
-from vlmserve.sample.params import SamplingParams
 from vlmserve.server.metrics import (
     ENGINE_SERIES,
     LATENCY_BUCKETS,
@@ -96,15 +93,10 @@ def check_histogram(name: str, samples: list[Sample]) -> None:
 @pytest.fixture(scope="module")
 def engine(llava_ov_path, random_image) -> Engine:
     """A real engine after one image request: the preprocessing pool's keys are in stats."""
-    engine = Engine(EngineConfig(
-        ModelConfig(str(llava_ov_path)), CacheConfig(num_blocks=64, block_size=4),
-        SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4),
-    ))  # fmt: skip
+    engine = make_engine(llava_ov_path, num_blocks=64, budget=256, max_num_seqs=4)
     png = io.BytesIO()
     random_image(1, 60, 40).save(png, "PNG")  # bytes: decoded in the preprocessing pool
-    content = [{"type": "image", "image": png.getvalue()}, {"type": "text", "text": "hi"}]
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    [out] = engine.generate([Request([{"role": "user", "content": content}], sampling=params)])
+    [out] = engine.generate([chat([png.getvalue()], "hi", greedy(2))])
     assert out.error is None, out.error
     return engine
 

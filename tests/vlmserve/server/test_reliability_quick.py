@@ -24,16 +24,15 @@ from benchmarks.reliability.chaos import _faulty_engine_factory
 from benchmarks.reliability.common import (
     Outcome,
     chat_body,
-    children_of,
     client,
     count,
     data_url,
     gather_limited,
-    in_process_server,
     png_bytes,
     send,
     user_message,
 )
+from benchmarks.reliability.server import in_process_server
 from benchmarks.reliability.soak import SoakConfig, drive, fallback_bad_images
 from benchmarks.reliability.ssrf_http import (
     Canary,
@@ -84,6 +83,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
+@pytest.mark.slow
 def test_soak_small_every_request_answered_and_blocks_back(embedded):
     server, _ = embedded
     bm = server.engine.scheduler.block_manager
@@ -99,6 +99,7 @@ def test_soak_small_every_request_answered_and_blocks_back(embedded):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.slow
 def test_ssrf_probes_all_refused_and_none_connects(embedded):
     server, _ = embedded
     canary = Canary()
@@ -172,13 +173,13 @@ def test_encode_raising_for_one_request_fails_only_that_request(embedded):
     server.engine.scheduler.block_manager.check_integrity()
 
 
-def _worker_pids() -> list[int]:
-    pids = []
-    for child in children_of(os.getpid()):
-        with contextlib.suppress(OSError):
-            if b"forkserver" in open(f"/proc/{child}/cmdline", "rb").read():
-                pids += children_of(child)
-    return sorted(pids)
+def _worker_pids(config) -> list[int]:
+    """The live worker processes of the pool this engine config uses (pools are shared per
+    process and keyed by their settings: earlier tests' pools must not be counted)."""
+    from encoders.stage import configured_pool
+
+    pool = configured_pool(config.encoder)
+    return sorted(w.process.pid for w in pool.workers if w.process.is_alive())
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds workers through /proc")
@@ -198,7 +199,7 @@ def test_killed_worker_is_never_blamed_on_the_image(idefics3_path):
                 )
 
         assert all(o.verdict == "ok" for o in run(send_all([1, 2, 3, 4])))  # pool started
-        before = _worker_pids()
+        before = _worker_pids(config)
         assert before, "no preprocessing workers found"
         os.kill(before[0], signal.SIGKILL)  # an idle worker: the next image must not pay
         time.sleep(0.2)
@@ -206,7 +207,7 @@ def test_killed_worker_is_never_blamed_on_the_image(idefics3_path):
         bad = [(o.status, o.message) for o in outcomes if not o.is_expected]
         assert bad == [], "a worker's death was blamed on the image (or lost)"
         assert sum(o.status == 503 for o in outcomes) <= 1
-        after = _worker_pids()
+        after = _worker_pids(config)
         assert len(after) == len(before) and before[0] not in after
         dead_prefix = [n for n in os.listdir("/dev/shm") if n.startswith(f"vlm{os.getpid():x}_")]
         assert len(dead_prefix) <= len(after)  # one reused block per live worker at most

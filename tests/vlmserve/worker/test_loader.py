@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from encoders.weights import CheckpointError, load_tensors
 from kernels.attention import TorchPagedAttention
+from tests.helpers import make_engine
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
 from vlmserve.worker.models.loader import load_model
@@ -60,12 +61,9 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
         assert torch.equal(x, y), name
 
 
+@pytest.mark.slow
 def test_tied_qwen2_embeddings_serve_like_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from scheduler.config import CacheConfig
-    from vlmserve.config import EngineConfig, ModelConfig
-    from vlmserve.engine.core import Engine
 
     path = make_text_checkpoint(tmp_path / "tied", "qwen2", tie_word_embeddings=True)
     loaded = load(path)
@@ -74,7 +72,7 @@ def test_tied_qwen2_embeddings_serve_like_transformers(tmp_path):
     ids = AutoTokenizer.from_pretrained(path)("how many circles are there", return_tensors="pt")
     with torch.no_grad():
         ref = hf.generate(ids.input_ids, max_new_tokens=16, do_sample=False)[0, -16:].tolist()
-    engine = Engine(EngineConfig(ModelConfig(str(path)), CacheConfig(num_blocks=32, block_size=8)))
+    engine = make_engine(path, num_blocks=32, block_size=8)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     [out] = engine.generate([Request(prompt="how many circles are there", sampling=params)])
     assert out.token_ids == ref

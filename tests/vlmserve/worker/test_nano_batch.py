@@ -12,9 +12,9 @@ import functools
 
 import pytest
 import torch
-from test_engine import make_engine, run_checked
 
-from kernels.attention import AttentionBatch, select_backend
+from kernels.attention import AttentionBatch
+from kernels.backends import select_backend
 from kernels.packed_linear import pack_linears
 from search.nanoflow.handmade_schedules import (
     four_two_schedule,
@@ -23,6 +23,7 @@ from search.nanoflow.handmade_schedules import (
     two_way_schedule,
 )
 from search.nanoflow.schedule import NanoOp, Schedule
+from tests.helpers import make_engine, run_checked
 from vlmserve.cli.engine_args import engine_config_from_args
 from vlmserve.cli.main import build_parser
 from vlmserve.inputs.processing import Request
@@ -239,6 +240,7 @@ def text_requests() -> list[Request]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads", ["gqa", "mha"])
 def test_engine_greedy_tokens_equal_the_unsplit_engine(heads, llama_path, mha_path, schedule_dir):
     path = llama_path if heads == "gqa" else mha_path
@@ -253,6 +255,7 @@ def test_engine_greedy_tokens_equal_the_unsplit_engine(heads, llama_path, mha_pa
     assert any(max(lens) > 1 and min(lens) == 1 for lens in split)
 
 
+@pytest.mark.slow
 def test_auto_runs_the_searched_schedules_and_keeps_the_tokens(llama_path, tmp_path, monkeypatch):
     from search.nanoflow import profiles
     from vlmserve.worker.nano_schedules import engine_schedules

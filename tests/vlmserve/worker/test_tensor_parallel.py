@@ -58,6 +58,7 @@ def mqa_path(tmp_path_factory):
     return make_vlm_checkpoint(tmp_path_factory.mktemp("mqa"), "idefics3", kv_heads=1)
 
 
+@pytest.mark.slow
 def test_gqa_two_ranks_equal_one_and_close_ends_the_workers(llava_ov_path, random_image):
     reference = tokens(engine(llava_ov_path, 1).generate(requests(random_image)))
     # Async scheduling: the engine thread encodes while the forward thread steps.
@@ -75,6 +76,7 @@ def test_gqa_two_ranks_equal_one_and_close_ends_the_workers(llava_ov_path, rando
     assert [p.exitcode for p in processes] == [0]  # stopped by its message, not killed
 
 
+@pytest.mark.slow
 def test_mha_two_ranks_equal_one_and_gc_ends_the_workers(idefics3_path, random_image):
     reference = tokens(engine(idefics3_path, 1).generate(requests(random_image)))
     tp = engine(idefics3_path, 2)
@@ -86,6 +88,7 @@ def test_mha_two_ranks_equal_one_and_gc_ends_the_workers(idefics3_path, random_i
     assert [p.exitcode for p in processes] == [0]
 
 
+@pytest.mark.slow
 def test_more_ranks_than_kv_heads_replicates_them_through_generate(
     mqa_path, random_image, tmp_path, capsys
 ):
@@ -103,6 +106,7 @@ def test_more_ranks_than_kv_heads_replicates_them_through_generate(
     assert two.err.split(" output")[0] == one.err.split(" output")[0]
 
 
+@pytest.mark.slow
 def test_replicated_kv_heads_are_token_exact(mqa_path, random_image):
     reference = tokens(engine(mqa_path, 1).generate(requests(random_image)))
     tp = engine(mqa_path, 2)

@@ -14,6 +14,7 @@ from typing import Any
 from scheduler.config import SchedulerConfig
 from search.costmodel.presets import (
     ENCODERS,
+    MODEL_VISION,
     get_accelerator,
     get_cache_precision,
     get_encoder,
@@ -64,8 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"admission policy (default: the scheduler's, here {default_admission()})",
     )
-    p.add_argument("--encoder", default="siglip-so400m-14-384", help=", ".join(sorted(ENCODERS)))
-    p.add_argument("--pooling", type=int, default=4, help="connector ratio N:1 (default: 4)")
+    p.add_argument(
+        "--encoder", default=None,
+        help=f"{', '.join(sorted(ENCODERS))} (default: the model's own, else siglip-so400m-14-384)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pooling", type=int, default=None,
+        help="connector ratio N:1 (default: the model's own, Gemma 3 16, else 4)",
+    )  # fmt: skip
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--preprocess-workers", type=int, default=8)
@@ -101,6 +108,9 @@ def _trace_maker(args: argparse.Namespace) -> tuple[Callable[[float], list[Trace
 
 def run_capacity(args: argparse.Namespace) -> Outcome:
     model, accel = get_model(args.model), get_accelerator(args.accelerator)
+    own_encoder, own_pooling = MODEL_VISION.get(model.name, ("siglip-so400m-14-384", 4))
+    args.encoder = args.encoder or own_encoder
+    args.pooling = own_pooling if args.pooling is None else args.pooling
     encoder = get_encoder(args.encoder)
     cache = get_cache_precision(args.kv_dtype)
     hw = StepHardware(

@@ -17,67 +17,11 @@ from torch import nn
 from encoders.weights import CheckpointError, load_into, take
 from kernels import fused_ops
 from kernels.attention import AttentionBackend
-from vlmserve.worker.models.rope import RopeConfig, RotaryEmbedding, rope_config_from_hf
+from vlmserve.worker.models import gemma3
+from vlmserve.worker.models.layers import DecoderConfig, RMSNorm
+from vlmserve.worker.models.rope import RotaryEmbedding
 
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: RopeConfig
-    max_position_embeddings: int
-    qkv_bias: bool = False
-    tie_word_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}"
-            )
-
-    @classmethod
-    def from_hf(cls, text_config: dict, *, qkv_bias: bool, tie: bool) -> DecoderConfig:
-        if text_config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {text_config['hidden_act']!r}: only silu is supported")
-        num_heads = text_config["num_attention_heads"]
-        head_dim = text_config.get("head_dim") or text_config["hidden_size"] // num_heads
-        return cls(
-            vocab_size=text_config["vocab_size"],
-            hidden_size=text_config["hidden_size"],
-            intermediate_size=text_config["intermediate_size"],
-            num_layers=text_config["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=text_config.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=text_config.get("rms_norm_eps", 1e-6),
-            rope=rope_config_from_hf(text_config, head_dim),
-            max_position_embeddings=text_config.get("max_position_embeddings", 2048),
-            qkv_bias=qkv_bias or bool(text_config.get("attention_bias", False)),
-            tie_word_embeddings=tie,
-        )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        return fused_ops.rms_norm(x, self.weight, self.eps, fused)
-
-    def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor, fused: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): may overwrite x and residual."""
-        return fused_ops.add_rms_norm(x, residual, self.weight, self.eps, fused)
+__all__ = ["Decoder", "DecoderConfig", "DecoderLayer", "RMSNorm", "StepContext"]
 
 
 @dataclass
@@ -89,6 +33,9 @@ class StepContext:
     attn_metadata: object
     kv_caches: list[torch.Tensor]  # per layer [2, num_kv_heads, num_slots, head_dim]
     fused: bool  # the fused elementwise kernels (kernels/fused_ops.py) where they apply
+    # Sliding-window layers' RoPE tables where they differ (Gemma 3's local base).
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
 
 
 # Runs every layer over the step's nano-batches: (layers, inputs_embeds, ctx) -> what the
@@ -168,9 +115,15 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        if cfg.variant == "gemma3":
+            self.layers = nn.ModuleList(
+                gemma3.Gemma3DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers)
+            )
+        else:
+            self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope)
+        self.local_rotary = None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope)
         self.lm_head = None
         # The fused elementwise kernels; the runner turns them on (ModelConfig.fused_ops).
         self.fused = False
@@ -178,7 +131,10 @@ class Decoder(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(token_ids)
+        embeds = self.embed_tokens(token_ids)
+        if self.cfg.variant == "gemma3":  # image rows are written over these, unscaled
+            return embeds * gemma3.embed_scale(self.cfg, embeds.dtype).to(embeds.device)
+        return embeds
 
     def forward(
         self,
@@ -191,6 +147,8 @@ class Decoder(nn.Module):
         # inputs_embeds: [num_tokens, hidden]; positions: [num_tokens]
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
         ctx = StepContext(cos, sin, attn_metadata, kv_caches, self.fused)
+        if self.local_rotary is not None:
+            ctx.local_cos, ctx.local_sin = self.local_rotary.cos_sin(positions, inputs_embeds.dtype)
         x, residual = inputs_embeds, None
         if nano is not None and len(self.layers):  # nano-batched (vlmserve/worker/nano_exec.py)
             x, residual = nano(list(self.layers), x, ctx)
@@ -204,8 +162,10 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab], float32 for sampling
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        return gemma3.softcap(logits, self.cfg.final_logit_softcapping)
 
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str, lm_head_name: str) -> None:
         """Copy HF Llama/Qwen2 weights: `prefix` is where `embed_tokens.weight` lives.
@@ -217,6 +177,8 @@ class Decoder(nn.Module):
                 names[ours] = lm_head_name
             else:
                 names[ours] = prefix + ours
+        if self.cfg.variant == "gemma3":
+            tensors = gemma3.GemmaNormWeights(tensors)
         tensors = _FusedWeights(tensors, prefix, self.cfg)
         if self.lm_head is not None and lm_head_name not in tensors:
             raise CheckpointError(

@@ -1,7 +1,7 @@
 """Load a served model from a local HF checkpoint folder (config.json + *.safetensors).
 
-Families: LLaVA-OneVision (SigLIP + Qwen2), Idefics3 / SmolVLM (SigLIP + Llama), and the
-text-only Llama / Qwen2 decoders (benchmarks, text-only serving).
+Families: LLaVA-OneVision (SigLIP + Qwen2), Idefics3 / SmolVLM (SigLIP + Llama), Gemma 3
+(SigLIP + Gemma 3, and its text-only form), and the text-only Llama / Qwen2 decoders.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch
 from encoders.weights import CheckpointError, load_tensors, read_config
 from kernels.attention import AttentionBackend
 from vlmserve.worker.models.decoder import Decoder, DecoderConfig
+from vlmserve.worker.models.gemma3 import gemma3_decoder_config
 from vlmserve.worker.parallel.sharding import ShardedWeights, TPShard
 
-Family = Literal["llava_onevision", "idefics3", "llama", "qwen2"]
+Family = Literal["llava_onevision", "idefics3", "gemma3", "gemma3_text", "llama", "qwen2"]
 
 
 @dataclass(frozen=True)
@@ -38,10 +39,21 @@ _SPECS: dict[str, FamilySpec] = {
     "idefics3": FamilySpec(
         "idefics3", ("model.text_model.",), ("lm_head.weight", "model.lm_head.weight"), True
     ),
+    "gemma3": FamilySpec(
+        "gemma3",
+        ("model.language_model.", "language_model.model."),
+        ("lm_head.weight", "language_model.lm_head.weight"),
+        True,
+    ),
+    "gemma3_text": FamilySpec("gemma3_text", ("model.",), ("lm_head.weight",), False),
     "llama": FamilySpec("llama", ("model.",), ("lm_head.weight",), False),
     "qwen2": FamilySpec("qwen2", ("model.",), ("lm_head.weight",), False),
 }
 _MODEL_TYPES = {"smolvlm": "idefics3"}
+# What `vlmserve info` and the refusal name.
+SUPPORTED_FAMILIES = (
+    "LLaVA-OneVision", "Idefics3/SmolVLM", "Gemma 3 (image-text and text)", "Llama", "Qwen2",
+)  # fmt: skip
 
 
 @dataclass
@@ -52,6 +64,8 @@ class LoadedModel:
     decoder: Decoder
     vision: torch.nn.Module | None  # encoders.vision.VisionEncoder for multimodal families
     image_token_id: int | None
+    # An image's tokens attend to each other in full during prefill (Gemma 3).
+    bidirectional_images: bool = False
 
 
 def family_of(config: dict) -> FamilySpec:
@@ -60,7 +74,7 @@ def family_of(config: dict) -> FamilySpec:
         archs = config.get("architectures") or []
         raise CheckpointError(
             f"unsupported architecture {archs or model_type!r}: vlmserve serves "
-            "LLaVA-OneVision, Idefics3/SmolVLM, Llama and Qwen2 checkpoints"
+            f"{', '.join(SUPPORTED_FAMILIES)} checkpoints"
         )
     return _SPECS[model_type]
 
@@ -77,6 +91,9 @@ def decoder_config(config: dict) -> DecoderConfig:
     spec = family_of(config)
     text_config = config.get("text_config", config) if spec.multimodal else config
     tie = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", False)))
+    if spec.family in ("gemma3", "gemma3_text"):
+        tie = bool(config.get("tie_word_embeddings", text_config.get("tie_word_embeddings", True)))
+        return gemma3_decoder_config(text_config, tie=tie, causal_lm=spec.family == "gemma3_text")
     return DecoderConfig.from_hf(
         text_config, qkv_bias=text_config.get("model_type") == "qwen2", tie=tie
     )
@@ -100,6 +117,8 @@ def load_model(
     prefix = embed[: -len("embed_tokens.weight")]
     lm_head = next((n for n in spec.lm_head_names if n in tensors), spec.lm_head_names[0])
     decoder_tensors = tensors
+    if shard is not None and decoder_cfg.variant == "gemma3":
+        raise CheckpointError("tensor parallelism does not serve Gemma 3 yet")
     if shard is not None:
         decoder_tensors = ShardedWeights(tensors, prefix, decoder_cfg, shard)
         decoder_cfg = shard.local_config(decoder_cfg)
@@ -115,4 +134,7 @@ def load_model(
 
         vision = VisionEncoder.from_checkpoint(config, tensors, dtype, device).eval()
         image_token_id = config.get("image_token_id", config.get("image_token_index"))
-    return LoadedModel(spec.family, config, text_config, decoder, vision, image_token_id)
+    bidirectional = spec.family == "gemma3"
+    return LoadedModel(
+        spec.family, config, text_config, decoder, vision, image_token_id, bidirectional
+    )

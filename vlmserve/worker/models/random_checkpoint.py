@@ -200,3 +200,136 @@ def _make_idefics3(path, vision, vocab, hidden, layers, heads, kv_heads, tile, t
         chat_template=_IDEFICS3_TEMPLATE,
     )
     processor.save_pretrained(path)
+
+
+# Gemma 3's turn markers, written with spaces around them (the word tokenizer splits on
+# whitespace; the real template writes "\n").
+_GEMMA3_TEMPLATE = (
+    "<bos> {% for m in messages %}<start_of_turn> "
+    "{{ 'model' if m['role'] == 'assistant' else m['role'] }} "
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image> "
+    "{% else %}{{ p['text'] }} {% endif %}{% endfor %}<end_of_turn> {% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn> model {% endif %}"
+)
+GEMMA3_SPECIAL = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                  "<end_of_image>", "<image_soft_token>", "model"]  # fmt: skip
+
+
+def _perturb_gemma_norms(model: torch.nn.Module, seed: int) -> None:
+    """transformers initialises Gemma's (1 + weight) norms and the projection to zeros:
+    random values, so that a test notices a missing `1 +` or a dropped projector."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "mm_input_projection" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+
+
+def gemma3_text_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                       **extra):  # fmt: skip
+    """A Gemma3TextConfig: 5 sliding layers to 1 global (`layer_types` from the config's
+    default pattern), local RoPE base 10k, global 1M with linear scaling (as 4b/27b)."""
+    from transformers import Gemma3TextConfig
+
+    extra.setdefault("intermediate_size", hidden * 2)
+    extra.setdefault("max_position_embeddings", 4096)
+    extra.setdefault("sliding_window", 64)
+    extra.setdefault("head_dim", 16)
+    extra.setdefault("query_pre_attn_scalar", 24)
+    extra.setdefault(
+        "rope_parameters",
+        {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
+    )  # fmt: skip
+    return Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, **extra,
+    )  # fmt: skip
+
+
+def _gemma3_tokenizer():
+    tokenizer = word_tokenizer(GEMMA3_SPECIAL, "<end_of_turn>")
+    tokenizer.bos_token = "<bos>"
+    # What Gemma3Processor reads off the tokenizer.
+    tokenizer._set_model_specific_special_tokens(
+        {
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        }
+    )
+    return tokenizer
+
+
+def make_gemma3_checkpoint(
+    path: str | Path,
+    *,
+    hidden: int = 64,
+    layers: int = 12,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 256,
+    image_size: int = 32,
+    patch: int = 4,
+    tokens_per_image: int = 16,
+    vision_hidden: int = 32,
+    vision_layers: int = 2,
+    vision_heads: int = 4,
+    pan_and_scan: bool = False,
+    text_only: bool = False,
+    seed: int = 0,
+    **text_extra,
+) -> Path:
+    """A random Gemma 3 (Gemma3ForConditionalGeneration, or Gemma3ForCausalLM with
+    `text_only`) with its processor. 12 layers: layers 5 and 11 global, the rest sliding
+    over `sliding_window` (default 64) positions. The tower's (image_size / patch)^2
+    patches average-pool to `tokens_per_image`. `pan_and_scan`: the processor crops
+    elongated images (min crop `image_size`) into extra 'images'."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForCausalLM,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        SiglipVisionConfig,
+    )
+
+    torch.manual_seed(seed)
+    path = Path(path)
+    tokenizer = _gemma3_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_SPECIAL}
+    text = gemma3_text_config(
+        vocab, hidden, layers, heads, kv_heads, bos_token_id=ids["<bos>"],
+        eos_token_id=ids["<end_of_turn>"], pad_token_id=1, **text_extra,
+    )  # fmt: skip
+    if text_only:
+        model = Gemma3ForCausalLM(text)
+        _perturb_gemma_norms(model, seed)
+        model.save_pretrained(path)
+        tokenizer.chat_template = _GEMMA3_TEMPLATE
+        tokenizer.save_pretrained(path)
+        return path
+    vision = SiglipVisionConfig(
+        hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+        num_hidden_layers=vision_layers, num_attention_heads=vision_heads,
+        image_size=image_size, patch_size=patch, vision_use_head=False,
+    )  # fmt: skip
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=tokens_per_image,
+        boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+    )  # fmt: skip
+    model = Gemma3ForConditionalGeneration(config)
+    _perturb_gemma_norms(model, seed)
+    model.save_pretrained(path)
+    image_processor = Gemma3ImageProcessor(
+        size={"height": image_size, "width": image_size}, do_pan_and_scan=pan_and_scan,
+        pan_and_scan_min_crop_size=image_size, pan_and_scan_max_num_crops=4,
+        pan_and_scan_min_ratio_to_activate=1.2,
+    )  # fmt: skip
+    processor = Gemma3Processor(
+        image_processor=image_processor, tokenizer=tokenizer,
+        image_seq_length=tokens_per_image, chat_template=_GEMMA3_TEMPLATE,
+    )  # fmt: skip
+    processor.save_pretrained(path)
+    return path

@@ -1,0 +1,1 @@
+"""Helpers the benchmark programs import (not programs themselves)."""

@@ -1,0 +1,66 @@
+"""Which paged-attention backend a device and dtype get (`--attention-backend`).
+
+Here, above the backends, so that kernels/attention.py (the interface and the plain-torch
+reference every backend imports) imports none of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_attention
+from kernels.attention import AttentionBackend, TorchPagedAttention
+
+BACKENDS = ("auto", "torch", "cpu", "cpu-sdpa", "triton", "flashinfer")
+
+
+def select_backend(
+    device: torch.device, preferred: str | None = None, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """The attention backend for `device` and activation `dtype`. `preferred`: one of
+    BACKENDS; None or "auto" picks FlashInfer on a GPU where it is installed (it runs
+    float16 / bfloat16), else Triton there; on a CPU the C++ kernels where they build
+    (kernels/cpu_attention.py: "cpu" = the decode and prefill kernels, "cpu-sdpa" = the
+    decode kernel with torch's SDPA for prefills), else plain torch. The torch backend
+    runs anywhere and is the reference every other is tested against. The GPU backends
+    are imported here, lazily: flashinfer is GPU-only, and triton runs on a CPU only in
+    its interpreter."""
+    if preferred not in (None, *BACKENDS):
+        raise ValueError(f"attention backend {preferred!r} is not one of {', '.join(BACKENDS)}")
+    preferred = None if preferred == "auto" else preferred
+    if preferred == "torch":
+        return TorchPagedAttention()
+    if preferred == "triton" or (preferred is None and device.type == "cuda"):
+        if preferred is None:
+            from kernels import flashinfer_attention
+
+            if flashinfer_attention.available(device, dtype) is None:
+                return flashinfer_attention.FlashInferPagedAttention()
+        from kernels import triton_attention
+
+        why = triton_attention.available(device)
+        if why is None:
+            return triton_attention.TritonPagedAttention()
+        if preferred == "triton":
+            raise ValueError(f"attention backend 'triton' cannot run here: {why}")
+        return TorchPagedAttention()
+    if preferred == "flashinfer":
+        from kernels import flashinfer_attention
+
+        why = flashinfer_attention.available(device, dtype)
+        if why is not None:
+            raise ValueError(f"attention backend 'flashinfer' cannot run here: {why}")
+        return flashinfer_attention.FlashInferPagedAttention()
+    if device.type == "cpu":
+        why = cpu_attention.available()
+        prefill_why = None if preferred == "cpu-sdpa" else cpu_attention.prefill_available()
+        if why is None and (prefill_why is None or preferred is None):
+            use_kernel = preferred != "cpu-sdpa" and prefill_why is None
+            return cpu_attention.CpuPagedAttention(prefill_kernel=use_kernel)
+        if preferred is not None:
+            raise ValueError(
+                f"attention backend {preferred!r} cannot run here: {why or prefill_why}"
+            )
+    elif preferred is not None:
+        raise ValueError(f"attention backend {preferred!r} runs on a CPU device, not {device.type}")
+    return TorchPagedAttention()

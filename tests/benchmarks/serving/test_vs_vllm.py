@@ -1,0 +1,179 @@
+"""The pure parts of benchmarks/serving/vs_vllm.py (no vLLM here: CI never runs it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from benchmarks.lib.vllm_cpu import core_list
+from benchmarks.lib.vs_vllm_serve import (
+    chat_payloads,
+    is_saturated,
+    median_point,
+    pass_order,
+    process_cpu_s,
+)  # fmt: skip
+from benchmarks.serving.vs_vllm import agreement, last_error, matched_prefix, round_order, summarize
+
+
+def test_matched_prefix_stops_at_first_difference():
+    assert matched_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
+    assert matched_prefix([1, 2], [1, 2, 3]) == 2
+    assert matched_prefix([], [1]) == 0
+
+
+def test_agreement_counts_identical_outputs_and_mean_prefix():
+    vllm = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    ours = [[1, 2, 3], [4, 0, 6], [0, 8]]
+    got = agreement(vllm, ours)
+    assert got.num_requests == 3
+    assert got.num_identical == 1
+    assert got.mean_matched_prefix == pytest.approx((3 + 1 + 0) / 3)
+    assert got.mean_output_len == pytest.approx(8 / 3)
+
+
+def test_agreement_refuses_unequal_request_counts():
+    with pytest.raises(AssertionError):
+        agreement([[1]], [[1], [2]])
+
+
+def test_rounds_interleave_vllm_first():
+    assert round_order(2) == [(0, "vllm"), (0, "vlmserve"), (1, "vllm"), (1, "vlmserve")]
+
+
+def _run(system: str, seconds: float, **extra) -> dict:
+    return {"system": system, "seconds": seconds, "load_s": 1.0, "warmup_s": 0.5, **extra}
+
+
+def test_summarize_takes_medians_and_skips_failed_rounds():
+    runs = [
+        _run("vllm", 10.0), _run("vlmserve", 20.0),
+        _run("vllm", 12.0), _run("vlmserve", 40.0),
+        _run("vllm", 11.0), {"system": "vlmserve", "error": "boom"},
+    ]  # fmt: skip
+    got = summarize(runs, num_output_tokens=1100)
+    assert got["vllm"]["median_seconds"] == 11.0
+    assert got["vllm"]["median_output_tok_per_s"] == pytest.approx(100.0)
+    assert got["vlmserve"]["rounds"] == 2
+    assert got["vlmserve"]["median_seconds"] == 30.0
+    assert got["ratio_vlmserve_over_vllm"] == pytest.approx(11.0 / 30.0)
+
+
+def test_summarize_without_a_successful_vllm_round_has_no_ratio():
+    got = summarize([{"system": "vllm", "error": "refused"}, _run("vlmserve", 2.0)], 10)
+    assert got["vllm"] is None
+    assert got["ratio_vlmserve_over_vllm"] is None
+
+
+def test_last_error_is_the_last_exception_line():
+    log = "INFO start\nValueError: first\nTraceback\nRuntimeError: Engine core failed\nINFO bye\n"
+    assert last_error(log) == "RuntimeError: Engine core failed"
+    assert last_error("just noise\n") == "just noise"
+
+
+def test_core_list_compacts_ranges():
+    assert core_list({0, 1}) == "0-1"
+    assert core_list({0, 1, 2, 3, 6, 8, 9}) == "0-3,6,8-9"
+    assert core_list({5}) == "5"
+
+
+def _point(rate: float, completed: float, failed: int = 0) -> dict:
+    return {"rate": rate, "completed_per_s": completed, "failed": failed}
+
+
+def test_saturation_is_the_knee_of_completed_against_offered_rate():
+    assert not is_saturated(None, _point(0.5, 0.4))  # one point cannot tell
+    assert not is_saturated(_point(0.5, 0.45), _point(1.0, 0.9))  # served the added load
+    assert is_saturated(_point(1.0, 0.9), _point(2.0, 1.2))  # 0.3 of 1.0 more served
+    assert is_saturated(None, _point(0.5, 0.4, failed=1))
+
+
+def test_pass_order_alternates_within_and_across_rates():
+    assert pass_order(0, 2) == [(0, "vllm"), (0, "vlmserve"), (1, "vlmserve"), (1, "vllm")]
+    assert pass_order(1, 1) == [(0, "vlmserve"), (0, "vllm")]
+    # Odd repeats: the next rate starts with the server that went second last.
+    assert [s for _, s in pass_order(1, 3)][:2] == ["vlmserve", "vllm"]
+    for k in range(4):  # every server gets every pass once
+        order = pass_order(k, 3)
+        assert sorted(order) == sorted((j, s) for j in range(3) for s in ("vllm", "vlmserve"))
+
+
+def _pass(completed: float, ttft_p99: float, tpot_p50: float | None, failed: int = 0) -> dict:
+    return {
+        "rate": 1.0, "requests": 8, "failed": failed, "errors": ["e"] if failed else [],
+        "completed_per_s": completed, "output_tok_per_s": 10 * completed,
+        "ttft_s": {"p50": ttft_p99 / 2, "p90": ttft_p99 / 1.5, "p99": ttft_p99},
+        "tpot_s": {"p50": tpot_p50, "p90": None, "p99": None}, "idle_cpu_s": completed,
+    }  # fmt: skip
+
+
+def test_median_point_takes_medians_over_passes_and_sums_failures():
+    passes = [_pass(0.9, 3.0, 0.05), _pass(0.5, 1.0, 0.2, failed=1), _pass(0.7, 2.0, None)]
+    point = median_point(passes)
+    assert point["completed_per_s"] == 0.7 and point["output_tok_per_s"] == 7.0
+    assert point["ttft_s"]["p99"] == 2.0 and point["ttft_s"]["p50"] == 1.0
+    assert point["tpot_s"]["p50"] == pytest.approx(0.125)  # the passes that have one
+    assert point["tpot_s"]["p99"] is None
+    assert point["requests"] == 24 and point["failed"] == 1 and point["errors"] == ["e"]
+    assert point["idle_cpu_s"] == 0.9 and point["passes"] == passes
+    assert is_saturated(None, point)  # a failed request in any pass
+
+
+def test_chat_payloads_keep_text_lengths_and_carry_the_image(tmp_path):
+    image = tmp_path / "a.jpg"
+    image.write_bytes(b"\xff\xd8jpeg")
+    requests = [
+        {"prompt_token_ids": [5] * 7, "max_tokens": 3},
+        {"prompt": "p", "question": "what colour", "image": str(image), "max_tokens": 4},
+    ]
+    (text, n_text), (chat, n_image) = chat_payloads(requests)
+    assert len(text[0]["content"].split()) == 7 and n_text == 3
+    image_part, question = chat[0]["content"]
+    assert image_part["image_url"]["url"] == "data:image/jpeg;base64,/9hqcGVn"
+    assert question == {"type": "text", "text": "what colour"} and n_image == 4
+
+
+def test_chat_payload_variants_share_lengths_not_content(tmp_path):
+    image = tmp_path / "a.jpg"
+    image.write_bytes(b"\xff\xd8jpeg")
+    requests = [
+        {"prompt_token_ids": [5] * 40, "max_tokens": 3},
+        {"prompt": "p", "question": "q", "image": str(image), "max_tokens": 4},
+    ]
+    (text0, _), (chat0, _) = chat_payloads(requests, 0)
+    (text1, _), (chat1, _) = chat_payloads(requests, 1)
+    assert text0[0]["content"] != text1[0]["content"]
+    assert len(text1[0]["content"].split()) == 40
+    assert (tmp_path / "a_v1.jpg").is_file()  # a new picture for the variant
+    assert chat0[0]["content"][0] != chat1[0]["content"][0]
+
+
+@pytest.mark.slow  # real processes burning CPU
+def test_process_cpu_s_counts_a_server_session_and_its_children():
+    # A "server" in its own session: it and a child each burn 0.3 s of CPU (process_time,
+    # the kernel's own count), say so, then sleep. Their session's total must hold both.
+    burn = "import time\nwhile time.process_time() < 0.3: pass\nprint('done', flush=True)\n"
+    leader = textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {burn!r} + "time.sleep(60)"],
+                                 stdout=subprocess.PIPE, text=True)
+        exec({burn!r})
+        child.stdout.readline()
+        print("both", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", leader], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert proc.stdout.readline() == "done\n" and proc.stdout.readline() == "both\n"
+        assert 0.55 <= process_cpu_s(proc.pid) < 5.0
+        assert process_cpu_s(2**22 + 1) == 0.0  # no such session
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child is in the leader's process group
+        proc.wait()
