@@ -33,6 +33,11 @@ preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
   running, so lumps keep at least every other step. In that step an aged lump counts as
   not fitting: quick requests pass it only inside the headroom, which leaves its condition
   as it was, so it starts at most one step later than it would have.
+- slack (with TTFT targets, `SloConfig`): after the aged ones, least slack against the
+  class's target first among those that can still meet it, then the late ones by arrival
+  (late: past the target, or, with a step-cost model, with less slack than its prefill
+  alone takes). The aging bound holds: with targets its clock starts at the deadline, and
+  an aged request goes first whatever its slack.
 - victim: the running sequence whose preemption throws away the least computed KV not
   kept by the prefix cache (`recompute_cost`), newest first among equals (§19).
 """
@@ -54,6 +59,8 @@ class Candidate:
     seq: Sequence
     quick: bool  # no tower work and its prefill fits one step's token budget
     aged: bool  # waited max_wait_steps: goes ahead of every later arrival
+    # Seconds until its TTFT target passes (negative: missed); None: no target or clock.
+    slack_s: float | None = None
 
 
 class AdmissionPolicy(Protocol):
@@ -96,6 +103,12 @@ class AdmissionPolicy(Protocol):
         """Who loses its KV so `current` can grow: one of `others` (running, not yet
         scheduled this step) or `current` itself."""
         ...
+
+
+def _slack_key(c: Candidate) -> tuple[bool, bool, float, int]:
+    assert c.slack_s is not None
+    missed = c.slack_s < 0
+    return (not c.aged, c.aged or missed, 0.0 if c.aged or missed else c.slack_s, c.seq.arrival)
 
 
 def reserved_tokens(
@@ -203,7 +216,12 @@ class LumpyAdmission(FcfsAdmission):
         return quick_blocks + cand_needs <= self.lump_headroom(blocked_needs)
 
     def order(self, candidates: list[Candidate]) -> list[Candidate]:
-        # Aged first (by arrival), then quick, then the rest; arrival breaks ties.
+        # Aged first (by arrival). Then, with TTFT targets, least slack first among those
+        # that can still meet theirs, then those that missed it (by arrival): a request
+        # already late cannot be saved by going first, and going first would make others
+        # late too. Without targets: quick, then the rest; arrival breaks ties.
+        if candidates and all(c.slack_s is not None for c in candidates):
+            return sorted(candidates, key=_slack_key)
         return sorted(candidates, key=lambda c: (not c.aged, c.aged or not c.quick, c.seq.arrival))
 
     def may_overtake(self, blocked: Candidate) -> bool:

@@ -6,6 +6,33 @@ from dataclasses import dataclass
 from typing import Literal
 
 AdmissionKind = Literal["fcfs", "lumpy"]
+RequestClass = Literal["text", "image"]  # by whether the request carries images
+
+
+def request_class(num_images: int) -> RequestClass:
+    return "image" if num_images else "text"
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    """Latency targets the scheduler plans against (lumpy admission) and reports count
+    against: time to first token per request class, and time per output token. None: no
+    target. Shared by the engine (`--slo-ttft-ms`, `--slo-tpot-ms`) and the simulator."""
+
+    ttft_s: float | None = None  # text requests' TTFT target (and images' unless set)
+    tpot_s: float | None = None
+    image_ttft_s: float | None = None  # None: the same as `ttft_s`
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s", "image_ttft_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"SLO {name}={value} must be > 0 (or None)")
+
+    def ttft_for(self, cls: RequestClass) -> float | None:
+        if cls == "image" and self.image_ttft_s is not None:
+            return self.image_ttft_s
+        return self.ttft_s
 
 
 @dataclass(frozen=True)
@@ -101,8 +128,21 @@ class SchedulerConfig:
     # barely moves (benchmarks/engine/async_scheduling.py and its results file). Unmeasured on a
     # GPU, where it is meant to pay.
     async_scheduling: bool = False
+    # Lumpy only. Latency targets: with a TTFT target the waiting requests are ordered by
+    # slack against their class's target (least first, the aging bound kept); with a TPOT
+    # target and a step-cost model (`Scheduler(step_cost=...)`) a step gives lumps only
+    # the prefill rows and tiles that keep a step carrying decodes under it.
+    slo: SloConfig = SloConfig()
+    # Lumpy only, the adaptive lump budget (`scheduler.lump_budget`): the per-step caps
+    # are lifted after this many steps without a quick request needing them, then the
+    # lumps' share doubles each further quiet step up to the whole budget. A quick
+    # request arriving brings the caps back in the same step. 2: a quick request every
+    # other step keeps the caps on (no flapping).
+    lump_release_steps: int = 2
 
     def __post_init__(self) -> None:
+        if self.lump_release_steps < 0:
+            raise ValueError(f"lump_release_steps={self.lump_release_steps} must be >= 0")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         if self.max_num_seqs < 1:

@@ -10,14 +10,13 @@ sequences this step has not visited yet and the sequence itself (lumpy: the leas
 recompute; fcfs: the newest). A victim loses its KV, goes to the front of the waiting
 queue and is recomputed later (article §19); a step that preempts admits no one.
 
-Prefill chunks stop before an image that would take the step's vision-tower work past
-`encoder_tiles_per_step` (`scheduler.encoder_budget`). Under lumpy admission, sequences not
-admitted as quick share `lump_prefill_tokens_per_step` prefill tokens a step while a
-quick request is running or ready to start (with none, they take the whole budget), quick
+Prefill chunks stop before an image that would pass the step's tile budget
+(`scheduler.encoder_budget`). Under lumpy admission, sequences not admitted as quick
+share the step's lump allowance (`scheduler.lump_budget`, `scheduler.step_room`), quick
 ones may use the KV headroom lumps must leave, and a step that carries a quick request's
-first token leaves the lumps out (`scheduler.admission`): it plans the running
-non-lumps, then starts quick requests, and only when none needs its first token does it
-go on to the lumps and the other admissions.
+first token leaves the lumps out (`scheduler.admission`): it plans the running non-lumps,
+then starts quick requests, and only when none needs its first token does it go on to the
+lumps and the other admissions.
 
 With speculation on, a decode may also carry n-gram drafts (article §15): its query rows
 are its last token plus the drafts, they count against the budget, and blocks are grown
@@ -30,18 +29,21 @@ import math
 from collections import deque
 from collections.abc import Callable
 
+from scheduler import step_room
 from scheduler.admission import AdmissionPolicy, FcfsAdmission, LumpyAdmission
-from scheduler.admit_waiting import WaitingAdmission, _Room
+from scheduler.admit_waiting import WaitingAdmission
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from scheduler.encoder_budget import cut_chunk
 from scheduler.in_flight import LaunchedStep, advance, resolve
 from scheduler.kv_blocks import BlockManager
+from scheduler.lump_budget import StepCost, StepShape, plan_shape
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spans import span_safe_end
 from scheduler.spec_policy import SpecMetrics, SpecPolicy, SpeedupFn
 from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
+from scheduler.step_room import Room
 
 
 def make_admission(config: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> AdmissionPolicy:
@@ -67,8 +69,13 @@ class Scheduler(WaitingAdmission):
         speculative: SpeculativeConfig | None = None,
         encoder_cached: Callable[[bytes], bool] | None = None,
         spec_speedup: SpeedupFn | None = None,
+        step_cost: StepCost | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
+        # Seconds a step of a given shape takes (TPOT guard) and the time now (slack
+        # against TTFT targets): injected by the engine and the simulator.
+        self.step_cost, self.clock = step_cost, clock
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.admission = admission or make_admission(config, cache, num_blocks)
         # Whether the encoder cache holds an image (by ImagePlaceholder.content_hash).
@@ -96,6 +103,7 @@ class Scheduler(WaitingAdmission):
         # prefill is not capped.
         self._quick_ids: set[str] = set()
         self._yielded = False  # the previous step held lumps back for a quick request
+        self.lump_budget = step_room.make_lump_budget(config, self.admission.lump_prefill_tokens)
 
     @property
     def block_size(self) -> int:
@@ -134,6 +142,8 @@ class Scheduler(WaitingAdmission):
         """Queue `seq`; `max_num_tokens` caps prompt + output (drafts never pass it)."""
         seq.status = "waiting"
         seq.num_waiting_steps = 0
+        if seq.arrival_time is None and self.clock is not None:
+            seq.arrival_time = self.clock()
         self.waiting.append(seq)
         self.seqs[seq.request_id] = seq
         self._finished_ids.pop(seq.request_id, None)  # a new request under a finished id
@@ -211,23 +221,37 @@ class Scheduler(WaitingAdmission):
     def _is_cached(self, image: ImagePlaceholder) -> bool:
         return self.encoder_cached(image.content_hash)
 
-    def _cut_for_tiles(self, seq: Sequence, start: int, end: int, tiles_used: int):
-        return cut_chunk(
-            seq.images, start, end, self._admitted_at.get(seq.request_id, start),
-            self._is_cached, tiles_used, self.config.encoder_tiles_per_step,
-        )  # fmt: skip
+    def _chunk(self, seq: Sequence, start: int, room: Room, lump: bool) -> tuple[int, int] | None:
+        """(tokens, tiles) of `seq`'s chunk from `start` this step, or None: none fits."""
+        admitted_at = self._admitted_at.get(seq.request_id, start)
+
+        def cut(n: int) -> tuple[int, int]:  # stop before an image past the tile budget
+            if not seq.images or n == 0:
+                return n, 0
+            end, tiles = cut_chunk(
+                seq.images, start, start + n, admitted_at, self._is_cached,
+                room.tiles_used, room.tile_budget,
+            )  # fmt: skip
+            if seq.spans:  # never half an image (scheduler/spans.py)
+                end = span_safe_end(seq.spans, start, end)
+            return end - start, tiles
+
+        todo, chunked = seq.num_tokens - start, self.config.enable_chunked_prefill
+        return step_room.size_chunk(start, todo, room.room_for(lump), chunked, cut, room, lump)
+
+    def step_shape(self, plan: StepPlan) -> StepShape:
+        """The shape of `plan` (call before `update`): what a step-cost model prices."""
+        return plan_shape(plan, self.seqs)
 
     def schedule(self) -> StepPlan:
-        # The lump cap keeps steps short for quick requests: with none in the system (an
-        # image-only batch), lumps take the whole step budget.
-        cap = self.admission.lump_prefill_tokens
-        room = _Room(self.config.max_num_batched_tokens, 0, cap if self._has_quick() else None)
+        cap, cost = self.admission.lump_prefill_tokens, self.step_cost
+        room = step_room.new_room(self.config, self.lump_budget, cap, cost, self._needs_caps)
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         queue = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
         step_gamma = self._step_gamma(queue, room.tokens)
         # Lumps may sit this step out for a quick request's first token, never two running.
-        may_yield = self.admission.yields_to_quick and not self._yielded
+        may_yield = self.admission.yields_to_quick and not self._yielded and room.capped
         lumps = [s for s in queue if may_yield and self._is_lump(s)]
         queue = [s for s in queue if s not in lumps] if lumps else queue
         self._run(queue, lumps, room, step_gamma, scheduled, preempted)
@@ -248,17 +272,26 @@ class Scheduler(WaitingAdmission):
         self._yielded = yielded
         if not preempted and not yielded:
             scheduled += self._admit(room)
-        for seq in self.waiting:
-            if seq.ready:
+        now = self.clock() if self.clock is not None else None
+        for seq in (s for s in self.waiting if s.ready):
+            # With a TTFT target the aging clock starts at the deadline: before it, the
+            # slack order serves the request (an earlier deadline always goes first).
+            if (slack := step_room.slack_s(seq, self.config.slo, now)) is None or slack < 0:
                 seq.num_waiting_steps += 1
         finished, self._finished_ids = tuple(self._finished_ids), {}
         return StepPlan(scheduled, tuple(seq.request_id for seq in preempted), finished)
 
-    def _has_quick(self) -> bool:
-        """A quick request is running, or waits ready to start as one."""
-        if any(s.request_id in self._quick_ids for s in self.running):
-            return True
-        return any(c.quick for c, _ in self._candidates())
+    def _needs_caps(self, guarded: bool) -> bool:
+        """A quick request waits ready to start or runs without its first token yet, and
+        is urgent (`step_room.is_urgent`); or one decodes with no TPOT guard to keep its
+        steps short (`guarded`: there is one)."""
+        slo, now = self.config.slo, self.clock() if self.clock is not None else None
+        for s in self.running:
+            if s.request_id not in self._quick_ids:
+                continue
+            if not guarded or (s.num_output_tokens == 0 and step_room.is_urgent(s, slo, now)):
+                return True
+        return any(c.quick and step_room.is_urgent(c.seq, slo, now) for c, _ in self._candidates())
 
     def _is_lump(self, seq: Sequence) -> bool:
         """A running prefill not admitted as quick (its chunks share the lump cap)."""
@@ -268,7 +301,7 @@ class Scheduler(WaitingAdmission):
         self,
         queue: list[Sequence],
         spare: list[Sequence],
-        room: _Room,
+        room: Room,
         step_gamma: int,
         scheduled: list[ScheduledSeq],
         preempted: list[Sequence],
@@ -282,25 +315,12 @@ class Scheduler(WaitingAdmission):
                 seq.request_id, math.inf
             ):
                 continue  # async: its last token is in flight, it finishes when that lands
-            num_new = min(seq.num_uncomputed_tokens, room.tokens)
-            lump = self._is_lump(seq)
-            if lump and room.lump_tokens is not None:
-                if room.lump_tokens <= 0:  # (< 0: a whole image went past it)
-                    continue
-                num_new = min(num_new, room.lump_tokens)
-            if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
-                continue
-            if seq.images:
-                start = seq.num_computed_tokens
-                end, tiles = self._cut_for_tiles(seq, start, start + num_new, room.tiles_used)
-                if end < start + num_new and not self.config.enable_chunked_prefill:
-                    continue
-                if end == start:
-                    continue  # its next image waits for a step with tower room
-                num_new, room.tiles_used = end - start, room.tiles_used + tiles
-            if seq.spans:  # never half an image (scheduler/spans.py)
-                start = seq.num_computed_tokens
-                num_new = span_safe_end(seq.spans, start, start + num_new) - start
+            lump, start = self._is_lump(seq), seq.num_computed_tokens
+            chunk = self._chunk(seq, start, room, lump)
+            if chunk is None:
+                continue  # chunking off, or its next image waits for a step with tower room
+            num_new, tiles = chunk
+            room.tiles_used += tiles
             total = seq.num_computed_tokens + num_new
             sample = total == seq.num_tokens
             drafts: tuple[int, ...] = ()
@@ -323,9 +343,7 @@ class Scheduler(WaitingAdmission):
                 continue
             self.block_manager.grow(seq, total)
             scheduled.append(schedule_item(seq, num_new, sample, drafts))
-            room.tokens -= num_new
-            if lump and room.lump_tokens is not None:
-                room.lump_tokens -= num_new
+            room.spend(start, num_new, tiles, lump, decode=seq.num_uncomputed_tokens <= 1)
 
     def update(self, plan: StepPlan, sampled: list[list[int]]) -> None:
         """Advance after the runner executed `plan`: `sampled[i]` are the tokens accepted

@@ -45,6 +45,9 @@ class Sequence:
     # Chained hashes of the full blocks so far (prefix cache); extended lazily.
     block_hashes: list[bytes] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))
+    # When the request arrived, on the scheduler's clock (slack against a TTFT target);
+    # None: the scheduler stamps it when the sequence is added.
+    arrival_time: float | None = None
     # False while its images are still being decoded: never admitted until it is True.
     ready: bool = True
     # Steps spent ready in the waiting queue since it was added or last admitted (aging).
@@ -52,6 +55,8 @@ class Sequence:
     # Tokens sampled by a step still in flight (async scheduling): they count in
     # num_tokens but are not in token_ids yet; they lie past its end until resolved.
     num_pending_tokens: int = 0
+    # False: never start from prefix-cache hits (prompt logprobs need every position run).
+    use_prefix_cache: bool = True
     # [start, end) position ranges that attend to each other in full (scheduler/spans.py):
     # a chunk never ends inside one. Empty: causal everywhere.
     spans: tuple[tuple[int, int], ...] = ()

@@ -86,7 +86,7 @@ class Vitals:
 _SERVE_WITH_PROBE = """
 import sys
 import vlmserve.server.app as app_module
-from vlmserve.cli.main import main as cli
+import vlmserve.cli.main as cli
 _create_app = app_module.create_app
 
 def create_app(*args, **kwargs):

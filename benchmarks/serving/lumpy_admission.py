@@ -24,7 +24,12 @@ Two workloads, both reported:
   is where the two policies should differ by 1.3x or more. It is also the harder case
   for the text p99 target, since three times as many text requests arrive mid-burst.
 
+Then traffic the policy was not tuned to (benchmarks/serving/lumpy_mixes.py, issue 32):
+seeded mixes of several shapes and issue 32's independent trace, FCFS and lumpy (with the
+SLO as its planning target) side by side per class.
+
     python -m benchmarks.serving.lumpy_admission   # → benchmarks/results/lumpy_admission.{json,png}
+    python -m benchmarks.serving.lumpy_admission --quick   # one seed, 45 s mixes, 100 s trace
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import time
 from collections import Counter
 
 from benchmarks.lib.common import RESULTS, table, write_result
+from benchmarks.serving import lumpy_mixes
 from scheduler.config import SchedulerConfig
 from search.costmodel.presets import get_accelerator, get_encoder, get_model
 from search.sim.capacity import Slo, Summary, summarize
@@ -214,6 +220,8 @@ COLUMNS = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="one seed, shorter mixes")
+    parser.add_argument("--only-mixes", action="store_true", help="skip the burst workloads")
     args = parser.parse_args()
     hw = StepHardware(
         get_model("mha-7b"), get_encoder("siglip-so400m-14-384"), get_accelerator("h100")
@@ -226,7 +234,7 @@ def main() -> None:
     )
     print(title)
     sections, runs, checks = [], {}, {}
-    for workload in WORKLOADS:
+    for workload in () if args.only_mixes else WORKLOADS:
         section, runs[workload.name] = run_workload(workload, hw, args.seed)
         sections.append(section)
         checks |= {f"{workload.name}: {k}": v for k, v in section["checks"].items()}
@@ -235,12 +243,26 @@ def main() -> None:
         print(table(section["rows"], COLUMNS))
     if len(policies()) == 1:
         print("(this scheduler has no lumpy admission yet: FCFS only)")
+    mixes = []
+    for name, trace in [*lumpy_mixes.mixes(args.quick), lumpy_mixes.independent(args.quick)]:
+        section = lumpy_mixes.run_mix(name, trace, hw)
+        mixes.append(section)
+        checks |= {f"{name}: {k}": v for k, v in section["checks"].items()}
+        print(
+            f"\n{name}: {section['num_requests']:,} requests ({section['num_image']:,} "
+            f"with images), goodput ceiling {section['goodput_ceiling_vs_fcfs']:.2f}x FCFS"
+        )
+        print(table(section["rows"], lumpy_mixes.COLUMNS))
     print("\nchecks:", ", ".join(f"{k}={'pass' if v else 'FAIL'}" for k, v in checks.items()))
-    png = RESULTS / "lumpy_admission.png"
+    png = RESULTS / "lumpy_admission.png"  # only the burst workloads are plotted
     RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(png, runs, title)
+    if runs:
+        plot(png, runs, title)
+    # A partial run (--quick / --only-mixes) never overwrites the full run's file.
     path = write_result(
-        "lumpy_admission",
+        "lumpy_admission"
+        + ("_quick" if args.quick else "")
+        + ("_mixes" if args.only_mixes else ""),
         {
             "title": title,
             "scenario": {
@@ -260,6 +282,13 @@ def main() -> None:
                 "seed": args.seed,
             },
             "workloads": sections,
+            "untuned_mixes": {
+                "slo": dataclasses.asdict(lumpy_mixes.SLO),
+                "seeds": lumpy_mixes.SEEDS[:1] if args.quick else lumpy_mixes.SEEDS,
+                "shapes": [dataclasses.asdict(s) for s in lumpy_mixes.SHAPES],
+                "quick": args.quick,
+                "mixes": mixes,
+            },
             "checks": checks,
         },
     )

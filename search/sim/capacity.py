@@ -5,6 +5,7 @@ highest arrival rate of a mix that still meets the SLO: "how many users does it 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,6 +95,9 @@ class Summary:
     duration_s: float
     num_blocks: int
     peak_kv_occupancy: float
+    # "text" and "image" (whether a request carries images), as the server's metrics and
+    # the scheduler's SLO targets count them, whatever the trace's own class names.
+    by_images: list[ClassStats] = dataclasses.field(default_factory=list)
 
 
 def summarize(result: SimResult, slo: Slo) -> Summary:
@@ -123,6 +127,11 @@ def summarize(result: SimResult, slo: Slo) -> Summary:
         duration_s=duration,
         num_blocks=result.num_blocks,
         peak_kv_occupancy=max((f for _, f, _ in result.timeline), default=0.0),
+        by_images=[
+            class_stats(name, group, slo)
+            for name in ("text", "image")
+            if (group := [r for r in records if (r.num_images > 0) == (name == "image")])
+        ],
     )
 
 

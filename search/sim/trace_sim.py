@@ -24,10 +24,12 @@ import heapq
 import inspect
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.config import CacheConfig, SchedulerConfig, SloConfig
+from scheduler.lump_budget import StepShape
 from scheduler.planner import Scheduler
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.step_plan import StepPlan
@@ -68,6 +70,9 @@ class SimConfig:
     # starts then too), and from a sampled token until the client has it.
     ingress_s: float = 0.0
     egress_s: float = 0.0
+    # The latency targets the scheduler plans against (lumpy: slack order, TPOT guard
+    # priced by this run's step-time model); the default: none, as the engine's.
+    slo: SloConfig = SloConfig()
 
     def __post_init__(self) -> None:
         if self.ingress_s < 0 or self.egress_s < 0:
@@ -94,6 +99,7 @@ class RequestRecord:
     finish_s: float | None = None
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    num_images: int = 0  # its class for SLO purposes: text (none) or image
 
     @property
     def ttft_s(self) -> float | None:
@@ -155,11 +161,18 @@ class EncoderCacheModel:
 
 
 def build_scheduler(
-    config: SimConfig, num_blocks: int, encoder_cache: EncoderCacheModel
+    config: SimConfig,
+    num_blocks: int,
+    encoder_cache: EncoderCacheModel,
+    hw: StepHardware | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> Scheduler:
-    """The engine's scheduler for `config`; options this checkout lacks are refused."""
+    """The engine's scheduler for `config`; options this checkout lacks are refused. With
+    `hw` and `clock` it gets the step-time model and the simulated clock (SLO planning)."""
     known = {f.name for f in dataclasses.fields(SchedulerConfig)}
     options = dict(config.scheduler_options)
+    if config.slo != SloConfig():
+        options.setdefault("slo", config.slo)
     if "admission" in known:
         options["admission"] = config.admission
     elif config.admission != "fcfs":
@@ -179,9 +192,17 @@ def build_scheduler(
         watermark=config.watermark,
     )
     extra: dict[str, Any] = {}
-    if "encoder_cached" in inspect.signature(Scheduler).parameters:
+    params = inspect.signature(Scheduler).parameters
+    if "encoder_cached" in params:
         extra["encoder_cached"] = encoder_cache.contains
+    if hw is not None and clock is not None and "step_cost" in params:
+        extra["step_cost"], extra["clock"] = step_cost_of(hw), clock
     return Scheduler(sched, cache, num_blocks, **extra)
+
+
+def step_cost_of(hw: StepHardware) -> Callable[[StepShape], float]:
+    """The scheduler's step-cost model on `hw`: this module's own pricing of a step."""
+    return lambda shape: step_time(StepWork(*shape), hw).total_s
 
 
 def refusal(
@@ -225,7 +246,9 @@ class _Sim:
         self.trace = sorted(trace, key=lambda r: r.arrival_s)
         self.num_blocks = config.num_blocks or kv_pool_blocks(hw, config.block_size)
         self.encoder_cache = EncoderCacheModel(config.encoder_cache_bytes)
-        self.scheduler = build_scheduler(config, self.num_blocks, self.encoder_cache)
+        self.scheduler = build_scheduler(
+            config, self.num_blocks, self.encoder_cache, hw, lambda: self.now
+        )
         self.honours_ready = "ready" in _SEQ_FIELDS
         self.workers = [0.0] * config.preprocess_workers  # when each CPU worker is next free
         self.preparing: list[tuple[float, int, Sequence]] = []  # heap by ready time
@@ -241,8 +264,15 @@ class _Sim:
 
     def arrive(self, req: TraceRequest) -> None:
         seq = make_sequence(req, self.hw, self.config.pooling_ratio, len(self.records))
+        if "arrival_time" in _SEQ_FIELDS:  # its TTFT counts from the client's send
+            seq.arrival_time = req.arrival_s
         rec = RequestRecord(
-            req.request_id, req.request_class, req.arrival_s, seq.num_prompt_tokens, req.max_tokens
+            req.request_id,
+            req.request_class,
+            req.arrival_s,
+            seq.num_prompt_tokens,
+            req.max_tokens,
+            num_images=len(req.images),
         )
         self.records[req.request_id] = rec
         rec.refused = refusal(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from encoders.config import EncoderConfig
 from kernels.backends import BACKENDS
-from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from scheduler.config import CacheConfig, SchedulerConfig, SloConfig, SpeculativeConfig
 from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 
@@ -51,6 +51,21 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def _ttft_targets(text: str) -> tuple[float, float]:
+    """`--slo-ttft-ms`: "MS" or "text=MS,image=MS" -> (text, image) seconds."""
+    parts = dict(p.split("=", 1) if "=" in p else ("", p) for p in text.split(","))
+    if set(parts) == {""}:
+        value = _positive_float(parts[""]) / 1e3
+        return value, value
+    if not set(parts) <= {"text", "image"} or not parts:
+        raise argparse.ArgumentTypeError(f"{text!r}: want MS or text=MS,image=MS")
+    text_s = _positive_float(parts["text"]) / 1e3 if "text" in parts else None
+    image_s = _positive_float(parts["image"]) / 1e3 if "image" in parts else None
+    if text_s is None or image_s is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: give both text= and image= targets")
+    return text_s, image_s
 
 
 def _device(text: str) -> str:
@@ -216,6 +231,23 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
         "the planner's (README, 'Async scheduling'). Speculation always runs synchronously",
     )
     group.add_argument(
+        "--slo-ttft-ms",
+        type=_ttft_targets,
+        default=None,
+        metavar="MS|text=MS,image=MS",
+        help="time-to-first-token target (lumpy admission orders waiting requests by slack "
+        "against it, and protects quick requests only once they have used half of it); one "
+        "value for both classes or one per class (default: none)",
+    )
+    group.add_argument(
+        "--slo-tpot-ms",
+        type=_positive_float,
+        default=None,
+        metavar="MS",
+        help="time-per-output-token target: a step carrying decodes admits only the prefill "
+        "its measured step-time model keeps under it (default: none)",
+    )
+    group.add_argument(
         "--no-lump-yield",
         action="store_true",
         help="let those requests run in a step that starts a quick request (by default "
@@ -356,6 +388,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         lump_prefill_tokens_per_step=args.lump_prefill_tokens or None,
         lump_yields_to_quick=not args.no_lump_yield,
         async_scheduling=args.async_scheduling,
+        slo=_with_flags(
+            "--slo-ttft-ms / --slo-tpot-ms",
+            SloConfig,
+            ttft_s=args.slo_ttft_ms[0] if args.slo_ttft_ms else None,
+            image_ttft_s=args.slo_ttft_ms[1] if args.slo_ttft_ms else None,
+            tpot_s=args.slo_tpot_ms / 1e3 if args.slo_tpot_ms else None,
+        ),
     )
     cache = _with_flags(
         "--block-size / --num-kv-blocks",

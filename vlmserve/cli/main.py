@@ -33,17 +33,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(engine_config_from_args(args))
     content = [{"type": "image", "image": path} for path in args.image]
     content.append({"type": "text", "text": args.prompt})
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, n=args.n, seed=args.seed,
+        logprobs=args.logprobs,
+    )  # fmt: skip
     request = Request(messages=[{"role": "user", "content": content}], sampling=params)
     start = time.perf_counter()
     try:
-        [out] = engine.generate([request])
+        outs = engine.generate([request])
     finally:
         engine.close()  # tensor-parallel workers end with the command
-    if out.error:
-        print(f"error: {out.error}", file=sys.stderr)
+    if outs[0].error:
+        print(f"error: {outs[0].error}", file=sys.stderr)
         return 2
-    print(out.text)
+    for i, out in enumerate(outs):
+        print(f"[{i}] {out.text}" if len(outs) > 1 else out.text)
+        if args.logprobs is not None:
+            print(render_logprobs(out.logprobs, engine.tokenizer), file=sys.stderr)
+    out = outs[0]
     print(
         f"[{out.num_prompt_tokens} prompt tokens ({out.num_image_tokens} image), "
         f"{len(out.token_ids)} output, {time.perf_counter() - start:.2f}s]",
@@ -51,6 +58,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     print(render_engine_stats(engine.stats()), file=sys.stderr)
     return 0
+
+
+def render_logprobs(records: list, tokenizer) -> str:
+    """One line per output token: its text, logprob and the top alternatives (raw)."""
+    lines = []
+    for r in records:
+        top = " ".join(f"{tokenizer.decode([t])!r}={lp:.3f}" for t, lp in r.top)
+        lines.append(f"  {tokenizer.decode([r.token_id])!r} {r.logprob:.4f}  {top}".rstrip())
+    return "\n".join(lines)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -80,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--n", type=int, default=1, help="answers (seeded: answer i uses seed + i)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each token's logprob and its N likeliest alternatives")  # fmt: skip
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="the main job on the default model")

@@ -40,7 +40,16 @@ from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, run_step
 from vlmserve.engine.image_wait import pending_images, poll_images, wait_for_images
 from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
+from vlmserve.engine.request_options import (
+    check_vocab,
+    generate_all,
+    make_sampler,
+    prompt_logit_requests,
+    take_logprobs,
+    take_prompt_logprobs,
+)
 from vlmserve.engine.stats import engine_stats
+from vlmserve.engine.step_cost import OnlineStepCost
 from vlmserve.inputs.processing import Request, check_prompt_chars, eos_token_ids
 from vlmserve.inputs.prompt_processor import make_prompt_processor
 from vlmserve.sample.params import SamplerState, SamplingParams
@@ -91,9 +100,12 @@ class Engine:
             ridge = ridge_batch_for(self.runner.device, self.runner.dtype)
             speculative = dataclasses.replace(speculative, ridge_batch=ridge)
         cache = self.runner.encoder_cache  # pool images: content_hash is the cache key
+        # A TPOT target: the scheduler prices steps with a fit of this engine's own steps.
+        self.step_cost = OnlineStepCost() if config.scheduler.slo.tpot_s is not None else None
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.runner.num_blocks, speculative=speculative,
             encoder_cached=cache.__contains__, spec_speedup=spec_speedup,
+            step_cost=self.step_cost, clock=time.monotonic,
         )  # fmt: skip
         self.eos_token_ids = eos_token_ids(config.model.path, model.config, self.tokenizer)
         self._states: dict[str, _State] = {}
@@ -106,6 +118,8 @@ class Engine:
         self.async_scheduling = config.scheduler.async_scheduling and not config.speculative.enabled
         self._forward = ForwardThread(self.runner, self.times) if self.async_scheduling else None
         self._in_flight: _InFlight | None = None
+        self.peak_used_blocks = 0
+        self._held: dict[str, str] = {}  # n > 1: request id -> the sibling it waits for
 
     # -- requests ---------------------------------------------------------------------
 
@@ -123,11 +137,14 @@ class Engine:
                 f"prompt is {num_prompt} tokens, the model's context is {self.max_model_len} "
                 "tokens (and at least one must be left to generate)"
             )
+        check_vocab(params, self.runner.model.decoder.cfg.vocab_size)
         max_tokens = min(params.max_tokens, self.max_model_len - num_prompt)
         refusal = self.scheduler.check_fits(num_prompt, max_tokens)
         if refusal is not None:  # never admissible: refused now, never a hang
             raise RequestError(refusal)
-        return PreparedRequest(request.request_id, prompt, params, max_tokens)
+        return PreparedRequest(
+            request.request_id, prompt, params, max_tokens, request.share_prompt_with
+        )
 
     def add_request(self, request: Request | PreparedRequest) -> str:
         """Queue `request` (preparing it first unless it already is); returns its id. Raises
@@ -139,26 +156,36 @@ class Engine:
         if request_id in self._states:
             raise RequestError(f"request id {request_id!r} is already in use")
         prompt, params = request.prompt, request.params
+        if params.n > 1 or (params.best_of or 1) > 1:  # never one answer silently
+            raise RequestError("n > 1 and best_of: Engine.generate (or the server) fans out")
         num_prompt = len(prompt.token_ids)
         seq = Sequence(request_id, list(prompt.token_ids), prompt.images)
+        # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+        seq.use_prefix_cache = params.prompt_logprobs is None
         if self.runner.model.bidirectional_images:
             seq.spans = image_spans(prompt.images)
         output = RequestOutput(
             request_id,
             num_prompt_tokens=num_prompt,
             num_image_tokens=sum(image.num_tokens for image in prompt.images),
+            prompt_token_ids=list(prompt.token_ids),
         )
-        detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop)
+        if params.prompt_logprobs is not None:
+            output.prompt_logprobs = [None] * num_prompt
+        detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop, params.min_tokens)
         stops = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         )
+        sampler = make_sampler(params, prompt.token_ids, stops, self._detok_tokenizer)
         state = _State(
-            seq, params, SamplerState(params), request.max_tokens, output, detokenizer, stops,
-            prompt.works,
-        )  # fmt: skip
+            seq, params, sampler, request.max_tokens, output, detokenizer, stops, prompt.works
+        )
         self._states[request_id] = state
         # Its images may still be decoding in the pool: queued now, admitted once ready.
         seq.ready = not pending_images(prompt.works)
+        if request.share_prompt_with in self._states:  # held until that one's prefill is done
+            self._held[request_id] = request.share_prompt_with
+            seq.ready = False
         self.scheduler.add(seq, num_prompt + request.max_tokens)
         self.runner.add_request(request_id, prompt.works)
         return request_id
@@ -191,14 +218,21 @@ class Engine:
         return outputs
 
     def _step_sync(self) -> list[RequestOutput]:
+        started = time.perf_counter()  # planning and the tower's work count in the step
         plan, failed = self._plan(idle_wait=True)
         if plan.is_empty:
             return failed
         states = [self._states[item.request_id] for item in plan.scheduled]
         try:
-            inputs = self.runner.prepare(plan)
+            wants, prompt_samplers = prompt_logit_requests(plan, self._states)
+            inputs = self.runner.prepare(plan, None, wants)
             samplers = _samplers(plan, states)
-            sampled = run_step(self.runner, self.times, inputs, plan.scheduled, samplers)
+            sampled = run_step(
+                self.runner, self.times, inputs, plan.scheduled, samplers, None, prompt_samplers
+            )
+            if self.step_cost is not None:
+                shape = self.scheduler.step_shape(plan)
+                self.step_cost.record(shape, time.perf_counter() - started)
         except Exception as e:  # noqa: BLE001 - belongs to no one request: fail the step's
             return failed + self._fail_step(states, e)
         accepted, failed_now = self._take(states, sampled)
@@ -224,6 +258,8 @@ class Engine:
         failed). `idle_wait`: with nothing to run, wait briefly for a decoding image."""
         failed = self._poll_images()
         plan = self.scheduler.schedule()
+        bm = self.scheduler.block_manager  # the KV high-water mark (n > 1 shares the prompt)
+        self.peak_used_blocks = max(self.peak_used_blocks, bm.num_blocks - bm.num_free_blocks)
         # The runner forgets the finished, keeps the preempted's images, encodes the step's.
         image_failures = self.runner.begin_step(plan)
         if plan.is_empty:
@@ -248,9 +284,10 @@ class Engine:
             in_flight = {item.request_id: i for i, item in enumerate(scheduled) if item.sample}
         future: futures.Future[Sampled] = futures.Future()
         try:
-            inputs = self.runner.prepare(plan, in_flight)
+            wants, prompt_samplers = prompt_logit_requests(plan, self._states)
+            inputs = self.runner.prepare(plan, in_flight, wants)
             samplers, before = _samplers(plan, states), previous.future if previous else None
-            future = self._forward.submit(inputs, plan.scheduled, samplers, before)
+            future = self._forward.submit(inputs, plan.scheduled, samplers, before, prompt_samplers)
         except Exception as e:  # noqa: BLE001 - as the forward raising: fails when taken
             future.set_exception(e)
         return _InFlight(self.scheduler.launch(plan), states, future)
@@ -283,11 +320,13 @@ class Engine:
         for state, new in zip(states, sampled, strict=True):
             if state.seq.status == "finished":
                 continue
+            take_prompt_logprobs(state.sampler, state.output)
             if isinstance(new, Exception):
                 log.error("sampling failed for %s: %r", state.seq.request_id, new)
                 failed.append(self._fail(state, StepFailedError(f"sampling failed: {new}")))
             elif new:
-                accepted[state.seq.request_id] = self._accept(state, new)
+                accepted[state.seq.request_id] = kept = self._accept(state, new)
+                take_logprobs(state.sampler, state.output, len(kept[0]))
         return accepted, failed
 
     def _emit(self, accepted: _Kept) -> list[RequestOutput]:
@@ -311,8 +350,17 @@ class Engine:
         return [self._fail(state, StepFailedError(str(error))) for state in live]
 
     def _poll_images(self) -> list[RequestOutput]:
-        """Ready the sequences whose images are decoded; fail those whose decode failed."""
-        unready = {rid: s.works for rid, s in self._states.items() if not s.seq.ready}
+        """Ready the sequences whose images are decoded; fail those whose decode failed.
+        A held sibling (n > 1) is ready once the one it waits for has a token or ended."""
+        for request_id, parent in list(self._held.items()):
+            state = self._states.get(parent)
+            if state is None or state.output.token_ids:
+                del self._held[request_id]
+        unready = {
+            rid: s.works
+            for rid, s in self._states.items()
+            if not s.seq.ready and rid not in self._held
+        }
         if not unready:
             return []
         ready, failures = poll_images(unready)
@@ -370,6 +418,7 @@ class Engine:
         state.output.finish_reason = reason
         state.output.num_cached_tokens = state.seq.num_cached_tokens
         self.scheduler.finish(state.seq)  # the runner forgets it with the next plan
+        self._held.pop(state.seq.request_id, None)
         del self._states[state.seq.request_id]
 
     def close(self) -> None:
@@ -380,10 +429,11 @@ class Engine:
     def stats(self) -> dict[str, float]:
         """Engine-side gauges and counters for metrics: queue, KV pool, prefix and encoder
         caches, preprocessing stage seconds, speculation."""
-        return engine_stats(
+        stats = engine_stats(
             self.scheduler.stats(), self.num_steps, self.num_computed_prompt_tokens,
             self.runner.encoder_cache.stats(), self.processor.pool_metrics(), self.spec_metrics,
         )  # fmt: skip
+        return stats | {"peak_used_blocks": float(self.peak_used_blocks)}
 
     @property
     def spec_metrics(self) -> SpecMetrics | None:
@@ -392,20 +442,9 @@ class Engine:
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         """Run `requests` to completion. A request that cannot be served gets an output
-        with `error` set; the others are unaffected."""
-        outputs: list[RequestOutput] = []
-        for request in requests:
-            try:
-                request_id = self.add_request(request)
-                outputs.append(self._states[request_id].output)
-            except ValueError as e:  # RequestError and input validation
-                rid = request.request_id or f"req-{next(self._ids)}"
-                outputs.append(
-                    RequestOutput(rid, finished=True, finish_reason="error", error=str(e))
-                )
-        while self.has_unfinished():
-            self.step()
-        return outputs
+        with `error` set; the others are unaffected. A request with n > 1 gives n outputs
+        in a row (best_of: the n of highest cumulative logprob, best first)."""
+        return generate_all(self, requests)
 
 
 def _samplers(plan: StepPlan, states: list[_State]) -> list[SamplerState]:

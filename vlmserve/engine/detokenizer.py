@@ -26,9 +26,12 @@ class Decoder(Protocol):
 class IncrementalDetokenizer:
     """One request's output text, fed one token at a time."""
 
-    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        # Stop strings end only after the text of the first min_tokens tokens (vLLM's rule).
+        self.min_tokens = min_tokens
+        self._stop_from = 0
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.token_ids: list[int] = []
         self.text = ""
@@ -52,8 +55,10 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.token_ids)
         start = len(self.text)
         self.text += delta
-        if self.stop:
-            self._cut_at_stop(start)
+        if self.stop and len(self.token_ids) > self.min_tokens:
+            self._cut_at_stop(max(start, self._stop_from))
+        elif self.stop:
+            self._stop_from = len(self.text)
         return self.text[start:]
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from scheduler.step_plan import ScheduledSeq
+from vlmserve.sample.logprobs import book_prompt_logprobs
 from vlmserve.sample.params import SamplerState
 from vlmserve.sample.verify import sample_plan
 from vlmserve.worker.runner import ModelRunner, StepInputs
@@ -78,10 +80,13 @@ class ForwardThread:
         scheduled: list[ScheduledSeq],
         samplers: list[SamplerState],
         previous: Future[Sampled] | None,
+        prompt_samplers: Mapping[str, SamplerState] | None = None,
     ) -> Future[Sampled]:
         """Queue a step; `previous`: the step launched before it (its pending rows take
         their tokens from that step's output)."""
-        return self._executor.submit(self._run, inputs, scheduled, samplers, previous)
+        return self._executor.submit(
+            self._run, inputs, scheduled, samplers, previous, prompt_samplers
+        )
 
     def _run(
         self,
@@ -89,12 +94,15 @@ class ForwardThread:
         scheduled: list[ScheduledSeq],
         samplers: list[SamplerState],
         previous: Future[Sampled] | None,
+        prompt_samplers: Mapping[str, SamplerState] | None,
     ) -> Sampled:
         # Done already (this thread ran it); None when its forward raised.
         before = None
         if previous is not None and previous.exception() is None:
             before = previous.result()
-        return run_step(self._runner, self._times, inputs, scheduled, samplers, before)
+        return run_step(
+            self._runner, self._times, inputs, scheduled, samplers, before, prompt_samplers
+        )
 
 
 def run_step(
@@ -104,15 +112,20 @@ def run_step(
     scheduled: list[ScheduledSeq],
     samplers: list[SamplerState],
     previous: Sampled | None = None,
+    prompt_samplers: Mapping[str, SamplerState] | None = None,
 ) -> Sampled:
     """Forward and sampling of one step, timed into `times`; `previous`: the output of the
-    step before, for the pending rows (async)."""
+    step before, for the pending rows (async); `prompt_samplers`: the states of the
+    requests whose prompt logprobs the step's `prompt_spans` hold."""
     wall, cpu = time.perf_counter(), time.thread_time()
     if times.last_forward_end is not None:
         times.forward_idle_s += wall - times.last_forward_end
     try:
         logits = runner.run(inputs, previous)
-        return sample_plan(scheduled, logits, samplers)
+        sampled = sample_plan(scheduled, logits, samplers)
+        if inputs.prompt_spans:
+            book_prompt_logprobs(logits, inputs.prompt_spans, prompt_samplers or {})
+        return sampled
     finally:
         times.last_forward_end = time.perf_counter()
         times.forward_s += times.last_forward_end - wall

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from vlmserve.inputs.processing import ProcessedPrompt
+from vlmserve.sample.logprobs import TokenLogprob
 from vlmserve.sample.params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -36,6 +37,14 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_image_tokens: int = 0
     num_cached_tokens: int = 0
+    # With SamplingParams.logprobs: one record per output token (`sample.logprobs`).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # since the previous step
+    cumulative_logprob: float = 0.0
+    prompt_token_ids: list[int] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: per prompt position (None at 0: nothing
+    # predicts the first token), filled as the prefill runs.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -46,3 +55,6 @@ class PreparedRequest:
     prompt: ProcessedPrompt
     params: SamplingParams
     max_tokens: int
+    # n > 1: the id of the sibling whose prefill this one waits for, to share its prompt's
+    # KV blocks through the prefix cache (`request_options`).
+    share_prompt_with: str | None = None

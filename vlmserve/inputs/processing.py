@@ -45,6 +45,9 @@ class Request:
     images: list[ImageSource] = field(default_factory=list)
     sampling: object = None  # vlmserve.sample.params.SamplingParams; None = defaults
     request_id: str | None = None
+    # n > 1 fanned out by a caller: a sibling with the same prompt whose prefill this one
+    # waits for, to share its prompt's KV (`vlmserve.engine.request_options`).
+    share_prompt_with: str | None = None
 
 
 @dataclass(frozen=True)

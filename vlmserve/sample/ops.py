@@ -39,6 +39,13 @@ def temperature_weights(
     return weights, ~torch.isfinite(top.squeeze(-1))
 
 
+def filter_min_p_(weights: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Zero in place the weights under min_p times the row's largest: with the max at
+    weight 1, p < min_p * p_max is w < min_p (vLLM's min_p, after temperature).
+    min_p: [rows] float32 in [0, 1], 0 for off; the argmax always stays."""
+    weights.masked_fill_(weights < min_p[:, None], 0.0)
+
+
 def num_top_candidates(device: torch.device, vocab: int, top_ks: list[int], top_p: bool) -> int:
     """How many of each row's largest weights `filter_top_k_top_p_` starts from: every
     active top_k, and for top-p the CPU guess (it widens, which syncs) or, on an

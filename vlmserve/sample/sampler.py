@@ -22,8 +22,10 @@ from typing import NamedTuple
 
 import torch
 
+from vlmserve.sample.controls import apply_controls
 from vlmserve.sample.ops import (
     draw,
+    filter_min_p_,
     filter_top_k_top_p_,
     num_top_candidates,
     temperature_weights,
@@ -93,6 +95,7 @@ class _Batch:
     filter_rows: list[int] = field(default_factory=list)  # rows with top-k or top-p
     top_k: list[int] = field(default_factory=list)  # per filter row, 0: off
     top_p: list[float] = field(default_factory=list)  # per filter row, 1: off
+    min_p: list[float] = field(default_factory=list)  # per row, 0: off
     draft_rows: list[int] = field(default_factory=list)  # rows with a draft
     draft_ids: list[int] = field(default_factory=list)
     owners: list[_Draws] = field(default_factory=list)  # per row
@@ -111,6 +114,7 @@ class _Batch:
         self.rows.append(group.first_row + position)
         # A huge temperature would be inf in float32, and -inf / inf is NaN.
         self.temperature.append(min(params.temperature, FLOAT32_MAX))
+        self.min_p.append(params.min_p)
         self.u_accept.append(draws.uniforms[position])
         self.u_sample.append(draws.uniforms[draws.num_rows + position])
         self.owners.append(draws)
@@ -121,7 +125,8 @@ class _Batch:
         lists = {
             "rows": self.rows, "temperature": self.temperature, "u_accept": self.u_accept,
             "u_sample": self.u_sample, "filter_rows": self.filter_rows, "top_k": self.top_k,
-            "top_p": self.top_p, "draft_rows": self.draft_rows, "draft_ids": self.draft_ids,
+            "top_p": self.top_p, "min_p": self.min_p, "draft_rows": self.draft_rows,
+            "draft_ids": self.draft_ids,
             "greedy_rows": greedy_rows,
         }  # fmt: skip
         flat = torch.tensor([x for v in lists.values() for x in v], dtype=torch.float64)
@@ -130,6 +135,7 @@ class _Batch:
         for name in ("rows", "filter_rows", "top_k", "draft_rows", "draft_ids", "greedy_rows"):
             out[name] = out[name].long()
         out["temperature"], out["top_p"] = out["temperature"].float(), out["top_p"].float()
+        out["min_p"] = out["min_p"].float()
         return out
 
     def hand_out(self, flat: list[int]) -> None:
@@ -149,6 +155,8 @@ def _draw_batch(
     weights, failed = temperature_weights(
         logits if every else logits.index_select(0, dev["rows"]), dev["temperature"]
     )
+    if any(batch.min_p):  # vLLM's order: temperature, min_p, then top-k and top-p
+        filter_min_p_(weights, dev["min_p"])
     if batch.filter_rows:
         top_p = any(p < 1.0 for p in batch.top_p)
         num = num_top_candidates(logits.device, vocab, batch.top_k, top_p)
@@ -202,7 +210,9 @@ def sample_rows(
 ) -> list[GroupResult]:
     """Draw every group's rows of `logits` ([num_rows, vocab], any device, any float dtype);
     one result per group, in order. by_position: a batch per draft position, skipping rows
-    after a rejection (None: on the CPU); the results are the same either way."""
+    after a rejection (None: on the CPU); the results are the same either way. The
+    groups' logit controls (penalties, bias, ...) apply first, to a copy."""
+    logits = apply_controls(logits, groups)
     vocab = logits.shape[-1]
     greedy_rows: list[int] = []
     draws: dict[int, _Draws] = {}

@@ -22,6 +22,7 @@ import torch
 from scheduler.step_plan import ScheduledSeq
 from search.costmodel.cost_model import b_star
 from search.costmodel.presets import Precision, get_accelerator, gpu_preset, measure_cpu
+from vlmserve.sample.logprobs import book_emitted
 from vlmserve.sample.params import SamplerState
 from vlmserve.sample.sampler import GroupResult, RowGroup, sample_rows
 
@@ -81,8 +82,10 @@ def sample_plan(
         results = iter(sample_rows(logits, groups))
     except Exception as e:  # noqa: BLE001 - belongs to no one request: fails the samplers
         return [e if item.sample else [] for item in scheduled]
-    taken = iter(groups)
-    return [_emitted(next(taken), next(results)) if item.sample else [] for item in scheduled]
+    emitted = [_emitted(group, next(results)) for group in groups]
+    book_emitted(logits, groups, emitted)  # histories for the controls, logprobs
+    taken = iter(emitted)
+    return [next(taken) if item.sample else [] for item in scheduled]
 
 
 def ridge_batch_for(device: torch.device, dtype: torch.dtype) -> float:

@@ -21,11 +21,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmserve.engine.core import Engine
 from vlmserve.server.chat import ChatHandler, ChatSettings
+from vlmserve.server.completions import CompletionHandler, CompletionRequest
 from vlmserve.server.engine_loop import EngineLoop
 from vlmserve.server.guards import Guard
 from vlmserve.server.media import MediaPolicy
 from vlmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from vlmserve.server.protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, error_body
+from vlmserve.server.utility_routes import add_utility_routes
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ def create_app(
         config.model_name, config.media, config.max_images_per_request, config.default_max_tokens
     )
     chat = ChatHandler(loop, settings, metrics)
+    completions = CompletionHandler(loop, settings, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -105,6 +108,12 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         return await chat(body, http)
+
+    @app.post("/v1/completions")
+    async def text_completions(body: CompletionRequest, http: HTTPRequest):
+        return await completions(body, http)
+
+    add_utility_routes(app, chat)
 
     return app
 

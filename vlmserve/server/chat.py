@@ -17,8 +17,10 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from encoders.errors import TooManyImagesError
+from scheduler.config import request_class
 from vlmserve.inputs.processing import Request
-from vlmserve.server.engine_loop import Accepted, EngineLoop, Failed, Item, Snapshot
+from vlmserve.server.choices import Choice, Choices, fan_out, stream_items
+from vlmserve.server.engine_loop import EngineLoop, Failed, Item, Snapshot
 from vlmserve.server.media import MediaPolicy, check_image_header, load_media
 from vlmserve.server.metrics import ServerMetrics
 from vlmserve.server.protocol import (
@@ -30,10 +32,9 @@ from vlmserve.server.protocol import (
     error_body,
     make_usage,
 )
+from vlmserve.server.sampling_fields import TokenTexts, chat_logprobs
 
 log = logging.getLogger(__name__)
-
-_DISCONNECT_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -42,17 +43,6 @@ class ChatSettings:
     media: MediaPolicy
     max_images_per_request: int
     default_max_tokens: int
-
-
-class AsyncSink:
-    """The engine thread's callback into this request's asyncio queue."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[Item] = asyncio.Queue()
-
-    def __call__(self, item: Item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 def status_of(error: BaseException) -> int:
@@ -118,6 +108,14 @@ async def build_messages(
 class ChatHandler:
     def __init__(self, loop: EngineLoop, settings: ChatSettings, metrics: ServerMetrics):
         self.loop, self.settings, self.metrics = loop, settings, metrics
+        self._texts: TokenTexts | None = None
+
+    @property
+    def texts(self) -> TokenTexts:
+        """Token texts for logprobs (the engine is loaded once a request got this far)."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.loop.engine.tokenizer)
+        return self._texts
 
     async def __call__(self, body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         arrival = time.perf_counter()
@@ -130,30 +128,30 @@ class ChatHandler:
                 )  # fmt: skip
             sampling = body.to_sampling(self.settings.default_max_tokens)
             messages = await build_messages(body.messages, self.settings, self.metrics)
-            sink = AsyncSink()
-            self.loop.submit(Request(messages, sampling=sampling, request_id=request_id), sink)
+            track = _Tracker(arrival, self.metrics, request_class(_num_images(messages)))
+            choices = Choices(self.loop, track.on_snapshot)
+            choices.submit(fan_out(Request(messages), sampling, request_id))
         except Exception as e:  # mapped to its 4xx/5xx
             return self._failed(e)
-        first = await sink.queue.get()
-        if isinstance(first, Failed):
-            return self._failed(first.error)
-        assert isinstance(first, Accepted), f"first item must be Accepted, got {first!r}"
-        self.metrics.stage.observe(first.process_s, stage="process")
-        track = _Tracker(arrival, self.metrics)
+        failed = await choices.accepted()
+        if failed is not None:
+            return self._failed(failed.error)
+        self.metrics.stage.observe(choices.process_s, stage="process")
         if body.stream:
             # An image's decode may still fail after Accepted: wait for the first item so
             # a bad image is a 4xx JSON error, not a 200 stream with an error event.
             try:
-                second = await sink.queue.get()
+                second = await choices.next_item()
             except BaseException:  # cancelled (client gone, server shutting down)
-                self.loop.abort(request_id)
+                choices.abort()
                 raise
             if isinstance(second, Failed):
+                choices.abort()
                 return self._failed(second.error)
             state = _StreamState()
-            stream = self._stream(request_id, body.include_usage, sink, track, state, second)
-            return _AbortingStream(stream, lambda: self._close_stream(request_id, state))
-        return await self._complete(request_id, sink, track, http)
+            stream = self._stream(request_id, body, choices, state, second)
+            return _AbortingStream(stream, lambda: self._close_stream(choices, state))
+        return await self._complete(request_id, body, choices, http)
 
     def _refuse(self, status: int, message: str) -> JSONResponse:
         self.metrics.requests.inc(outcome=f"http_{status}")
@@ -164,73 +162,71 @@ class ChatHandler:
         return error_response(error)
 
     async def _complete(
-        self, request_id: str, sink: AsyncSink, track: _Tracker, http: HTTPRequest
+        self, request_id: str, body: ChatCompletionRequest, choices: Choices, http: HTTPRequest
     ) -> Response:
-        item: Item | None = None
-        pieces: list[str] = []
-        next_check = time.monotonic() + _DISCONNECT_POLL_S
-        try:
-            while not (isinstance(item, Failed) or (isinstance(item, Snapshot) and item.finished)):
-                # Nothing is sent before the end, so a client that left is found by polling.
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + _DISCONNECT_POLL_S
-                    if await http.is_disconnected():
-                        self.loop.abort(request_id)
-                try:
-                    item = await asyncio.wait_for(sink.queue.get(), _DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    continue
-                if isinstance(item, Snapshot):
-                    track.on_snapshot(item)
-                    pieces.append(item.delta)
-        finally:
-            if item is None or isinstance(item, Snapshot) and not item.finished:
-                self.loop.abort(request_id)  # cancelled (server shutting down)
-        if isinstance(item, Failed):
-            return self._failed(item.error)
-        if item.finish_reason == "abort":
+        failed = await choices.complete(http.is_disconnected)
+        if failed is not None:
+            return self._failed(failed.error)
+        ordered = choices.ordered()
+        if any(c.last.finish_reason == "abort" for c in ordered):
             return Response(status_code=499)  # the client is gone; nobody reads this
-        usage = _usage(item)
-        body = completion_body(
-            request_id, self.settings.model_name, "".join(pieces), item.finish_reason, usage
-        )
-        return JSONResponse(body)
+        out = completion_body(
+            request_id, self.settings.model_name, ordered[0].text,
+            ordered[0].last.finish_reason, _usage(ordered),
+        )  # fmt: skip
+        template = out["choices"][0]
+        out["choices"] = [
+            template | {
+                "index": c.index, "message": template["message"] | {"content": c.text},
+                "finish_reason": c.last.finish_reason,
+                "logprobs": self._logprobs(body, c.logprobs),
+            }
+            for c in ordered
+        ]  # fmt: skip
+        return JSONResponse(out)
 
-    def _close_stream(self, request_id: str, state: _StreamState) -> None:
+    def _logprobs(self, body: ChatCompletionRequest, records) -> dict | None:
+        return chat_logprobs(list(records), self.texts) if body.logprobs else None
+
+    def _close_stream(self, choices: Choices, state: _StreamState) -> None:
         if not state.done:  # the client went away: free its blocks within one step
             state.done = True
-            self.loop.abort(request_id)
+            choices.abort()
             self.metrics.requests.inc(outcome="abort")
 
     async def _stream(
         self,
         request_id: str,
-        include_usage: bool,
-        sink: AsyncSink,
-        track: _Tracker,
+        body: ChatCompletionRequest,
+        choices: Choices,
         state: _StreamState,
         first: Item,
     ) -> AsyncIterator[str]:
         model, created = self.settings.model_name, int(time.time())
-        yield _sse(chunk_body(request_id, model, created, {"role": "assistant", "content": ""}))
-        item: Item | None = first
-        while not state.done:
-            if item is None:
-                item = await sink.queue.get()
+        for c in choices.ordered():
+            role = {"role": "assistant", "content": ""}
+            yield _sse(chunk_body(request_id, model, created, role, index=c.index))
+        async for item in stream_items(choices, first):
             if isinstance(item, Failed):
                 state.done = True  # terminal already: nothing to abort
                 self.metrics.requests.inc(outcome=f"http_{status_of(item.error)}")
                 yield _sse(error_body(status_of(item.error), public_message(item.error)))
                 break
-            track.on_snapshot(item)
-            state.done = item.finished
-            if item.delta:  # the engine holds back what a stop string could still cut
-                yield _sse(chunk_body(request_id, model, created, {"content": item.delta}))
+            choice = choices.take(item)
+            # The engine holds back what a stop string could still cut.
+            if item.delta or (body.logprobs and item.logprobs):
+                chunk = chunk_body(request_id, model, created, {"content": item.delta},
+                                   index=choice.index)  # fmt: skip
+                chunk["choices"][0]["logprobs"] = self._logprobs(body, item.logprobs)
+                yield _sse(chunk)
             if item.finished:
-                yield _sse(chunk_body(request_id, model, created, {}, item.finish_reason))
-                if include_usage:
-                    yield _sse(chunk_body(request_id, model, created, None, None, _usage(item)))
-            item = None
+                yield _sse(chunk_body(request_id, model, created, {}, item.finish_reason,
+                                      index=choice.index))  # fmt: skip
+        else:
+            state.done = True
+            if body.include_usage:
+                usage = _usage(choices.ordered())
+                yield _sse(chunk_body(request_id, model, created, None, None, usage))
         yield "data: [DONE]\n\n"
 
 
@@ -254,11 +250,22 @@ class _AbortingStream(StreamingResponse):
             self.on_close()
 
 
-class _Tracker:
-    """Per-request latency metrics: TTFT, time per output token, end to end."""
+def _num_images(messages: list[dict]) -> int:
+    return sum(
+        1
+        for message in messages
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if part.get("type") == "image"
+    )
 
-    def __init__(self, arrival: float, metrics: ServerMetrics) -> None:
-        self.arrival, self.metrics = arrival, metrics
+
+class _Tracker:
+    """Per-request latency metrics: TTFT, time per output token, end to end; TTFT and TPOT
+    also by class (text / image: whether the request carries images)."""
+
+    def __init__(self, arrival: float, metrics: ServerMetrics, cls: str) -> None:
+        self.arrival, self.metrics, self.cls = arrival, metrics, cls
         self.first: float | None = None
 
     def on_snapshot(self, item: Snapshot) -> None:
@@ -266,22 +273,27 @@ class _Tracker:
         if self.first is None and item.num_output_tokens > 0:
             self.first = now
             self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.class_ttft.observe(now - self.arrival, **{"class": self.cls})
         if not item.finished:
             return
         m = self.metrics
         m.requests.inc(outcome=item.finish_reason or "unknown")
         m.e2e.observe(now - self.arrival)
         if self.first is not None and item.num_output_tokens > 1:
-            m.tpot.observe((now - self.first) / (item.num_output_tokens - 1))
+            tpot = (now - self.first) / (item.num_output_tokens - 1)
+            m.tpot.observe(tpot)
+            m.class_tpot.observe(tpot, **{"class": self.cls})
         m.prompt_tokens.inc(item.num_prompt_tokens)
         m.cached_tokens.inc(item.num_cached_tokens)
         m.generation_tokens.inc(item.num_output_tokens)
 
 
-def _usage(item: Snapshot) -> dict:
+def _usage(choices: list[Choice]) -> dict:
+    """The prompt once (as OpenAI counts n > 1), the completion tokens of every choice."""
+    first = choices[0].last
     return make_usage(
-        item.num_prompt_tokens, item.num_image_tokens, item.num_cached_tokens,
-        item.num_output_tokens,
+        first.num_prompt_tokens, first.num_image_tokens, first.num_cached_tokens,
+        sum(c.last.num_output_tokens for c in choices),
     )  # fmt: skip
 
 

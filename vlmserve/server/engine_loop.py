@@ -33,6 +33,7 @@ from typing import Literal
 from encoders.errors import RequestError
 from vlmserve.engine.core import Engine, PreparedRequest, RequestOutput
 from vlmserve.inputs.processing import Request
+from vlmserve.sample.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,10 @@ class Snapshot:
     num_prompt_tokens: int
     num_image_tokens: int
     num_cached_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the new tokens, when the request asked
+    # Prompt logprobs (None at position 0), on the first snapshot with tokens and the last.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    first_prompt_token_id: int | None = None
 
 
 Item = Accepted | Failed | Snapshot
@@ -92,6 +97,10 @@ Sink = Callable[[Item], None]
 
 
 def snapshot(out: RequestOutput) -> Snapshot:
+    prompt: tuple[TokenLogprob | None, ...] = ()
+    first = len(out.token_ids) == len(out.new_token_ids)
+    if out.prompt_logprobs is not None and (first or out.finished):
+        prompt = tuple(out.prompt_logprobs)
     return Snapshot(
         out.request_id,
         out.text_delta,
@@ -101,6 +110,9 @@ def snapshot(out: RequestOutput) -> Snapshot:
         out.num_prompt_tokens,
         out.num_image_tokens,
         out.num_cached_tokens,
+        tuple(out.new_logprobs),
+        prompt,
+        out.prompt_token_ids[0] if out.prompt_token_ids else None,
     )
 
 

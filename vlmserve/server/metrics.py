@@ -44,6 +44,9 @@ ENGINE_SERIES: dict[str, EngineSeries] = {
         "vlmserve_kv_blocks_free", _G, "KV cache blocks free (cached ones included)."
     ),
     "kv_usage": EngineSeries("vlmserve_kv_cache_usage_ratio", _G, "Fraction of KV blocks in use."),
+    "peak_used_blocks": EngineSeries(
+        "vlmserve_kv_blocks_used_peak", _G, "Most KV blocks held at once since the start."
+    ),
     "encoder_cache_hits": EngineSeries(
         "vlmserve_encoder_cache_hits_total", _C, "Encoder-output cache hits."
     ),
@@ -158,6 +161,16 @@ class ServerMetrics:
         self.tpot = Histogram(
             "vlmserve_time_per_output_token_seconds", "Mean gap between output tokens."
         )
+        # By class ("text" / "image": whether the request carries images), as the SLO
+        # targets and `vlmserve estimate capacity` count them.
+        self.class_ttft = Histogram(
+            "vlmserve_time_to_first_token_by_class_seconds", "TTFT by request class.", ("class",)
+        )
+        self.class_tpot = Histogram(
+            "vlmserve_time_per_output_token_by_class_seconds",
+            "Mean gap between output tokens by request class.",
+            ("class",),
+        )
         self.e2e = Histogram("vlmserve_e2e_request_latency_seconds", "Arrival to last token.")
         self.stage = Histogram(
             "vlmserve_preprocess_seconds", "Per-stage preprocessing time per request.", ("stage",)
@@ -169,7 +182,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("vlmserve_generation_tokens_total", "Output tokens.")
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(stats, [
-            self.requests, self.ttft, self.tpot, self.e2e, self.stage,
+            self.requests, self.ttft, self.tpot, self.class_ttft, self.class_tpot, self.e2e,
+            self.stage,
             self.prompt_tokens, self.cached_tokens, self.generation_tokens,
         ]))  # fmt: skip
 

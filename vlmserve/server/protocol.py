@@ -1,7 +1,7 @@
 """The OpenAI chat-completions wire format: request and response models, error bodies.
 
 Request models reject unknown shapes with 422 (pydantic); the fields we know but cannot
-honour (`n > 1`, `logprobs`, `tools`, `response_format`, `logit_bias`, penalties, …) are
+honour (`tools`, `response_format`, `best_of` on chat, …) are
 refused with 400 naming them in `to_sampling`, whenever they ask for something other than
 the default: silently ignoring them would hand back an answer the client did not ask for.
 Other extra fields (metadata, `user`, `store`, …) are allowed and ignored, so newer
@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from vlmserve.sample.params import SamplingParams
+from vlmserve.server.sampling_fields import SamplingFields
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -28,13 +29,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
-    "min_tokens": (None, 0),
     "best_of": (None, 1),
     "prediction": (None,),
     "audio": (None,),
@@ -79,7 +73,7 @@ class StreamOptions(_Open):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Open):
+class ChatCompletionRequest(SamplingFields, _Open):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -90,8 +84,8 @@ class ChatCompletionRequest(_Open):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     user: str | None = None
     # Extensions (vLLM's names), sent with the client's `extra_body`.
     top_k: int | None = Field(default=None, ge=0)
@@ -100,8 +94,6 @@ class ChatCompletionRequest(_Open):
 
     def to_sampling(self, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
         """SamplingParams for this request; ValueError (400) for what we cannot serve."""
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported: only n=1")
         unsupported = [
             name
             for name, defaults in UNSUPPORTED_FIELDS.items()
@@ -109,8 +101,8 @@ class ChatCompletionRequest(_Open):
         ]
         if unsupported:
             raise ValueError(f"not supported by this server: {', '.join(unsupported)}")
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise ValueError("stop takes at most 4 non-empty strings")
@@ -124,6 +116,8 @@ class ChatCompletionRequest(_Open):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            **self.control_kwargs(),
         )
 
     @property
@@ -191,11 +185,15 @@ def chunk_body(
     delta: dict[str, Any] | None,
     finish_reason: FinishReason = None,
     usage: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One SSE chunk. `delta=None` makes the usage-only chunk (no choices)."""
+    """One SSE chunk of choice `index`. `delta=None` makes the usage-only chunk (no
+    choices)."""
     choices = []
     if delta is not None:
-        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+        choices = [
+            {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        ]
     return {
         "id": request_id,
         "object": "chat.completion.chunk",

@@ -79,8 +79,11 @@ class StepInputs:
     metadata: object  # the attention backend's, for this step's layout, built on the host
     # (rows, the image's embeddings on the device, which of them go to those rows)
     image_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    sample_rows: torch.Tensor  # [num_sampling_rows]
+    sample_rows: torch.Tensor  # [num_sampling_rows + prompt logit rows]
     nano: NanoStep | None = None  # the step's nano-batches (None: the plain path)
+    # Prompt logprobs: (request id, first position, count) per item that wants them; their
+    # rows follow the sampling rows in `sample_rows`, in this order.
+    prompt_spans: tuple[tuple[str, int, int], ...] = ()
 
 
 class ModelRunner:
@@ -220,12 +223,21 @@ class ModelRunner:
         self._drop_embeds(request_id)
 
     @torch.inference_mode()
-    def prepare(self, plan: StepPlan, in_flight: Mapping[str, int] | None = None) -> StepInputs:
+    def prepare(
+        self,
+        plan: StepPlan,
+        in_flight: Mapping[str, int] | None = None,
+        prompt_logits: Mapping[str, int] | None = None,
+    ) -> StepInputs:
         """The tensors of `plan`'s forward (its images already encoded by `encode_images`);
         applies the plan's block-table deltas. `in_flight` (async scheduling): the item
         index, in the step still running, of each request whose last token that step is
-        sampling; its row is filled from that step's output in `run`."""
+        sampling; its row is filled from that step's output in `run`. `prompt_logits`:
+        request id -> its number of prompt tokens, for the requests that want the logits of
+        every prompt position (prompt logprobs), returned after the sampling rows."""
         token_ids, positions, slots, sample_rows = [], [], [], []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[str, int, int]] = []
         query_lens, context_lens, block_tables = [], [], []
         spans: list[list[tuple[int, int]]] = []
         image_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -259,6 +271,12 @@ class ModelRunner:
                 image_rows.append((rows, embeds, offsets))
                 if chunk.is_last:  # the tensors above hold on to the embeddings
                     del self._image_embeds[(item.request_id, chunk.index)]
+            num_prompt = (prompt_logits or {}).get(item.request_id)
+            if num_prompt is not None and start < num_prompt - 1:
+                # Rows for positions start .. num_prompt - 2: each scores the next token.
+                count = min(end, num_prompt - 1) - start
+                prompt_rows.extend(range(row, row + count))
+                prompt_spans.append((item.request_id, start, count))
             row += n
             if item.sample:
                 sample_rows.extend(range(row - 1 - len(item.draft_token_ids), row))
@@ -276,7 +294,7 @@ class ModelRunner:
         return StepInputs(
             torch.tensor(token_ids, dtype=torch.long), pending_rows,
             torch.tensor(positions, dtype=torch.long), metadata, image_rows,
-            torch.tensor(sample_rows, dtype=torch.long), nano,
+            torch.tensor(sample_rows + prompt_rows, dtype=torch.long), nano, tuple(prompt_spans),
         )  # fmt: skip
 
     @torch.inference_mode()

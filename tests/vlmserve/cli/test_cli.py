@@ -104,6 +104,19 @@ def test_generate_answers_about_an_image_file(llava_ov_path, jpeg):
 
 
 @pytest.mark.slow
+def test_generate_n_answers_with_logprobs(llava_ov_path, jpeg):
+    """--n 2 --seed: two answers, each with one logprob line per token (the top 3 after)."""
+    result = vlmserve("generate", "--model", str(llava_ov_path), "--image", str(jpeg),
+                      "--prompt", "where is the star", "--max-tokens", "4", "--n", "2",
+                      "--seed", "3", "--temperature", "1", "--logprobs", "3")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    answers = result.stdout.splitlines()
+    assert [a[:4] for a in answers] == ["[0] ", "[1] "]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("  '")]
+    assert len(lines) == 8 and all(line.count("=") == 3 for line in lines)
+
+
+@pytest.mark.slow
 def test_generate_with_a_corrupt_image_is_a_message_not_a_traceback(llava_ov_path, tmp_path):
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n truncated")
@@ -168,6 +181,18 @@ def test_generate_with_async_scheduling_answers_as_without(scene_png, capsys):
     assert main([*args, "--async-scheduling"]) == 0
     overlapped = capsys.readouterr()
     assert plain.out.strip() and overlapped.out == plain.out
+
+
+def test_generate_with_slo_targets_answers_as_without(scene_png, capsys):
+    # The targets change which request runs when (slack order, TPOT-guarded lump chunks),
+    # never what a request computes: greedy output is the same.
+    args = ["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
+            "--max-tokens", "40"]  # fmt: skip
+    assert main(args) == 0
+    plain = capsys.readouterr()
+    assert main([*args, "--slo-ttft-ms", "text=300,image=900", "--slo-tpot-ms", "50"]) == 0
+    planned = capsys.readouterr()
+    assert plain.out.strip() and planned.out == plain.out
 
 
 @pytest.mark.slow

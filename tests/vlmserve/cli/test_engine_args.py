@@ -48,6 +48,9 @@ FLAGS = [
     (["--lump-prefill-tokens", "0"], "scheduler.lump_prefill_tokens_per_step", None),
     (["--no-lump-yield"], "scheduler.lump_yields_to_quick", False),
     (["--async-scheduling"], "scheduler.async_scheduling", True),
+    (["--slo-ttft-ms", "1500"], "scheduler.slo.ttft_s", 1.5),
+    (["--slo-ttft-ms", "text=500,image=3000"], "scheduler.slo.image_ttft_s", 3.0),
+    (["--slo-tpot-ms", "80"], "scheduler.slo.tpot_s", 0.08),
     (["--speculative-tokens", "4"], "speculative.num_speculative_tokens", 4),
     (["--no-adaptive-speculation"], "speculative.adaptive", False),
     (["--speculative-ngram-min", "1"], "speculative.min_n", 1),
@@ -104,6 +107,8 @@ def test_defaults_speculation_off_pool_per_core_cache_on_exact_jpeg():
         (["--preprocess-timeout", "0"], "argument --preprocess-timeout: must be > 0"),
         (["--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1"),
         (["--device", "tpu:x"], "argument --device: 'tpu:x' is not a device"),
+        (["--slo-ttft-ms", "text=500"], "argument --slo-ttft-ms: 'text=500': give both"),
+        (["--slo-tpot-ms", "-3"], "argument --slo-tpot-ms: must be > 0"),
     ],
 )
 def test_a_bad_value_is_an_argparse_error_naming_the_flag(flags, message, capsys):

@@ -266,6 +266,20 @@ def test_capacity_trace_json_plot_and_refusal(tmp_path, capsys):
     assert classes["never-fits"]["num_refused"] == 1
     assert classes["4x13-tile"]["num_finished"] == 3
     assert doc["timeline"] and 0 < r["peak_kv_occupancy"] <= 1
+    # The SLO classes, by whether a request carries images: the never-fits one has an image.
+    by_images = {c["request_class"]: c for c in r["by_images"]}
+    assert by_images["image"]["num_requests"] == 4 and by_images["image"]["num_refused"] == 1
+    assert by_images["text"]["num_requests"] == classes["text"]["num_requests"]
+    assert by_images["text"]["num_slo_met"] == classes["text"]["num_slo_met"]
+
+
+def test_capacity_prints_slo_attainment_and_percentiles_per_class(capsys):
+    argv = ["capacity", "--mix", "vlm", "--num-requests", "60", "--rate", "2"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    for cls in ("text", "image"):
+        [line] = [x for x in out.splitlines() if f"class {cls} (n=" in x]
+        assert "SLO met" in line and "TTFT p50/p90/p99" in line and "TPOT p50/p99" in line
 
 
 def test_capacity_find_max_rate(capsys):

@@ -89,3 +89,19 @@ def test_stop_string_is_found_only_once_it_completes(byte_tokenizer):
     detok = IncrementalDetokenizer(byte_tokenizer, stop=("abd",))
     feed(detok, ids)
     assert detok.text == "abc" and detok.stopped
+
+
+def test_min_tokens_lets_no_stop_string_end_in_the_first_tokens(byte_tokenizer):
+    """vLLM's rule: a stop string counts once it ends after the first min_tokens tokens'
+    text, so "l" (the 3rd and 4th bytes) is passed over and the next "l" stops it."""
+    text = "hello world"
+    ids = byte_tokenizer(text)["input_ids"]
+    early = IncrementalDetokenizer(byte_tokenizer, stop=("l",))
+    feed(early, ids)
+    assert early.text == "he"
+    held = IncrementalDetokenizer(byte_tokenizer, stop=("l",), min_tokens=4)
+    feed(held, ids)
+    assert held.stopped and held.text == "hello wor"
+    straddling = IncrementalDetokenizer(byte_tokenizer, stop=("lo",), min_tokens=4)
+    feed(straddling, ids)  # "lo" starts in the first 4 tokens and ends after them
+    assert straddling.text == "hel"

@@ -57,9 +57,11 @@ def hf_greedy(path, images, text, pan_and_scan=False, max_new_tokens=24):
     ("sizes", "pan_and_scan", "budget", "backend"),
     [
         ([(100, 40), (50, 60)], False, 512, None),  # whole prompt in one step
-        ([(100, 40), (50, 60)], False, 24, None),  # chunks of <= 24 cross the window edge
-        ([(100, 40), (50, 60)], False, 24, "torch"),
-        ([(800, 300)], True, 20, None),  # 1 + 3 crops: 4 spans of 16, chunks of <= 20
+        # chunks of <= 24 cross the window edge
+        pytest.param([(100, 40), (50, 60)], False, 24, None, marks=pytest.mark.slow),
+        pytest.param([(100, 40), (50, 60)], False, 24, "torch", marks=pytest.mark.slow),
+        # 1 + 3 crops: 4 spans of 16, chunks of <= 20
+        pytest.param([(800, 300)], True, 20, None, marks=pytest.mark.slow),
     ],
     ids=["one-step", "chunked", "chunked-torch", "pan-and-scan"],
 )
@@ -78,6 +80,7 @@ def test_greedy_matches_transformers(gemma3_path, random_image, sizes, pan_and_s
     assert out.num_image_tokens == ref_ids.count(image_id) == 16 * (len(sizes) + 3 * pan_and_scan)
 
 
+@pytest.mark.slow
 def test_prefix_hit_preemption_and_async_keep_the_tokens(gemma3_path, random_image):
     """Second questions about the same image hit the prefix cache (never a partial image);
     a tiny pool preempts; async scheduling: all give the tokens of a fresh engine."""
@@ -100,6 +103,7 @@ def test_prefix_hit_preemption_and_async_keep_the_tokens(gemma3_path, random_ima
     assert [o.token_ids for o in run_checked(engine, requests)] == alone
 
 
+@pytest.mark.slow
 def test_text_only_gemma3_with_softcap_matches_transformers(gemma3_text_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -123,6 +127,7 @@ def test_text_only_gemma3_with_softcap_matches_transformers(gemma3_text_path):
             assert engine.stats()["spec_proposed"] > 0, "no drafts were verified"
 
 
+@pytest.mark.slow
 def test_generate_door_takes_pan_and_scan(gemma3_path, random_image, tmp_path, capsys):
     """`vlmserve generate --pan-and-scan` on a wide image: 1 + 3 crops of 16 tokens."""
     from vlmserve.cli.main import main

@@ -139,8 +139,8 @@ def test_fields_the_engine_does_not_implement_are_refused_by_name(llava_ov_path)
         for extra, name in [
             ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
             ({"response_format": {"type": "json_object"}}, "response_format"),
-            ({"logit_bias": {"5": 100}}, "logit_bias"),
-            ({"presence_penalty": 0.5, "frequency_penalty": 1.0}, "presence_penalty"),
+            ({"best_of": 2}, "best_of"),
+            ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ]:
             response = served.post(chat("hi", max_tokens=2, **extra))
             assert response.status_code == 400 and name in response.json()["error"]["message"]

@@ -213,3 +213,23 @@ def test_killed_worker_is_never_blamed_on_the_image(idefics3_path):
         assert len(dead_prefix) <= len(after)  # one reused block per live worker at most
         server.settle()
         server.engine.scheduler.block_manager.check_integrity()
+
+
+@pytest.mark.slow
+def test_fuzzed_sampling_fields_are_4xx_never_5xx(llava_ov_path):
+    """A small `fields` section: bad values are 4xx with a message, good ones answered,
+    none a 5xx; the KV pool comes back whole."""
+    from benchmarks.reliability.fuzz_fields import make_cases, send_all
+    from vlmserve.config import EngineConfig, ModelConfig
+    from vlmserve.engine.core import Engine
+
+    config = EngineConfig(ModelConfig(str(llava_ov_path)))
+    with live(lambda: Engine(config)) as server:
+        outcomes = run(send_all(server.url, make_cases(45, seed=1), concurrency=6))
+        c = count(outcomes)
+        assert (c["lost"], c["5xx"], c["unexpected"]) == (0, 0, 0), c["unexpected_examples"]
+        assert c["4xx"] >= 15 and c["ok"] >= 15
+        server.settle()
+        bm = server.engine.scheduler.block_manager
+        bm.check_integrity()
+        assert bm.num_free_blocks == bm.num_blocks

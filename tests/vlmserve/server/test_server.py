@@ -243,7 +243,7 @@ def test_malformed_and_schema_violating_requests(served):
     assert_error(served.post(bad_temperature), 422, "temperature")
     audio = {"messages": [{"role": "user", "content": [{"type": "input_audio", "x": 1}]}]}
     assert_error(served.post(audio), 422)
-    assert_error(served.post({"messages": [{"role": "user", "content": "hi"}], "n": 2}), 400, "n=2")
+    assert_error(served.post({"messages": [{"role": "user", "content": "hi"}], "n": 0}), 400, "n=0")
     unknown = {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}
     assert_error(served.post(unknown), 404, "gpt-9")
 
@@ -347,6 +347,13 @@ def test_metrics_exposition(served):
         assert f"# TYPE vlmserve_{hist}_seconds histogram" in text
         count = samples[f"vlmserve_{hist}_seconds_count"]
         assert count >= 5 and samples[f'vlmserve_{hist}_seconds_bucket{{le="+Inf"}}'] == count
+    for hist in ("time_to_first_token", "time_per_output_token"):  # per class as well
+        by_class = {
+            cls: samples[f'vlmserve_{hist}_by_class_seconds_count{{class="{cls}"}}']
+            for cls in ("text", "image")
+        }
+        assert min(by_class.values()) >= 1
+        assert sum(by_class.values()) == samples[f"vlmserve_{hist}_seconds_count"]
     assert samples['vlmserve_preprocess_seconds_count{stage="fetch"}'] >= 5
     assert samples['vlmserve_preprocess_seconds_count{stage="process"}'] >= 5
     assert samples["vlmserve_num_kv_blocks"] == 1024

@@ -4,12 +4,14 @@ usage of a prompt past the sliding window with two images equal the offline engi
 
 from __future__ import annotations
 
+import pytest
 from server_testing import engine_config, greedy, png, serve, user
 from test_server import offline_answer
 
 from vlmserve.engine.core import Engine
 
 
+@pytest.mark.slow
 def test_gemma3_answer_matches_the_offline_engine(gemma3_path, random_image):
     text = " ".join(["what colour is the star on the left"] * 4)
     messages = [user(text, png(random_image, 1, 100, 40), png(random_image, 2, 50, 60))]

@@ -1,0 +1,154 @@
+"""The budgets of the step being planned (`Room`) and the SLO arithmetic the planner
+plans with: a waiting request's slack against its class's TTFT target, whether a quick
+request is urgent enough to need the lump caps, and a lump's chunk sized by the TPOT guard.
+Pure: the planner owns the sequences and passes what these need."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler.config import SchedulerConfig, SloConfig, request_class
+from scheduler.lump_budget import (
+    TPOT_MARGIN,
+    URGENT_SLACK_SHARE,
+    LumpBudget,
+    StepCost,
+    StepShape,
+    TpotGuard,
+    largest_chunk,
+)
+from scheduler.sequence import Sequence
+
+
+@dataclass
+class Room:
+    """What is left of the step being planned: dense tokens, tower tiles spent, the
+    prefill tokens sequences not admitted as quick may still take (None: no cap), the
+    step's tile budget (None: none), the TPOT guard (None: off) and the lump tokens it
+    can never refuse (what the caps would give: lumps always progress)."""
+
+    tokens: int
+    tiles_used: int
+    lump_tokens: int | None
+    tile_budget: int | None = None
+    guard: TpotGuard | None = None
+    lump_floor: int = 0
+    capped: bool = True  # the quick requests' caps are fully on: lumps may yield
+
+    def room_for(self, lump: bool) -> int:
+        """Tokens a chunk may take: lumps also within their allowance."""
+        if lump and self.lump_tokens is not None:
+            return min(self.tokens, self.lump_tokens)
+        return self.tokens
+
+    def spend(self, start: int, num_new: int, tiles: int, lump: bool, decode: bool) -> None:
+        """Book a chunk of `num_new` rows after `start` computed tokens (tiles are booked
+        by the caller as it cuts chunks)."""
+        self.tokens -= num_new
+        if lump:
+            self.lump_floor = max(0, self.lump_floor - num_new)
+            if self.lump_tokens is not None:
+                self.lump_tokens -= num_new
+        if self.guard is not None:
+            self.guard.add(start, num_new, tiles, decode)
+
+
+def make_lump_budget(config: SchedulerConfig, cap_tokens: int | None) -> LumpBudget | None:
+    """The adaptive lump budget of lumpy admission (None under FCFS: no lump caps)."""
+    if config.admission != "lumpy":
+        return None
+    return LumpBudget(
+        cap_tokens, config.encoder_tiles_per_step, config.max_num_batched_tokens,
+        config.lump_release_steps,
+    )  # fmt: skip
+
+
+def new_room(
+    config: SchedulerConfig,
+    budget: LumpBudget | None,
+    cap_tokens: int | None,
+    step_cost: StepCost | None,
+    needs_caps: Callable[[bool], bool],
+) -> Room:
+    """The budgets of a step: under lumpy admission (`budget`) this step's lump allowance,
+    asking `needs_caps(guarded)` whether a quick request needs the caps now, and the TPOT
+    guard where a target and a step-cost model are given."""
+    tokens, tile_cap = config.max_num_batched_tokens, config.encoder_tiles_per_step
+    if budget is None:
+        return Room(tokens, 0, None, tile_cap)
+    guard, tpot = None, config.slo.tpot_s
+    if step_cost is not None and tpot is not None and config.enable_chunked_prefill:
+        guard = TpotGuard(step_cost, tpot * TPOT_MARGIN)
+    allowance = budget.next_step(needs_caps(guard is not None))
+    return Room(
+        tokens, 0, allowance.tokens, allowance.tiles, guard, cap_tokens or 0, allowance.capped
+    )
+
+
+def slack_s(
+    seq: Sequence, slo: SloConfig, now: float | None, prefill_s: float = 0.0
+) -> float | None:
+    """Seconds until `seq` misses its class's TTFT target; None without one or a clock.
+    A request whose prefill alone (`prefill_s`) outlasts its slack can no longer make it:
+    its slack is then lowered below zero, so it is ordered with the late ones."""
+    target = slo.ttft_for(request_class(len(seq.images)))
+    if target is None or now is None or seq.arrival_time is None:
+        return None
+    slack = seq.arrival_time + target - now
+    return slack - prefill_s if 0 <= slack < prefill_s else slack
+
+
+def prefill_token_s(step_cost: StepCost | None, step_tokens: int) -> float:
+    """Seconds a prefill token takes in whole-budget steps by the step-cost model; 0
+    without a model or before it can price a step (the engine's until its first fit)."""
+    if step_cost is None:
+        return 0.0
+    seconds = step_cost(StepShape(step_tokens, 0, step_tokens**2, step_tokens, 0, 1))
+    return seconds / step_tokens if math.isfinite(seconds) else 0.0
+
+
+def is_urgent(seq: Sequence, slo: SloConfig, now: float | None) -> bool:
+    """Whether a quick request waiting for its first token needs the lump caps: without a
+    TTFT target always; with one, once it has less than `URGENT_SLACK_SHARE` of it left."""
+    slack = slack_s(seq, slo, now)
+    target = slo.ttft_for(request_class(len(seq.images)))
+    return slack is None or target is None or slack < URGENT_SLACK_SHARE * target
+
+
+def size_chunk(
+    start: int,
+    todo: int,
+    max_new: int,
+    chunked: bool,
+    cut: Callable[[int], tuple[int, int]],
+    room: Room,
+    lump: bool,
+) -> tuple[int, int] | None:
+    """(tokens, tiles) of the next chunk of a sequence with `todo` tokens left from
+    `start`, given `max_new` tokens of room: `cut(n)` stops it before an image past the
+    step's tile budget, and a lump's is then sized by the TPOT guard. None when nothing
+    can run this step (no room, no tower room, or a cut prompt with chunking off)."""
+    num_new = min(todo, max_new)
+    if num_new <= 0 or (num_new < todo and not chunked):
+        return None
+    num_new, tiles = cut(num_new)
+    if num_new == 0 or (num_new < min(todo, max_new) and not chunked):
+        return None
+    if lump and room.guard is not None:
+        num_new, tiles = guarded_chunk(room, start, num_new, cut)
+    return (num_new, tiles) if num_new > 0 else None
+
+
+def guarded_chunk(
+    room: Room, start: int, max_new: int, cut: Callable[[int], tuple[int, int]]
+) -> tuple[int, int]:
+    """(tokens, tiles) of a lump's chunk of at most `max_new` tokens from `start` that
+    keeps the step under the TPOT guard, never less than the caps' share
+    (`room.lump_floor`); `cut(n)`: the (tokens, tiles) a chunk of n tokens cuts to."""
+    guard = room.guard
+    assert guard is not None
+    return largest_chunk(
+        max_new, room.lump_floor, cut, lambda n, tiles: guard.fits(start, n, tiles)
+    )

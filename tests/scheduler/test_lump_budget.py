@@ -1,0 +1,177 @@
+"""The adaptive lump budget (hysteresis), the TPOT guard's chunk sizing on a synthetic
+step cost, and the slack order's aging bound (scheduler/lump_budget.py, step_room.py)."""
+
+from __future__ import annotations
+
+from sched_testing import make_request, make_scheduler, run_step
+
+from scheduler.config import CacheConfig, SchedulerConfig, SloConfig
+from scheduler.lump_budget import TPOT_MARGIN, LumpBudget, StepShape, largest_chunk
+from scheduler.planner import Scheduler
+
+
+def test_budget_is_whole_until_needed_then_capped_at_once_and_released_by_doubling():
+    budget = LumpBudget(cap_tokens=8, cap_tiles=2, full_tokens=64, release_steps=2)
+    assert budget.next_step(needed=False).tokens is None  # nothing ever needed the caps
+    capped = budget.next_step(needed=True)
+    assert (capped.tokens, capped.tiles, capped.capped) == (8, 2, True)
+    # Two quiet steps hold the caps; then 16, 32 tokens (tiles alike), then the whole.
+    seen = [budget.next_step(needed=False) for _ in range(5)]
+    assert [(a.tokens, a.tiles) for a in seen] == [(8, 2), (8, 2), (16, 4), (32, 8), (None, None)]
+    assert budget.next_step(needed=True).tokens == 8  # back within the step it is needed
+
+
+def test_alternating_arrivals_keep_the_caps_on_without_flapping():
+    budget = LumpBudget(cap_tokens=8, cap_tiles=2, full_tokens=64, release_steps=2)
+    allowances = [budget.next_step(needed=step % 2 == 0) for step in range(40)]
+    assert {(a.tokens, a.tiles) for a in allowances} == {(8, 2)}
+    # Every third step: still never lifted (two quiet steps are not past the release).
+    budget = LumpBudget(cap_tokens=8, cap_tiles=2, full_tokens=64, release_steps=2)
+    assert {budget.next_step(needed=step % 3 == 0).tokens for step in range(40)} == {8}
+
+
+def lump_and_text_steps(arrivals: set[int], num_steps: int = 12) -> list[dict[str, int]]:
+    """A 400-token lump (a 1-tile image at 2-9), text requests added before the steps in
+    `arrivals`; per step, request id -> tokens."""
+    scheduler = make_scheduler(
+        num_blocks=256, admission="lumpy", lump_prefill_tokens_per_step=8,
+        max_num_batched_tokens=48, lump_yields_to_quick=False, lump_release_steps=2,
+    )  # fmt: skip
+    scheduler.add(make_request("lump", 400, images=[(2, 8, 1)]), 402)
+    limits, steps = {"lump": 402}, []
+    for step in range(num_steps):
+        if step in arrivals:
+            scheduler.add(make_request(f"t{step}", 4), 5)
+            limits[f"t{step}"] = 5
+        plan = run_step(scheduler, limits)
+        steps.append({item.request_id: item.num_new_tokens for item in plan.scheduled})
+    return steps
+
+
+def test_the_lump_gets_the_whole_budget_with_no_quick_request_and_the_cap_when_one_comes():
+    steps = lump_and_text_steps({3})
+    assert [s["lump"] for s in steps[:3]] == [48, 48, 48]  # alone: the whole step
+    assert steps[3] == {"lump": 8, "t3": 4}  # the arrival's own step: capped
+    # t3 is done: two quiet steps at the cap, then 16, 32, the whole budget.
+    assert [s["lump"] for s in steps[4:9]] == [8, 8, 16, 32, 48]
+
+
+def test_a_stream_every_other_step_holds_the_cap_steady():
+    steps = lump_and_text_steps(set(range(2, 40, 2)), num_steps=14)
+    assert {s["lump"] for s in steps[2:]} == {8}
+
+
+def synthetic_cost(shape: StepShape) -> float:
+    """1 ms a step, 0.1 ms a sequence, 0.02 ms a dense row, 2 ms a tile."""
+    rows = shape.num_prefill_tokens + shape.num_decode_rows
+    return 1e-3 + 1e-4 * shape.num_seqs + 2e-5 * rows + 2e-3 * shape.num_tiles_encoded
+
+
+def test_largest_chunk_is_the_biggest_that_fits_and_never_below_the_floor():
+    def cut(n: int) -> tuple[int, int]:
+        return n, 0
+
+    assert largest_chunk(100, 8, cut, lambda n, t: n <= 37) == (37, 0)
+    assert largest_chunk(100, 8, cut, lambda n, t: n <= 200) == (100, 0)
+    assert largest_chunk(100, 8, cut, lambda n, t: False) == (8, 0)  # the floor stands
+
+
+def test_tpot_guard_sizes_the_lumps_so_steps_with_decodes_stay_under_target():
+    tpot = 0.004  # 4 ms: a step with decodes may carry ~100 prefill rows (and no tile)
+    config = SchedulerConfig(
+        max_num_batched_tokens=512, admission="lumpy", lump_prefill_tokens_per_step=16,
+        lump_yields_to_quick=False, slo=SloConfig(ttft_s=10.0, tpot_s=tpot),
+    )  # fmt: skip
+    now = [0.0]
+    scheduler = Scheduler(
+        config, CacheConfig(block_size=4), 2048, step_cost=synthetic_cost, clock=lambda: now[0]
+    )
+    limits = {}
+    for i in range(4):
+        scheduler.add(make_request(f"t{i}", 6), 60)  # long decodes
+        limits[f"t{i}"] = 60
+    scheduler.add(make_request("lump", 1200, images=[(600, 8, 1)]), 1202)
+    limits["lump"] = 1202
+    lump_rows, guarded = [], 0
+    for _ in range(30):
+        plan = scheduler.schedule()
+        shape = StepShape(
+            num_prefill_tokens=sum(i.num_new_tokens for i in plan.scheduled
+                                   if i.num_new_tokens > 1),
+            num_decode_rows=sum(1 for i in plan.scheduled if i.num_new_tokens == 1),
+            num_tiles_encoded=sum(1 for i in plan.scheduled if i.request_id == "lump"
+                                  and i.num_computed_tokens <= 600 < i.end),
+            num_seqs=len(plan.scheduled),
+        )  # fmt: skip
+        rows = sum(i.num_new_tokens for i in plan.scheduled if i.request_id == "lump")
+        rows = rows if rows > 1 else 0  # its decodes are not prefill
+        if shape.num_decode_rows and rows > 16:  # above the cap: the guard's doing
+            guarded += 1
+            assert synthetic_cost(shape) <= tpot * TPOT_MARGIN + 1e-12, shape
+        lump_rows.append(rows)
+        scheduler.update(plan, [[7] if item.sample else [] for item in plan.scheduled])
+        for item in plan.scheduled:
+            seq = scheduler.seqs[item.request_id]
+            if seq.num_tokens >= limits[seq.request_id]:
+                scheduler.finish(seq)
+        now[0] += 0.004
+    assert guarded >= 5  # the lump ran well above its 16-token cap while t* decoded
+    assert max(lump_rows) < 512  # but never the whole budget: the decodes' TPOT bound it
+    # The tile's chunk: 2 ms of tower leaves less for rows, but the floor (cap) stands.
+    assert min(r for r in lump_rows if r) >= 8
+
+
+def test_slack_order_never_starves_a_lump_behind_a_stream_of_tighter_targets():
+    """As the step-counted aging test (test_planner.py), under TTFT targets: text 0.05 s,
+    images 0.2 s, a step every 0.01 s. A small text request arrives every step with less
+    slack than the waiting image lump, which does not fit while they run. The aging clock
+    starts at the lump's deadline (20 steps after it arrives), so it starts within its
+    deadline plus max_wait_steps plus the 3 steps the running small ones take to drain."""
+
+    def first_admitted(max_wait_steps: int, num_steps: int = 200) -> int | None:
+        config = SchedulerConfig(
+            max_num_batched_tokens=64, admission="lumpy", max_wait_steps=max_wait_steps,
+            slo=SloConfig(ttft_s=0.05, image_ttft_s=0.2),
+        )  # fmt: skip
+        now = [0.0]
+        scheduler = Scheduler(config, CacheConfig(block_size=4), 10, clock=lambda: now[0])
+        big = make_request("big", 30, images=[(2, 24, 13)])
+        limits = {"big": 31}
+        for step in range(-4, num_steps):
+            if step == 0:
+                scheduler.add(big, 31)
+            small = make_request(f"s{step}", 4)
+            scheduler.add(small, 7)
+            limits[small.request_id] = 7
+            plan = run_step(scheduler, limits)
+            now[0] += 0.01
+            if any(item.request_id == big.request_id for item in plan.scheduled):
+                return step
+        return None
+
+    assert first_admitted(max_wait_steps=10**9) is None  # the stream would starve it
+    for bound in (0, 5, 20):
+        admitted = first_admitted(bound)
+        assert admitted is not None and admitted <= 20 + bound + 3, (bound, admitted)
+
+
+def test_slack_order_serves_least_slack_first_and_late_requests_last():
+    config = SchedulerConfig(
+        max_num_batched_tokens=9, admission="lumpy", slo=SloConfig(ttft_s=1.0, image_ttft_s=3.0)
+    )
+    now = [10.0]
+    scheduler = Scheduler(config, CacheConfig(block_size=4), 64, clock=lambda: now[0])
+    late = make_request("late", 8)  # arrived at 8.5: 1 s target missed by 0.5 s
+    late.arrival_time = 8.5
+    image = make_request("image", 8, images=[(2, 4, 1)])  # arrived at 8.0: 1 s of 3 left
+    image.arrival_time = 8.0
+    text = make_request("text", 8)  # arrived at 9.5: 0.5 s left
+    text.arrival_time = 9.5
+    for seq in (late, image, text):
+        scheduler.add(seq, 9)
+    order = []
+    for _ in range(3):  # one 8-token prompt a step (decodes first, so 7 rows are left)
+        plan = scheduler.schedule()
+        order += [item.request_id for item in plan.scheduled if item.end == 8]
+        scheduler.update(plan, [[7] if item.sample else [] for item in plan.scheduled])
+    assert order == ["text", "image", "late"]
