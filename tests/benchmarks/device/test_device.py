@@ -108,7 +108,6 @@ def test_gpu_tests_collect_without_the_server_libraries_pulp_or_flashinfer(tmp_p
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " error" not in result.stdout.splitlines()[-1]
-    assert "could not import 'fastapi'" in result.stdout  # skipped, not errored
     assert not any(Path(env["TORCH_EXTENSIONS_DIR"]).iterdir())
 
 
