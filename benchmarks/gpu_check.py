@@ -4,6 +4,8 @@
    Triton kernels compiled, FlashInfer, CUDA graphs, token-exact against torch);
 2. the offline throughput benchmark on the GPU with a larger random model (bfloat16),
    engine against transformers `generate` in the same run;
+2b. the bfloat16 engine (decoder, tower, KV) on the GPU against transformers in bfloat16
+   (tests/vlmserve/worker/test_bf16_accuracy.py's bounds);
 3. benchmarks/ops/kernels.py: decode attention's bandwidth per backend (torch, Triton,
    FlashInfer) as a share of copy bandwidth at 2k/8k/32k x batch 1/64, and decode at
    batch 1 of the same model sizes against its bandwidth bound per backend;
@@ -51,6 +53,18 @@ def gpu_tests(timeout_s: float = 240) -> int:
     return subprocess.run(cmd, timeout=timeout_s).returncode
 
 
+def bf16_check() -> int:
+    """Issue 29: the engine on the GPU in bfloat16 (decoder, SigLIP tower and connector,
+    bfloat16 KV) against transformers in bfloat16: logits max-abs difference and top-1
+    agreement within the bounds tests/vlmserve/worker/test_bf16_accuracy.py states."""
+    import os
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/vlmserve/worker/test_bf16_accuracy.py",
+           "-p", "no:cacheprovider"]  # fmt: skip
+    env = {**os.environ, "VLMSERVE_DEVICE": "cuda"}
+    return subprocess.run(cmd, timeout=300, env=env).returncode
+
+
 def offline() -> dict:
     from benchmarks.engine.offline_throughput import main as offline_main
 
@@ -83,7 +97,8 @@ def nanobatch() -> dict:
     )  # fmt: skip
 
 
-PARTS = {"tests": gpu_tests, "offline": offline, "kernels": kernels, "nanobatch": nanobatch}
+PARTS = {"tests": gpu_tests, "bf16": bf16_check, "offline": offline, "kernels": kernels,
+         "nanobatch": nanobatch}  # fmt: skip
 
 
 def summary(results: dict[str, object], failures: list[str], gpu: str) -> list[str]:
@@ -92,6 +107,9 @@ def summary(results: dict[str, object], failures: list[str], gpu: str) -> list[s
     lines = ["=== gpu_check summary ===", f"gpu                  {gpu}"]
     tests = results.get("tests")
     lines.append("gpu tests            " + ("passed" if tests == 0 else f"FAILED ({tests})"))
+    if "bf16" in results or "bf16" in " ".join(failures):
+        bf16 = results.get("bf16")
+        lines.append("bf16 accuracy        " + ("passed" if bf16 == 0 else f"FAILED ({bf16})"))
     for name, fn in (("offline", _offline_lines), ("kernels", _kernel_lines),
                      ("nanobatch", _nanobatch_lines)):  # fmt: skip
         if results.get(name) is not None:
@@ -176,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(summary(results, failures, gpu)))
         combined = {"gpu": gpu, "failures": failures, "parts": results}
         (args.summary / "gpu_check.json").write_text(json.dumps(combined, indent=2, default=str))
-        return 1 if failures or results.get("tests") != 0 else 0
+        return 1 if failures or results.get("tests") != 0 or results.get("bf16", 0) != 0 else 0
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; nothing to check", file=sys.stderr)
         return 2
@@ -193,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
                      "seconds": time.perf_counter() - part_start}  # fmt: skip
             (args.save / f"{name}.json").write_text(json.dumps(saved, default=str))
     if args.part:  # one part of run.sh's sequence: its summary comes from --summary
-        return 1 if failures or results.get("tests", 0) != 0 else 0
+        return 1 if failures or results.get("tests", 0) != 0 or results.get("bf16", 0) != 0 else 0
     print()
     print("\n".join(summary(results, failures, torch.cuda.get_device_name(0))))
     print(f"wall time            {time.perf_counter() - start:.0f}s")
-    return 1 if failures or results.get("tests") != 0 else 0
+    return 1 if failures or results.get("tests") != 0 or results.get("bf16", 0) != 0 else 0
 
 
 if __name__ == "__main__":

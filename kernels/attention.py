@@ -268,9 +268,10 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        # kv_cache: [2, num_kv_heads, num_slots, head_dim]
-        kv_cache[0].index_copy_(1, metadata.slot_mapping, k.transpose(0, 1))
-        kv_cache[1].index_copy_(1, metadata.slot_mapping, v.transpose(0, 1))
+        # kv_cache: [2, num_kv_heads, num_slots, head_dim], in --kv-cache-dtype (may differ
+        # from q's: K/V are rounded into it here and read back as q's dtype)
+        kv_cache[0].index_copy_(1, metadata.slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+        kv_cache[1].index_copy_(1, metadata.slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
         out = torch.empty_like(q)
         self._attend(out, q, k, v, kv_cache, metadata, scale)
         return out
@@ -296,6 +297,7 @@ class TorchPagedAttention:
             if g.q_index.shape[1] > SMALL_QUERY_LEN:  # one long chunk on top of a prefix
                 slots = g.ctx_slots[0]
                 ks, vs = self._gather(kv_cache[0], slots, 0), self._gather(kv_cache[1], slots, 1)
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
                 rows = g.q_index[0]
                 os = F.scaled_dot_product_attention(
                     q[rows].transpose(0, 1), ks, vs, attn_mask=g.bias[0, :, 0] == 0,
@@ -321,6 +323,7 @@ class TorchPagedAttention:
         slots = g.ctx_slots.flatten()
         keys = self._gather(kv_cache[0], slots, 0).view(kv_heads, num_seqs, ctx_max, dim)
         values = self._gather(kv_cache[1], slots, 1).view(kv_heads, num_seqs, ctx_max, dim)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         # [S*Qm, H, D] -> [KVH, S, Qm*G, D]; query head h uses KV head h // G.
         queries = (q.index_select(0, g.q_index.flatten()) * scale).view(
             num_seqs, q_max, kv_heads, group, dim

@@ -53,6 +53,24 @@ def cpu_features() -> str:
     return "\n".join(line for line in first.splitlines() if line.split(":")[0].strip() in wanted)
 
 
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where it cannot be
+    read: then no native bfloat16 is assumed). The one place the engine reads them."""
+    for line in cpu_features().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def native_bf16() -> str | None:
+    """The CPU's native bfloat16 instructions ("amx_bf16", "avx512_bf16"): bfloat16 GEMMs
+    run 2-3x float32 there (AMX further). None: none, bfloat16 is emulated (converted to
+    float32 and back), slower than float32."""
+    flags = cpu_flags()
+    return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
+
+
 @functools.cache
 def compiler_version(cxx: str) -> str:
     """`cxx --version`'s first line ("" where it does not run): another compiler at the

@@ -5,7 +5,9 @@ the fused ones (kernels/csrc/fused_ops_cpu.cpp) read their inputs once and write
 outputs once and are tested against these. At a large prefill chunk the eager RMSNorms,
 residual adds, RoPE and SiLU·mul, each a pass over memory, are a noticeable share of the
 step on a CPU.
-The fused path runs for float32 CPU tensors where the kernels build; on a GPU the residual
+The fused path runs for float32 and bfloat16 CPU tensors where the kernels build
+(bfloat16 in and out, float32 inside: within a bfloat16 rounding or two of the eager ops,
+which round after every op; tests/kernels/test_bf16.py); on a GPU the residual
 add + RMSNorm is the Triton kernel in kernels/triton_ops.py (RoPE is fused into the Triton
 attention backend's K/V write); anything else takes the eager path.
 """
@@ -23,8 +25,11 @@ def available() -> str | None:
     return cpu_build.load("fused_ops_cpu")
 
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def can_fuse(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and available() is None
+    return x.device.type == "cpu" and x.dtype in FUSED_DTYPES and available() is None
 
 
 # -- eager references -----------------------------------------------------------------
@@ -96,10 +101,12 @@ def silu_and_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
     return out
 
 
-def op_backends(device: torch.device, attention: str, fused: bool = True) -> dict[str, str]:
+def op_backends(
+    device: torch.device, attention: str, fused: bool = True, dtype: torch.dtype = torch.float32
+) -> dict[str, str]:
     """Which implementation serves each decoder op on `device` with the `attention`
-    backend (what `vlmserve info` reports). `fused`: ModelConfig.fused_ops."""
-    cpu = fused and device.type == "cpu" and available() is None
+    backend in `dtype` (what `vlmserve info` reports). `fused`: ModelConfig.fused_ops."""
+    cpu = fused and device.type == "cpu" and dtype in FUSED_DTYPES and available() is None
     gpu = fused and device.type == "cuda"
     triton_rope = fused and attention == "triton"
     return {
@@ -107,24 +114,27 @@ def op_backends(device: torch.device, attention: str, fused: bool = True) -> dic
         "rope": "triton, fused into the K/V cache write" if triton_rope else _impl(cpu, False),
         "add_rms_norm": _impl(cpu, gpu),
         "silu_and_mul": _impl(cpu, False),
-        "linear": _linear_impl(device, fused),
+        "linear": _linear_impl(device, fused, dtype),
         "cuda_graphs": "decode, per batch-size bucket" if gpu and attention == "triton" else "off",
     }
 
 
-def _linear_impl(device: torch.device, packed: bool) -> str:
-    """The decoder's linears (ModelConfig.pack_weights and plain_weights at their defaults,
-    float32 on a CPU; `packed`: not --eager)."""
+def _linear_impl(device: torch.device, packed: bool, dtype: torch.dtype) -> str:
+    """The decoder's linears (ModelConfig.pack_weights and plain_weights at their defaults
+    on a CPU; `packed`: not --eager)."""
     from kernels import packed_linear
 
     if device.type != "cpu":
         return "torch"
-    if not (packed and torch.backends.mkldnn.is_available()):
+    if not (packed and dtype in packed_linear.PACKED_DTYPES):
+        return "torch eager"
+    if not torch.backends.mkldnn.is_available():
         return "torch eager"
     if packed_linear.skinny_available() is not None:
         return "onednn packed"
-    rows = f"<= {packed_linear.SKINNY_MAX_ROWS} / >= {packed_linear.MKL_MIN_ROWS} rows"
-    return f"onednn packed; skinny C++ / MKL at {rows}"
+    skinny, plain = packed_linear.plain_rows(dtype)
+    large = "" if plain is None else f", plain GEMM at >= {plain} rows"
+    return f"onednn packed; skinny C++ at <= {skinny} rows{large}"
 
 
 def _impl(cpu_fused: bool, triton: bool) -> str:

@@ -1,12 +1,14 @@
-"""Prepacked oneDNN linear layers for CPU float32, and linear + epilogue helpers.
+"""Prepacked oneDNN linear layers for CPU float32 and bfloat16, and linear + epilogue helpers.
 
 `PackedLinear` holds its weight reordered once into oneDNN's blocked layout, as vLLM's
 CPU build does. `linear_act` / `linear_add` run a linear layer with its activation or its
 residual add fused into the GEMM's epilogue when the layer is packed (oneDNN post-ops: the
 [rows, out] result is written once instead of being read back by a separate elementwise
-pass), and as the plain ops otherwise (GPU, bf16, torch without oneDNN). The decoder and
-the SigLIP tower both use them; both stay float32 GEMMs (same oneDNN/MKL arithmetic, only
-the summation order differs), checked against the plain layers in tests.
+pass), and as the plain ops otherwise (GPU, float16, torch without oneDNN). The decoder and
+the SigLIP tower both use them, in float32 (same oneDNN/MKL arithmetic as the plain
+layers, only the summation order differs) or in bfloat16 (oneDNN's bfloat16 GEMM with
+float32 accumulation: AVX-512 BF16 dot products or AMX tiles where the CPU has them),
+checked against the plain layers in tests.
 
 The decoder's layers can also keep the plain [out, in] weight (`pack_linears(plain=True)`,
 a second copy of each weight) for the batch sizes oneDNN's packed GEMM is not the fastest
@@ -34,6 +36,22 @@ __all__ = [
 
 SKINNY_MAX_ROWS = 16
 MKL_MIN_ROWS = 1536
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# bfloat16: the skinny kernel up to this many rows (on a Zen 5 with AVX-512 BF16, single
+# thread: 1.1x oneDNN's packed bfloat16 GEMM at 1 row, even at 4, 0.8x at 16); no
+# plain-weight GEMM at prefill sizes (torch's bfloat16 F.linear is oneDNN too, on an
+# unpacked weight: no faster than the packed one at 512-2,048 rows;
+# benchmarks/engine/bf16_speedup.py, measured under heavy load).
+BF16_SKINNY_MAX_ROWS = 8
+
+
+def plain_rows(dtype: torch.dtype) -> tuple[int, int | None]:
+    """(the most rows the skinny kernel takes, the fewest a plain-weight GEMM takes, None:
+    never) for a layer holding its plain weight in `dtype`."""
+    if dtype == torch.bfloat16:
+        return BF16_SKINNY_MAX_ROWS, None
+    return SKINNY_MAX_ROWS, MKL_MIN_ROWS
+
 
 # The activations a packed layer can fuse: exact GELU (erf) and the tanh approximation.
 Activation = Literal["gelu", "gelu_tanh"]
@@ -42,10 +60,11 @@ _GELU = {"gelu": ("none", "none"), "gelu_tanh": ("tanh", "tanh")}
 
 
 class PackedLinear(nn.Module):
-    """A CPU float32 `nn.Linear` whose weight is reordered once into oneDNN's blocked
-    layout: at decode-sized batches (tens of rows) the GEMM runs about 20% faster than MKL
-    on the plain weight, and the same at prefill sizes. Same results as the plain layer
-    (float32 GEMM either way, checked in tests). Inputs may have any leading dims."""
+    """A CPU float32 or bfloat16 `nn.Linear` whose weight is reordered once into oneDNN's
+    blocked layout: at decode-sized batches (tens of rows) the GEMM runs about 20% faster
+    than MKL on the plain weight, and the same at prefill sizes. Float32: the same results
+    as the plain layer (float32 GEMM either way, checked in tests); bfloat16: float32
+    accumulation, the output rounded once. Inputs may have any leading dims."""
 
     def __init__(self, linear: nn.Linear, plain: bool = False) -> None:
         """`plain`: keep the plain weight too, for the skinny kernel and MKL (see the module
@@ -57,13 +76,14 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         keep = plain and skinny_available() is None
         self.plain = weight.contiguous() if keep else None
+        self.skinny_rows, self.plain_rows = plain_rows(weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain is not None:
             rows = x.numel() // self.in_features
-            if rows <= SKINNY_MAX_ROWS:
+            if rows <= self.skinny_rows:
                 return skinny_linear(x, self.plain, self.bias)
-            if rows >= MKL_MIN_ROWS:
+            if self.plain_rows is not None and rows >= self.plain_rows:
                 return F.linear(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
@@ -103,8 +123,9 @@ def skinny_available() -> str | None:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias with the skinny kernel (CPU float32, `weight` contiguous
-    [out, in]): for a few rows. Inputs may have any leading dims."""
+    """x @ weight.T + bias with the skinny kernel (CPU float32 or bfloat16, all of one
+    dtype, `weight` contiguous [out, in]): for a few rows. Inputs may have any leading
+    dims."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -114,7 +135,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def pack_linears(module: nn.Module, plain: bool = False) -> int:
-    """Replace every float32 CPU `nn.Linear` under `module` with a `PackedLinear` (where
+    """Replace every float32 or bfloat16 CPU `nn.Linear` under `module` with a `PackedLinear` (where
     torch has oneDNN); returns how many. `plain`: each keeps its plain weight too (a
     second copy, see the module doc); otherwise the plain weights are dropped."""
     if not torch.backends.mkldnn.is_available():
@@ -124,7 +145,7 @@ def pack_linears(module: nn.Module, plain: bool = False) -> int:
         if (
             isinstance(child, nn.Linear)
             and child.weight.device.type == "cpu"
-            and child.weight.dtype == torch.float32
+            and child.weight.dtype in PACKED_DTYPES
         ):
             setattr(module, name, PackedLinear(child, plain))
             count += 1

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 AdmissionKind = Literal["fcfs", "lumpy"]
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 RequestClass = Literal["text", "image"]  # by whether the request carries images
 
 
@@ -44,8 +45,16 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Admission keeps this fraction of the pool free for running sequences to grow into.
     watermark: float = 0.01
+    # The cache's element type, independent of the weights': "auto" = the model's dtype.
+    # bfloat16 halves the KV bytes per token (twice the sequences per pool); the CPU
+    # kernels read it with float32 softmax and accumulation.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -3,16 +3,69 @@ Environment variables are read here and nowhere else."""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from encoders.config import EncoderConfig
+from kernels.cpu_build import native_bf16
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from vlmserve.sample.structured import StructuredConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *_DTYPES)
+
+
+class DtypeChoice(NamedTuple):
+    """The engine's weight and activation dtype, and why it was picked."""
+
+    dtype: torch.dtype
+    reason: str
+
+
+def choose_dtype(
+    requested: str, device: str, checkpoint_dtype: str | None, native_bf16: str | None
+) -> DtypeChoice:
+    """`--dtype auto` as vLLM resolves it, with its CPU rule: an explicit dtype wins; on a
+    GPU the checkpoint's `torch_dtype` (bfloat16 where it names none, or float32);
+    on a CPU bfloat16 where the CPU has native bfloat16 (`native_bf16`, the flag found)
+    and the checkpoint is 16-bit, float32 otherwise (an emulated bfloat16 GEMM is slower
+    than float32, and a float32 checkpoint stays exact)."""
+    if requested != "auto":
+        return DtypeChoice(_DTYPES[requested], f"--dtype {requested}")
+    sixteen = checkpoint_dtype in ("bfloat16", "float16")
+    if device != "cpu":
+        if checkpoint_dtype in _DTYPES and checkpoint_dtype != "float32":
+            return DtypeChoice(_DTYPES[checkpoint_dtype], f"checkpoint is {checkpoint_dtype}")
+        return DtypeChoice(torch.bfloat16, f"checkpoint is {checkpoint_dtype or 'unmarked'}")
+    if not sixteen:
+        return DtypeChoice(torch.float32, f"checkpoint is {checkpoint_dtype or 'unmarked'}")
+    if native_bf16 is None:
+        return DtypeChoice(
+            torch.float32, f"checkpoint is {checkpoint_dtype}, but this CPU has no native bfloat16"
+        )
+    return DtypeChoice(
+        torch.bfloat16, f"checkpoint is {checkpoint_dtype} and this CPU has {native_bf16}"
+    )
+
+
+def checkpoint_dtype(path: str | Path) -> str | None:
+    """The dtype a HF checkpoint's config.json names (`torch_dtype`, or `dtype` as newer
+    transformers write it; the text config's for a VLM that names none at the top)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (config, config.get("text_config") or {}):
+        name = part.get("torch_dtype") or part.get("dtype")
+        if isinstance(name, str):
+            return name.removeprefix("torch.")
+    return None
 
 
 def default_device() -> str:
@@ -23,9 +76,9 @@ def default_device() -> str:
 class ModelConfig:
     path: str
     device: str = field(default_factory=default_device)
-    # None: float32 on CPU (bfloat16 matmul is far slower there on most CPUs), bfloat16 on
-    # GPU.
-    dtype: str | None = None
+    # "auto": `choose_dtype` (the checkpoint's dtype on a GPU; on a CPU bfloat16 where the
+    # CPU has native bfloat16 and the checkpoint is 16-bit, else float32); or a dtype name.
+    dtype: str = "auto"
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     max_images_per_request: int = 16
     # None / "auto", "torch", "cpu", "triton", "flashinfer" (kernels.backends.select_backend)
@@ -51,8 +104,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not Path(self.path).is_dir():
             raise ValueError(f"model path {self.path!r} is not a directory")
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPE_CHOICES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
         if self.nano_batch not in ("off", "auto") and not Path(self.nano_batch).exists():
@@ -62,11 +115,19 @@ class ModelConfig:
         if self.max_images_per_request < 0:
             raise ValueError(f"max_images_per_request={self.max_images_per_request} must be >= 0")
 
+    @functools.cached_property
+    def dtype_choice(self) -> DtypeChoice:
+        device = torch.device(self.device).type
+        return choose_dtype(self.dtype, device, checkpoint_dtype(self.path), native_bf16())
+
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype is not None:
-            return _DTYPES[self.dtype]
-        return torch.float32 if self.device == "cpu" else torch.bfloat16
+        return self.dtype_choice.dtype
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """CacheConfig.kv_cache_dtype as a torch dtype ("auto": the model's)."""
+    return model_dtype if kv_cache_dtype == "auto" else _DTYPES[kv_cache_dtype]
 
 
 @dataclass(frozen=True)
@@ -89,3 +150,13 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off
     encoder: EncoderConfig = field(default_factory=EncoderConfig)  # preprocessing, cache
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP 1
+    structured: StructuredConfig = field(default_factory=StructuredConfig)  # grammars
+    # Run the step shapes live traffic will meet once at start-up (vlmserve/engine/warmup.py;
+    # no phase starts after warmup_max_seconds): `serve` turns it on, before /health
+    # answers 200.
+    warmup: bool = False
+    warmup_max_seconds: float = 20.0
+
+    def __post_init__(self) -> None:
+        if not self.warmup_max_seconds > 0:
+            raise ValueError(f"warmup_max_seconds={self.warmup_max_seconds} must be > 0")

@@ -5,13 +5,13 @@
 #   2. preflight: the versions it runs with, every module the GPU check touches imported,
 #      FlashInfer's API and pulp's CBC checked; then `pytest -m gpu --collect-only`;
 #   3. without a CUDA device it stops there (exit 2, "no CUDA device");
-#   4. benchmarks/gpu_check.py part by part (the gpu tests, offline throughput in bf16, the
-#      kernels table, nano-batching), each in its own process under its own timeout: a part
+#   4. benchmarks/gpu_check.py part by part (the gpu tests, bf16 against transformers, offline
+#      throughput in bf16, the kernels table, nano-batching), each in its own process under its own timeout: a part
 #      that fails or runs out of time leaves the others their turn;
 #   5. the summary table.
 # Everything it prints goes to OUT too: env.log, one log per part, summary.txt,
-# results.json (7 files: a device call brings back 8 at most). It ends inside
-# VLMSERVE_GPU_BUDGET_S (default 540) seconds.
+# results.json (8 files: a device call brings back 8 at most). It ends inside
+# VLMSERVE_GPU_BUDGET_S (default 555) seconds.
 #
 #   bash benchmarks/device/run.sh [OUT]     # OUT: $1, else $OUT, else benchmarks/results/device
 #
@@ -23,9 +23,9 @@ PY="${PYTHON:-python3}"
 DEST="${1:-${OUT:-benchmarks/results/device}}"
 BUNDLE="${VLMSERVE_BUNDLE:-.device-bundle}"
 SITE="${VLMSERVE_SITE:-/tmp/vlmserve-site}"
-BUDGET_S="${VLMSERVE_GPU_BUDGET_S:-540}"
+BUDGET_S="${VLMSERVE_GPU_BUDGET_S:-555}"
 # Seconds per part, at most; the budget left cuts the later ones shorter.
-declare -A LIMIT=([tests]=180 [offline]=120 [kernels]=110 [nanobatch]=90)
+declare -A LIMIT=([tests]=150 [bf16]=80 [offline]=110 [kernels]=100 [nanobatch]=80)
 for kv in ${VLMSERVE_PART_TIMEOUTS:-}; do LIMIT[${kv%%=*}]="${kv#*=}"; done  # "tests=200 ..."
 mkdir -p "$DEST"
 SCRATCH="$(mktemp -d)"
@@ -96,7 +96,7 @@ run_part() {
     echo "run.sh: $name exit $rc$why after $((SECONDS - t0))s" | tee -a "$DEST/$name.log"
 }
 
-for name in tests offline kernels nanobatch; do run_part "$name"; done
+for name in tests bf16 offline kernels nanobatch; do run_part "$name"; done
 "$PY" -m benchmarks.gpu_check --summary "$SCRATCH" 2>&1 | tee "$DEST/summary.txt"
 status=${PIPESTATUS[0]}
 cp "$SCRATCH/gpu_check.json" "$DEST/results.json" 2>/dev/null

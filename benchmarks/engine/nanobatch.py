@@ -165,7 +165,9 @@ def _same_tokens(runner, plan, batcher, run_forward) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
+    p.add_argument(
+        "--dtype", default="auto", help="auto: the engine's rule (vlmserve.config.choose_dtype)"
+    )
     p.add_argument("--batch", type=int, default=64, help="dense batch: decoding requests")
     p.add_argument("--prompt", type=int, default=192)
     p.add_argument("--output", type=int, default=41)
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     threads = torch.get_num_threads()
     load_before = os.getloadavg()
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else None
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
     peak, bw = matmul_peak(device, dtype, 1024), memory_bandwidth(device, 128 << 20)
     peak_1, bw_1 = peak, bw  # a GPU's nano-operations share the whole device

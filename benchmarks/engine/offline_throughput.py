@@ -80,7 +80,7 @@ def run_engine(path: str, requests, args: argparse.Namespace) -> dict:
 def run_transformers(path: str, requests, args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
     _sync(args.device)
     start = time.perf_counter()
@@ -148,7 +148,7 @@ def _sync(device: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto (the engine default), float32, bfloat16")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt", type=int, default=32)
     p.add_argument("--max-prompt", type=int, default=1024)

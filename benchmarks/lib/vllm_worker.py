@@ -61,7 +61,7 @@ def main(spec_path: str, result_path: str) -> None:
     start = time.perf_counter()
     llm = LLM(
         model=spec["model"],
-        dtype="float32",
+        dtype=engine.get("dtype", "float32"),
         seed=0,
         max_model_len=engine["max_model_len"],
         max_num_batched_tokens=engine["max_num_batched_tokens"],

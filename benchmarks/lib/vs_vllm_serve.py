@@ -91,7 +91,8 @@ def is_saturated(previous: dict | None, point: dict) -> bool:
 
 def server_command(system: str, spec: dict, args: argparse.Namespace, port: int) -> list[str]:
     engine = spec["engine"]
-    common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+    common = ["--host", "127.0.0.1", "--port", str(port),
+              "--dtype", engine.get("dtype", "float32"),
               "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(engine["max_num_seqs"]),
               "--max-num-batched-tokens", str(engine["max_num_batched_tokens"]),
               "--max-model-len", str(engine["max_model_len"])]  # fmt: skip

@@ -47,7 +47,8 @@ def text_args(quick: bool) -> argparse.Namespace:
 
 def kv_bytes_per_token(args: argparse.Namespace) -> int:
     head_dim = args.hidden // args.heads
-    return 2 * args.layers * args.kv_heads * head_dim * 4  # K and V, float32
+    elem = 2 if args.dtype == "bfloat16" else 4  # both engines' KV in the model dtype
+    return 2 * args.layers * args.kv_heads * head_dim * elem  # K and V
 
 
 def kv_cache_gib(prompt_lens: list[int], output_lens: list[int], args) -> int:
@@ -250,6 +251,8 @@ def _engine(args, max_model_len: int, prompt_lens: list[int], output_lens: list[
         "max_num_batched_tokens": args.token_budget,
         "max_num_seqs": 256,
         "kv_cache_gib": kv_cache_gib(prompt_lens, output_lens, args),
+        # both engines run the (float32) checkpoint in this dtype: --dtype on both
+        "dtype": "bfloat16" if args.dtype == "bfloat16" else "float32",
     }
 
 

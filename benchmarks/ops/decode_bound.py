@@ -35,9 +35,7 @@ def weight_bytes(engine: Engine) -> int:
     return total
 
 
-def decode_batch1(
-    path: str, device: str, dtype: str | None, steps: int = 32, **model: object
-) -> dict:
+def decode_batch1(path: str, device: str, dtype: str, steps: int = 32, **model: object) -> dict:
     """Median ms per decode step of one sequence (prompt 128 tokens) and the bound.
     `model`: attention_backend, cuda_graphs (ModelConfig's; default: the engine's)."""
     args = argparse.Namespace(device=device, dtype=dtype, token_budget=2048, **model)
@@ -71,7 +69,7 @@ def decode_batch1(
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=768)

@@ -1,6 +1,7 @@
-"""The reliability suite: fuzzed images, fuzzed sampling fields, SSRF probes, soak and
-chaos against a real `vlmserve serve` on loopback. Minutes long, so not in the default
-test run (a small version of each section is: tests/vlmserve/test_reliability_quick.py).
+"""The reliability suite: fuzzed images, fuzzed sampling fields, fuzzed constraints
+(schemas, regexes, grammars, tools), SSRF probes, soak and chaos against a real `vlmserve
+serve` on loopback. Minutes long, so not in the default test run (a small version of each
+section is: tests/vlmserve/test_reliability_quick.py).
 
     .venv/bin/python -m benchmarks.reliability.run                 # everything, full sizes
     .venv/bin/python -m benchmarks.reliability.run --only soak     # one section
@@ -23,7 +24,7 @@ from pathlib import Path
 from benchmarks.lib.common import table, write_json
 from benchmarks.reliability.common import RESULT_PATH, git_rev, load_average
 
-SECTIONS = ("fuzz", "fields", "ssrf", "soak", "chaos")
+SECTIONS = ("fuzz", "fields", "schema", "ssrf", "soak", "chaos")
 
 
 def run_section(name: str, quick: bool, root: Path | None, num_soak: int | None = None) -> dict:
@@ -35,6 +36,10 @@ def run_section(name: str, quick: bool, root: Path | None, num_soak: int | None 
         from benchmarks.reliability.fuzz_fields import run_fields
 
         return run_fields(num=90 if quick else 600, root=root)
+    if name == "schema":
+        from benchmarks.reliability.fuzz_schema import run_schema_fuzz
+
+        return run_schema_fuzz(num=60 if quick else 400, root=root)
     if name == "ssrf":
         from benchmarks.reliability.ssrf_http import run_ssrf
 

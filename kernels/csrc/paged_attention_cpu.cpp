@@ -210,27 +210,25 @@ inline void block_values(const float* p, const float* vb, const float* correctio
 }
 
 // One (sequence, kv head): `rows` query rows (scaled, float) over `ctx` positions, with an
-// online softmax across blocks. K/V blocks are float32 (other dtypes are converted into
-// `kbuf`/`vbuf` first).
-template <typename scalar_t>
+// online softmax across blocks. K/V blocks are read as float32 (other cache dtypes are
+// converted into `kbuf`/`vbuf` first, a block at a time).
+template <typename cache_t>
 void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t* lo,
                 int64_t rows, int64_t dim,
-                int64_t ctx, int64_t block_size, const int32_t* table, const scalar_t* k_head,
-                const scalar_t* v_head, float* kbuf, float* vbuf, float* p, float* m, float* l,
+                int64_t ctx, int64_t block_size, const int32_t* table, const cache_t* k_head,
+                const cache_t* v_head, float* kbuf, float* vbuf, float* p, float* m, float* l,
                 float* correction) {
   for (int64_t first = lo[0] / block_size * block_size; first < ctx; first += block_size) {
     const int64_t count = std::min(block_size, ctx - first);
     const int64_t slot = static_cast<int64_t>(table[first / block_size]) * block_size;
     const float* kb;
     const float* vb;
-    if constexpr (std::is_same_v<scalar_t, float>) {
+    if constexpr (std::is_same_v<cache_t, float>) {
       kb = k_head + slot * dim;
       vb = v_head + slot * dim;
     } else {
-      for (int64_t i = 0; i < count * dim; ++i) {
-        kbuf[i] = static_cast<float>(k_head[slot * dim + i]);
-        vbuf[i] = static_cast<float>(v_head[slot * dim + i]);
-      }
+      vlmserve_paged::to_float(k_head + slot * dim, kbuf, count * dim);
+      vlmserve_paged::to_float(v_head + slot * dim, vbuf, count * dim);
       kb = kbuf;
       vb = vbuf;
     }
@@ -238,7 +236,7 @@ void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t*
     // kPrefetchAhead blocks on (the first ones too, on the first block) while this one is
     // computed, so several blocks' loads are in flight at once.
     const int64_t here = first / block_size, num_blocks = (ctx + block_size - 1) / block_size;
-    const int64_t bytes = block_size * dim * static_cast<int64_t>(sizeof(scalar_t));
+    const int64_t bytes = block_size * dim * static_cast<int64_t>(sizeof(cache_t));
     for (int64_t b = here == 0 ? 1 : here + kPrefetchAhead;
          b <= std::min(here + kPrefetchAhead, num_blocks - 1); ++b) {
       const int64_t next = static_cast<int64_t>(table[b]) * block_size;
@@ -266,7 +264,8 @@ void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t*
   }
 }
 
-template <typename scalar_t>
+// scalar_t: q's and out's dtype; cache_t: the cache's.
+template <typename scalar_t, typename cache_t>
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
             const at::Tensor& block_tables, const at::Tensor& query_starts,
             const at::Tensor& query_lens, const at::Tensor& context_lens, int64_t block_size,
@@ -277,8 +276,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
   const int64_t group = num_heads / kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = k_base + kv_heads * num_slots * dim;
+  const cache_t* k_base = kv_cache.data_ptr<cache_t>();
+  const cache_t* v_base = k_base + kv_heads * num_slots * dim;
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* starts = query_starts.data_ptr<int32_t>();
@@ -324,9 +323,9 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
         lo[r] = window > 0 ? std::max<int64_t>(0, last[r] - window + 1) : 0;
       }
       const int32_t* table = tables + seq * max_blocks;
-      const scalar_t* k_head = k_base + h * num_slots * dim;
-      const scalar_t* v_head = v_base + h * num_slots * dim;
-      attend_one<scalar_t>(qs.data(), acc.data(), last.data(), lo.data(), rows, dim, ctx, block_size,
+      const cache_t* k_head = k_base + h * num_slots * dim;
+      const cache_t* v_head = v_base + h * num_slots * dim;
+      attend_one<cache_t>(qs.data(), acc.data(), last.data(), lo.data(), rows, dim, ctx, block_size,
                            table, k_head, v_head, kbuf.data(), vbuf.data(), p.data(), m.data(),
                            l.data(), correction.data());
       for (int64_t r = 0; r < rows; ++r) {
@@ -345,12 +344,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                      int64_t block_size, double scale, int64_t window) {
   vlmserve_paged::check_inputs(out, q, kv_cache, block_tables, query_starts, query_lens,
                                context_lens);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention",
-                                  [&] {
-                                    attend<scalar_t>(out, q, kv_cache, block_tables,
-                                                     query_starts, query_lens, context_lens,
-                                                     block_size, scale, window);
-                                  });
+  vlmserve_paged::dispatch_dtypes(q, kv_cache, [&](auto q_t, auto cache_t) {
+    attend<decltype(q_t), decltype(cache_t)>(out, q, kv_cache, block_tables, query_starts,
+                                             query_lens, context_lens, block_size, scale, window);
+  });
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-// Prefill and extend attention on the CPU (float32 math; AVX-512 or AVX2 + FMA), reading
+// Prefill and extend attention on the CPU (float32 math whatever the q / cache dtype;
+// AVX-512 or AVX2 + FMA), reading
 // K/V straight from the paged cache through the block table: a fresh prompt and a chunk on
 // a cached prefix are the same case (the step's own K/V are written to the cache before attention runs).
 //
@@ -185,13 +186,14 @@ inline void softmax_tile(float* st, int64_t count, int64_t vecs, int64_t first,
   }
 }
 
-// One step's tensors and shapes, as the items read them.
-template <typename scalar_t>
+// One step's tensors and shapes, as the items read them (scalar_t: q's and out's dtype,
+// cache_t: the cache's).
+template <typename scalar_t, typename cache_t>
 struct Problem {
   const scalar_t* q;
   scalar_t* out;
-  const scalar_t* k_base;  // cache[0]: [kv_heads, num_slots, dim]
-  const scalar_t* v_base;  // cache[1]
+  const cache_t* k_base;  // cache[0]: [kv_heads, num_slots, dim]
+  const cache_t* v_base;  // cache[1]
   const int32_t *tables, *starts, *qlens, *clens;
   int64_t q_stride, o_stride, num_slots, max_blocks, group, dim, block_size;
   float scale2;  // the softmax scale times log2(e): scores in base-2 units
@@ -210,12 +212,12 @@ struct Scratch {
   std::vector<const float*> keys, vals, shifted;
 };
 
-// Rows r of one item: query token i = r / group, head kv_head * group + r % group. float32
-// K/V with head dims a multiple of the lanes are read in place; other dtypes and head dims
-// are copied tile by tile into float buffers padded to the vector width.
-template <typename scalar_t>
-void attend_item(const Problem<scalar_t>& pb, const Item& item, Scratch& w) {
-  constexpr bool kInPlace = std::is_same_v<scalar_t, float>;
+// Rows r of one item: query token i = r / group, head kv_head * group + r % group. A float32
+// cache with head dims a multiple of the lanes is read in place; other cache dtypes and head
+// dims are copied (as float32) tile by tile into float buffers padded to the vector width.
+template <typename scalar_t, typename cache_t>
+void attend_item(const Problem<scalar_t, cache_t>& pb, const Item& item, Scratch& w) {
+  constexpr bool kInPlace = std::is_same_v<cache_t, float>;
   const int64_t dim = pb.dim, group = pb.group;
   const bool in_place = kInPlace && dim % kLanes == 0;
   const int64_t width = (dim + kLanes - 1) / kLanes * kLanes;  // o's row length
@@ -248,8 +250,8 @@ void attend_item(const Problem<scalar_t>& pb, const Item& item, Scratch& w) {
     const scalar_t* src = pb.q + (first_token + i) * pb.q_stride + head * dim;
     for (int64_t d = 0; d < dim; ++d) w.qt[d * rows + r] = static_cast<float>(src[d]) * pb.scale2;
   }
-  const scalar_t* k_head = pb.k_base + item.kv_head * pb.num_slots * dim;
-  const scalar_t* v_head = pb.v_base + item.kv_head * pb.num_slots * dim;
+  const cache_t* k_head = pb.k_base + item.kv_head * pb.num_slots * dim;
+  const cache_t* v_head = pb.v_base + item.kv_head * pb.num_slots * dim;
   const int32_t* table = pb.tables + item.seq * pb.max_blocks;
   const int64_t last_pos = max_hi;
   w.keys.resize(kTileKeys);
@@ -265,8 +267,8 @@ void attend_item(const Problem<scalar_t>& pb, const Item& item, Scratch& w) {
       const int64_t p = first + j;
       const int64_t slot = static_cast<int64_t>(table[p / pb.block_size]) * pb.block_size +
                            p % pb.block_size;
-      const scalar_t* kr = k_head + slot * dim;
-      const scalar_t* vr = v_head + slot * dim;
+      const cache_t* kr = k_head + slot * dim;
+      const cache_t* vr = v_head + slot * dim;
       if constexpr (kInPlace) {
         if (in_place) {
           w.keys[j] = kr;
@@ -276,10 +278,8 @@ void attend_item(const Problem<scalar_t>& pb, const Item& item, Scratch& w) {
       }
       float* kt = w.ktile.data() + j * width;
       float* vt = w.vtile.data() + j * width;
-      for (int64_t d = 0; d < dim; ++d) {
-        kt[d] = static_cast<float>(kr[d]);
-        vt[d] = static_cast<float>(vr[d]);
-      }
+      vlmserve_paged::to_float(kr, kt, dim);
+      vlmserve_paged::to_float(vr, vt, dim);
       w.keys[j] = kt;
       w.vals[j] = vt;
     }
@@ -302,14 +302,14 @@ void attend_item(const Problem<scalar_t>& pb, const Item& item, Scratch& w) {
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
             const at::Tensor& block_tables, const at::Tensor& query_starts,
             const at::Tensor& query_lens, const at::Tensor& context_lens, int64_t block_size,
             double scale, int64_t window, const at::Tensor& key_ends) {
   const int64_t kv_heads = kv_cache.size(1), num_slots = kv_cache.size(2), dim = q.size(2);
-  const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
-  const Problem<scalar_t> pb{
+  const cache_t* k_base = kv_cache.data_ptr<cache_t>();
+  const Problem<scalar_t, cache_t> pb{
       q.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), k_base,
       k_base + kv_heads * num_slots * dim, block_tables.data_ptr<int32_t>(),
       query_starts.data_ptr<int32_t>(), query_lens.data_ptr<int32_t>(),
@@ -335,7 +335,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t n = 0; n < num_items; ++n) attend_item<scalar_t>(pb, items[n], scratch);
+    for (int64_t n = 0; n < num_items; ++n) attend_item(pb, items[n], scratch);
   }
 }
 #endif
@@ -352,12 +352,11 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
                                         key_ends.is_contiguous() && key_ends.numel() == q.size(0)),
               "key_ends: empty or int32 [num_tokens]");
 #if VLMSERVE_VEC_LANES
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
-                                  "prefill_attention", [&] {
-                                    attend<scalar_t>(out, q, kv_cache, block_tables,
-                                                     query_starts, query_lens, context_lens,
-                                                     block_size, scale, window, key_ends);
-                                  });
+  vlmserve_paged::dispatch_dtypes(q, kv_cache, [&](auto q_t, auto cache_t) {
+    attend<decltype(q_t), decltype(cache_t)>(out, q, kv_cache, block_tables, query_starts,
+                                             query_lens, context_lens, block_size, scale, window,
+                                             key_ends);
+  });
 #else
   TORCH_CHECK(false, "prefill_attention needs AVX2 + FMA or AVX-512");
 #endif

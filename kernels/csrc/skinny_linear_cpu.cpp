@@ -1,6 +1,9 @@
-// A linear layer for a few rows (decode batches), float32 on the CPU:
+// A linear layer for a few rows (decode batches) on the CPU, float32 or bfloat16:
 //   out[m, n] = dot(x[m, :], weight[n, :]) (+ bias[n])
-// with the weight in nn.Linear's own [out, in] layout.
+// with the weight in nn.Linear's own [out, in] layout. bfloat16 sums in float32: with
+// AVX-512 BF16 by `vdpbf16ps` (32 products a vector, pairs added into 16 float lanes),
+// elsewhere each bfloat16 vector widened to float32 (exact) and FMA'd as the float32 path;
+// the output is rounded to bfloat16 once, to nearest even.
 //
 // A decode step with a few sequences reads every weight once for a handful of rows: the
 // GEMM is bound by the weight stream, yet BLAS GEMMs (MKL, oneDNN) block and pack for
@@ -80,10 +83,110 @@ inline void tile(const float* x, int64_t xs, const float* w, int64_t K, const fl
       out[r * os + c] = vec::reduce_add(acc[r][c]) + (bias ? bias[c] : 0.f);
 }
 
-// All input rows against weight rows [n, n + C).
-template <int C>
-inline void rows(const float* x, int64_t xs, int64_t M, const float* w, int64_t K,
-                 const float* bias, float* out, int64_t os) {
+using bf16 = at::BFloat16;
+
+#if defined(__AVX512BF16__)
+// bfloat16 elements a vdpbf16ps step (two per float lane); the prefetch distance in
+// elements (8 KB, as the float32 path's).
+constexpr int64_t LB = 32;
+constexpr int64_t PFB = 4096;
+
+inline __m512bh bf16_vec(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh bf16_vec_first(const bf16* p, int64_t n) {  // n < LB; zeros past them
+  return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1u << n) - 1u), p);
+}
+
+// The bfloat16 tile with native dot products: as `tile`, LB elements a step.
+template <int R, int C>
+inline void tile(const bf16* x, int64_t xs, const bf16* w, int64_t K, const bf16* bias,
+                 bf16* out, int64_t os) {
+  __m512 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t body = K - K % LB;
+  for (int64_t k = 0; k < body; k += LB) {
+    __m512bh wv[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + c * K + k + PFB), _MM_HINT_T0);
+      wv[c] = bf16_vec(w + c * K + k);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = bf16_vec(x + r * xs + k);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
+  if (body < K) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = bf16_vec_first(x + r * xs + body, K - body);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, bf16_vec_first(w + c * K + body, K - body));
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      out[r * os + c] = bf16(_mm512_reduce_add_ps(acc[r][c]) +
+                             (bias ? static_cast<float>(bias[c]) : 0.f));
+}
+#else
+// The bfloat16 tile without native bfloat16: each vector widened to float32 (exact), then
+// the float32 path's FMAs.
+template <int R, int C>
+inline void tile(const bf16* x, int64_t xs, const bf16* w, int64_t K, const bf16* bias,
+                 bf16* out, int64_t os) {
+  const auto* xb = reinterpret_cast<const uint16_t*>(x);
+  const auto* wb = reinterpret_cast<const uint16_t*>(w);
+  vec::vfloat acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[r][c] = vec::zero();
+  const int64_t body = K - K % L;
+  for (int64_t k = 0; k < body; k += L) {
+    vec::vfloat wv[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      if (k % 32 == 0)  // once a 64-byte line
+        _mm_prefetch(reinterpret_cast<const char*>(wb + c * K + k + 2 * PF), _MM_HINT_T0);
+      wv[c] = vec::load_bf16(wb + c * K + k);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const vec::vfloat xv = vec::load_bf16(xb + r * xs + k);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = vec::fmadd(xv, wv[c], acc[r][c]);
+    }
+  }
+  if (body < K) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const vec::vfloat xv = vec::load_bf16_first(xb + r * xs + body, K - body);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = vec::fmadd(xv, vec::load_bf16_first(wb + c * K + body, K - body), acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      out[r * os + c] = bf16(vec::reduce_add(acc[r][c]) +
+                             (bias ? static_cast<float>(bias[c]) : 0.f));
+}
+#endif
+
+// All input rows against weight rows [n, n + C); T: float or bf16.
+template <int C, typename T>
+inline void rows(const T* x, int64_t xs, int64_t M, const T* w, int64_t K, const T* bias, T* out,
+                 int64_t os) {
   int64_t m = 0;
   for (; m + MR <= M; m += MR) tile<MR, C>(x + m * xs, xs, w, K, bias, out + m * os, os);
   switch (M - m) {
@@ -94,31 +197,16 @@ inline void rows(const float* x, int64_t xs, int64_t M, const float* w, int64_t 
   }
 }
 
-#endif
-
-void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-            const c10::optional<at::Tensor>& bias) {
-  for (const at::Tensor* t : {&out, &x, &weight})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
-                    t->stride(1) == 1,
-                "skinny linear: CPU float32 [rows, width] tensors with dense rows");
+template <typename T>
+void run(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const T* b) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K && weight.is_contiguous(), "weight: contiguous [out, in]");
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [rows, out]");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kFloat,
-                "bias: [out] float32");
-    b = bias->data_ptr<float>();
-  }
-#if VLMSERVE_VEC_LANES
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
   const int64_t groups = N / NB;
   // At least ~64 KB of weight a task, so the threads' start costs stay small.
-  const int64_t grain = std::max<int64_t>(1, (1 << 14) / (NB * K));
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (NB * K * int64_t(sizeof(T))));
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n = g * NB;
@@ -127,8 +215,41 @@ void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
   });
   for (int64_t n = groups * NB; n < N; ++n)  // the last N % NB weight rows
     rows<1>(xp, xs, M, wp + n * K, K, b ? b + n : nullptr, op + n, os);
+}
+
+#endif
+
+void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+            const c10::optional<at::Tensor>& bias) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "skinny linear: float32 or bfloat16, not ", dtype);
+  for (const at::Tensor* t : {&out, &x, &weight})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == dtype && t->dim() == 2 &&
+                    t->stride(1) == 1,
+                "skinny linear: CPU [rows, width] tensors of x's dtype with dense rows");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K && weight.is_contiguous(), "weight: contiguous [out, in]");
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [rows, out]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == dtype,
+                "bias: [out] of x's dtype");
+#if VLMSERVE_VEC_LANES
+  if (dtype == at::kFloat)
+    run<float>(out, x, weight, bias.has_value() ? bias->data_ptr<float>() : nullptr);
+  else
+    run<bf16>(out, x, weight, bias.has_value() ? bias->data_ptr<bf16>() : nullptr);
 #else
   TORCH_CHECK(false, "skinny linear needs AVX2 or AVX-512");
+#endif
+}
+
+// Whether the bfloat16 path has native dot products (AVX-512 BF16) in this build.
+bool native_bf16() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
 #endif
 }
 
@@ -139,6 +260,7 @@ int64_t vector_lanes() { return vlmserve_vec::kLanes; }
 
 TORCH_LIBRARY(vlmserve_skinny, m) {
   m.def("vector_lanes() -> int", &vector_lanes);
+  m.def("native_bf16() -> bool", &native_bf16);
   m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
 }
 

@@ -57,6 +57,25 @@ inline vfloat maskz(vmask m, vfloat v) { return _mm512_maskz_mov_ps(m, v); }
 // max(a, b) in the lanes of m, a elsewhere.
 inline vfloat mask_max(vfloat a, vmask m, vfloat b) { return _mm512_mask_max_ps(a, m, a, b); }
 
+// kLanes bfloat16 values (raw bits) widened to float32: exact.
+inline vfloat load_bf16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// float32 -> bfloat16 bits, rounded to nearest even (NaN stays NaN).
+inline void store_bf16(uint16_t* p, vfloat v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+#endif
+}
+
 #elif defined(__AVX2__) && defined(__FMA__)
 
 #define VLMSERVE_VEC_LANES 8
@@ -120,6 +139,24 @@ inline vfloat mask_max(vfloat a, vmask m, vfloat b) {
   return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m);
 }
 
+// kLanes bfloat16 values (raw bits) widened to float32: exact.
+inline vfloat load_bf16(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// float32 -> bfloat16 bits, rounded to nearest even (NaN stays NaN).
+inline void store_bf16(uint16_t* p, vfloat v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  // 32-bit lanes -> 16-bit: packus works per 128-bit half, so put the halves back in order
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
 #else
 
 #define VLMSERVE_VEC_LANES 0
@@ -128,6 +165,18 @@ constexpr int kLanes = 0;
 #endif
 
 #if VLMSERVE_VEC_LANES
+
+// The first n < kLanes bfloat16 values (zeros past them), and their store: the tails.
+inline vfloat load_bf16_first(const uint16_t* p, int64_t n) {
+  alignas(64) uint16_t tmp[kLanes] = {};
+  for (int64_t i = 0; i < n; ++i) tmp[i] = p[i];
+  return load_bf16(tmp);
+}
+inline void store_bf16_first(uint16_t* p, vfloat v, int64_t n) {
+  alignas(64) uint16_t tmp[kLanes];
+  store_bf16(tmp, v);
+  for (int64_t i = 0; i < n; ++i) p[i] = tmp[i];
+}
 
 // e^x a vector at a time, Cephes' single-precision expf (about 1 ulp): x = n ln2 + r,
 // |r| <= ln2 / 2, a degree-6 polynomial for e^r, scaled by 2^n. Saturates outside

@@ -27,6 +27,7 @@ from typing import IO
 
 from encoders.image_io import read_header
 from encoders.images import read_source
+from vlmserve.cli.caption_json import json_checked
 from vlmserve.engine.core import Engine, PreparedRequest, RequestOutput
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
@@ -246,6 +247,7 @@ def run_caption(
     with ThreadPoolExecutor(num_workers, thread_name_prefix="caption-load") as pool:
         try:
             records = caption_stream(engine, todo, prepare, pool, in_flight, max_in_flight)
+            records = json_checked(records, sampling)
             write_records(records, output, summary, done, len(todo), progress)
         except KeyboardInterrupt:
             summary.interrupted = True

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from vlmserve.cli import caption as caption_job
 from vlmserve.cli.caption import DEFAULT_PROMPT, CaptionItem, discover, run_caption
+from vlmserve.cli.caption_json import load_schema
 from vlmserve.cli.caption_ray import add_ray_args, ray_config_from_args, run_caption_ray
 from vlmserve.cli.engine_args import add_engine_args, engine_config_from_args
 from vlmserve.engine.core import Engine
@@ -34,6 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="caption at most N items this run")
     p.add_argument("--retry-errors", action="store_true", help="rerun items that failed")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--json-schema", metavar="FILE", default=None,
+        help="each caption is a JSON object following this schema (structured outputs)",
+    )  # fmt: skip
     add_engine_args(p)
     add_ray_args(p)
     p.set_defaults(func=cmd_caption)
@@ -43,9 +48,11 @@ def cmd_caption(args: argparse.Namespace) -> int:
     if args.max_in_flight < 1 or args.workers < 1:
         raise ValueError("--max-in-flight and --workers must be >= 1")
     items = discover(Path(args.input), args.prompt)
+    structured = load_schema(args.json_schema) if args.json_schema else None
     sampling = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
-    )
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+        structured=structured,
+    )  # fmt: skip
     if args.ray is not None:
         return _cmd_caption_ray(args, items, sampling)
     engine = Engine(engine_config_from_args(args))

@@ -45,6 +45,7 @@ from vlmserve.cli.caption import (
     todo_items,
     write_records,
 )
+from vlmserve.cli.caption_json import json_checked
 from vlmserve.config import EngineConfig
 from vlmserve.engine.outputs import PreparedRequest
 from vlmserve.sample.params import SamplingParams
@@ -209,6 +210,7 @@ def run_caption_ray(
             if not connected:
                 ray.init(**ray_init_kwargs(ray_config))
             records = _pipeline(config, todo, sampling, ray_config, max_in_flight, num_workers)
+            records = json_checked(records, sampling)
             write_records(records, output, summary, done, len(todo), progress)
     except KeyboardInterrupt:  # lines written are whole; the batches in flight rerun
         summary.interrupted = True

@@ -16,8 +16,10 @@ from collections.abc import Callable
 from encoders.config import EncoderConfig
 from kernels.backends import BACKENDS
 from scheduler.config import CacheConfig, SchedulerConfig, SloConfig, SpeculativeConfig
+from vlmserve.cli.precision_args import add_dtype_arg, add_kv_cache_dtype_arg, add_warmup_arg
 from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
+from vlmserve.sample.structured import StructuredConfig
 
 # The defaults the flags show are the config dataclasses' own (one source for each).
 # ModelConfig needs a path: its other fields' defaults are read from the class.
@@ -83,6 +85,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_cache_args(parser.add_argument_group("engine: KV cache and scheduling"))
     _add_speculative_args(parser.add_argument_group("engine: speculative decoding (n-gram)"))
     _add_encoder_args(parser.add_argument_group("engine: image preprocessing and encoder cache"))
+    _add_structured_args(parser.add_argument_group("engine: structured outputs (xgrammar)"))
+
+
+def _add_structured_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--grammar-compile-timeout", type=float, default=10.0, metavar="S",
+        help="a JSON schema / regex / grammar still compiling after S seconds fails its "
+        "request (400)",
+    )  # fmt: skip
+    group.add_argument(
+        "--grammar-any-whitespace", action="store_true",
+        help="let constrained JSON hold any whitespace between tokens (default: compact)",
+    )  # fmt: skip
 
 
 def _add_model_args(group: argparse._ArgumentGroup) -> None:
@@ -94,7 +109,7 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--device", type=_device, default=None, help="cpu, cuda (default: $VLMSERVE_DEVICE)"
     )
-    group.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_dtype_arg(group)
     group.add_argument(
         "--max-model-len", type=_int_at_least(2), default=None, help="default: the checkpoint's"
     )
@@ -119,6 +134,7 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         help="run the decoder's plain torch ops (unpacked linear weights, unfused "
         "RMSNorm / RoPE / SiLU-mul; on a GPU no CUDA graphs): the reference path, slower",
     )
+    add_warmup_arg(group)
     group.add_argument(
         "--single-weight-copy",
         action="store_true",
@@ -166,6 +182,7 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--block-size", type=_int_at_least(1), default=_CACHE.block_size, help="a power of two"
     )
+    add_kv_cache_dtype_arg(group)
     group.add_argument(
         "--max-num-batched-tokens", type=_int_at_least(1), default=_SCHED.max_num_batched_tokens
     )
@@ -397,9 +414,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
     )
     cache = _with_flags(
-        "--block-size / --num-kv-blocks",
+        "--block-size / --num-kv-blocks / --kv-cache-dtype",
         CacheConfig,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         num_blocks=args.num_kv_blocks,
         memory_bytes=args.kv_cache_mb << 20,
         enable_prefix_caching=not args.no_prefix_caching,
@@ -428,7 +446,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     parallel = _with_flags(
         "--tensor-parallel-size", ParallelConfig, tensor_parallel_size=args.tensor_parallel_size
     )
-    config = EngineConfig(model, cache, scheduler, speculative, encoder, parallel)
+    structured = _with_flags(
+        "--grammar-compile-timeout",
+        StructuredConfig,
+        compile_timeout_s=args.grammar_compile_timeout,
+        any_whitespace=args.grammar_any_whitespace,
+    )
+    config = EngineConfig(
+        model, cache, scheduler, speculative, encoder, parallel, structured, warmup=args.warmup
+    )
     if parallel.tensor_parallel_size > 1:
         from vlmserve.worker.parallel.executor import check_config
 

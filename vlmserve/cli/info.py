@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from kernels.backends import select_backend
+from kernels.cpu_build import native_bf16
 from kernels.fused_ops import op_backends
-from vlmserve.config import default_device
+from vlmserve.config import checkpoint_dtype, choose_dtype, default_device
 from vlmserve.worker.models.loader import SUPPORTED_FAMILIES
 
 
@@ -105,15 +106,21 @@ def build_kernels() -> tuple[dict[str, str], bool]:
 
 def collect(model_path: str | None = None, tp: int = 1) -> dict[str, object]:
     device = default_device()
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # ModelConfig's default
-    attention = select_backend(torch.device(device), None, dtype).name
+    # --dtype auto for the model (without one: for a 16-bit checkpoint)
+    marked = checkpoint_dtype(model_path) if model_path is not None else "bfloat16"
+    choice = choose_dtype("auto", torch.device(device).type, marked, native_bf16())
+    attention = select_backend(torch.device(device), None, choice.dtype).name
     info: dict[str, object] = {
         "python": platform.python_version(),
         **{name: dist_version(name) for name in ("vlmserve", "torch", "transformers", "timm")},
         "pil": pil_variant(),
         "device": device,
+        "native_bf16": native_bf16() or "none (bfloat16 emulated: slower than float32)",
+        "dtype": f"{str(choice.dtype).removeprefix('torch.')} ({choice.reason}"
+        + ("" if model_path is not None else "; a 16-bit checkpoint, no --model given")
+        + ")",
         "attention_backend": attention,
-        "ops": op_backends(torch.device(device), attention),
+        "ops": op_backends(torch.device(device), attention, dtype=choice.dtype),
         "threads": torch.get_num_threads(),
         "model_families": ", ".join(SUPPORTED_FAMILIES),
     }

@@ -33,9 +33,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(engine_config_from_args(args))
     content = [{"type": "image", "image": path} for path in args.image]
     content.append({"type": "text", "text": args.prompt})
+    from vlmserve.cli.caption_json import load_schema
+
+    structured = load_schema(args.json_schema) if args.json_schema else None
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, n=args.n, seed=args.seed,
-        logprobs=args.logprobs,
+        logprobs=args.logprobs, structured=structured,
     )  # fmt: skip
     request = Request(messages=[{"role": "user", "content": content}], sampling=params)
     start = time.perf_counter()
@@ -100,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="print each token's logprob and its N likeliest alternatives")  # fmt: skip
+    p.add_argument(
+        "--json-schema", metavar="FILE", default=None,
+        help="the answer is JSON following this schema (structured outputs)",
+    )  # fmt: skip
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="the main job on the default model")

@@ -4,6 +4,7 @@ load or dies, the server stops and the command exits 1."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-pending-requests", type=int, default=256, help="over it: 429")
     p.add_argument("--max-body-mb", type=int, default=64)
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.set_defaults(warmup=True)  # --no-warmup: /health turns 200 without it
     media = p.add_argument_group("media (image_url)")
     media.add_argument("--allowed-local-media-path", default=None, help="file:// root")
     media.add_argument(
@@ -79,6 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         deaths.append(cause)
         server.should_exit = True
 
+    _log_engine_info()
     app = create_app(lambda: Engine(engine_config), config, on_engine_death)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     try:
@@ -90,3 +93,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "see the log above", file=sys.stderr)  # fmt: skip
         return 1
     return 0
+
+
+def _log_engine_info() -> None:
+    """The engine's start-up lines (dtype and why, the warm-up's duration) beside
+    uvicorn's own, at INFO (Python's default shows warnings only)."""
+    logger = logging.getLogger("vlmserve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

@@ -38,7 +38,7 @@ from search.costmodel.cost_model import spec_speedup
 from vlmserve.config import EngineConfig
 from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, run_step
-from vlmserve.engine.image_wait import pending_images, poll_images, wait_for_images
+from vlmserve.engine.image_wait import pending_images, poll_grammars, poll_images, wait_for_images
 from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
 from vlmserve.engine.request_options import (
     check_vocab,
@@ -50,9 +50,11 @@ from vlmserve.engine.request_options import (
 )
 from vlmserve.engine.stats import engine_stats
 from vlmserve.engine.step_cost import OnlineStepCost
+from vlmserve.engine.warmup import warm_up
 from vlmserve.inputs.processing import Request, check_prompt_chars, eos_token_ids
 from vlmserve.inputs.prompt_processor import make_prompt_processor
 from vlmserve.sample.params import SamplerState, SamplingParams
+from vlmserve.sample.structured import LazyGrammars
 from vlmserve.sample.verify import ridge_batch_for
 from vlmserve.worker.parallel.executor import make_runner
 
@@ -118,8 +120,12 @@ class Engine:
         self.async_scheduling = config.scheduler.async_scheduling and not config.speculative.enabled
         self._forward = ForwardThread(self.runner, self.times) if self.async_scheduling else None
         self._in_flight: _InFlight | None = None
+        vocab = model.decoder.cfg.vocab_size  # structured outputs: made on the first one
+        self.grammars = LazyGrammars(self._detok_tokenizer, vocab, self.eos_token_ids, config)
         self.peak_used_blocks = 0
         self._held: dict[str, str] = {}  # n > 1: request id -> the sibling it waits for
+        # The step shapes live traffic will meet, run once before any request (`serve`).
+        self.warmup = warm_up(self, config.warmup_max_seconds) if config.warmup else None
 
     # -- requests ---------------------------------------------------------------------
 
@@ -142,8 +148,11 @@ class Engine:
         refusal = self.scheduler.check_fits(num_prompt, max_tokens)
         if refusal is not None:  # never admissible: refused now, never a hang
             raise RequestError(refusal)
+        grammar = None
+        if params.structured is not None:  # compiles on the grammar pool meanwhile
+            grammar = self.grammars.get().request(params.structured)
         return PreparedRequest(
-            request.request_id, prompt, params, max_tokens, request.share_prompt_with
+            request.request_id, prompt, params, max_tokens, request.share_prompt_with, grammar
         )
 
     def add_request(self, request: Request | PreparedRequest) -> str:
@@ -173,16 +182,20 @@ class Engine:
         if params.prompt_logprobs is not None:
             output.prompt_logprobs = [None] * num_prompt
         detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop, params.min_tokens)
+        # A constrained request ends on the EOS its grammar allows, even with ignore_eos.
+        ignore_eos = params.ignore_eos and request.grammar is None
         stops = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+            frozenset() if ignore_eos else frozenset(self.eos_token_ids)
         )
         sampler = make_sampler(params, prompt.token_ids, stops, self._detok_tokenizer)
+        sampler.grammar = request.grammar
         state = _State(
             seq, params, sampler, request.max_tokens, output, detokenizer, stops, prompt.works
         )
         self._states[request_id] = state
-        # Its images may still be decoding in the pool: queued now, admitted once ready.
-        seq.ready = not pending_images(prompt.works)
+        # Its images may still be decoding in the pool (its grammar compiling): queued now,
+        # admitted once ready.
+        seq.ready = not pending_images(prompt.works) and request.grammar is None
         if request.share_prompt_with in self._states:  # held until that one's prefill is done
             self._held[request_id] = request.share_prompt_with
             seq.ready = False
@@ -264,7 +277,9 @@ class Engine:
         image_failures = self.runner.begin_step(plan)
         if plan.is_empty:
             if idle_wait and not failed:
-                wait_for_images(s.works for s in self._states.values() if not s.seq.ready)
+                unready = [s for s in self._states.values() if not s.seq.ready]
+                compiling = [s.sampler.grammar.future for s in unready if s.sampler.grammar]
+                wait_for_images((s.works for s in unready), compiling)
             return plan, failed
         failed += [
             self._fail(self._states[request_id], error)
@@ -321,7 +336,9 @@ class Engine:
             if state.seq.status == "finished":
                 continue
             take_prompt_logprobs(state.sampler, state.output)
-            if isinstance(new, Exception):
+            if isinstance(new, RequestError):  # its constraint cannot go on: a 400
+                failed.append(self._fail(state, new))
+            elif isinstance(new, Exception):
                 log.error("sampling failed for %s: %r", state.seq.request_id, new)
                 failed.append(self._fail(state, StepFailedError(f"sampling failed: {new}")))
             elif new:
@@ -350,22 +367,24 @@ class Engine:
         return [self._fail(state, StepFailedError(str(error))) for state in live]
 
     def _poll_images(self) -> list[RequestOutput]:
-        """Ready the sequences whose images are decoded; fail those whose decode failed.
-        A held sibling (n > 1) is ready once the one it waits for has a token or ended."""
+        """Ready the sequences whose images are decoded and grammars compiled; fail those
+        whose decode or compile failed. A held sibling (n > 1) is ready once the one it
+        waits for has a token or ended."""
         for request_id, parent in list(self._held.items()):
             state = self._states.get(parent)
             if state is None or state.output.token_ids:
                 del self._held[request_id]
         unready = {
-            rid: s.works
-            for rid, s in self._states.items()
-            if not s.seq.ready and rid not in self._held
+            rid: s for rid, s in self._states.items() if not s.seq.ready and rid not in self._held
         }
         if not unready:
             return []
-        ready, failures = poll_images(unready)
+        compiling, failures = poll_grammars({r: s.sampler.grammar for r, s in unready.items()})
+        works = {rid: s.works for rid, s in unready.items() if rid not in compiling}
+        ready, image_failures = poll_images(works)
         for request_id in ready:
             self._states[request_id].seq.ready = True
+        failures += image_failures
         return [self._fail(self._states[request_id], e) for request_id, e in failures]
 
     @staticmethod
@@ -424,6 +443,7 @@ class Engine:
     def close(self) -> None:
         """Stop what the engine started outside this process (tensor-parallel workers).
         Also done when the engine is garbage-collected or the interpreter exits."""
+        self.grammars.close()
         self.runner.close()
 
     def stats(self) -> dict[str, float]:

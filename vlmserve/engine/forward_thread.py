@@ -26,7 +26,7 @@ import torch
 from scheduler.step_plan import ScheduledSeq
 from vlmserve.sample.logprobs import book_prompt_logprobs
 from vlmserve.sample.params import SamplerState
-from vlmserve.sample.verify import sample_plan
+from vlmserve.sample.verify import sample_plan, start_masks
 from vlmserve.worker.runner import ModelRunner, StepInputs
 
 Sampled = list[list[int] | Exception]  # per plan item, as `sample_plan` returns it
@@ -121,8 +121,10 @@ def run_step(
     if times.last_forward_end is not None:
         times.forward_idle_s += wall - times.last_forward_end
     try:
+        # Constrained rows: their grammar masks fill on another thread meanwhile.
+        masks = start_masks(scheduled, samplers, runner.model.decoder.cfg.vocab_size)
         logits = runner.run(inputs, previous)
-        sampled = sample_plan(scheduled, logits, samplers)
+        sampled = sample_plan(scheduled, logits, samplers, masks)
         if inputs.prompt_spans:
             book_prompt_logprobs(logits, inputs.prompt_spans, prompt_samplers or {})
         return sampled

@@ -1,5 +1,6 @@
-"""Requests whose images are still being decoded and tiled in the pool: which are ready,
-which failed, and a short wait when the engine has nothing else to do. A request's images
+"""Requests whose images are still being decoded and tiled in the pool (or whose
+structured-output grammar is still compiling): which are ready, which failed, and a short
+wait when the engine has nothing else to do. A request's images
 are its encoder records (`ProcessedPrompt.works`: ImageWork, or a VisionInput that needs
 no wait)."""
 
@@ -35,10 +36,12 @@ def poll_images(
     return ready, failed
 
 
-def wait_for_images(unready: Iterable[list[object]]) -> None:
-    """Nothing to run but images still decoding: wait briefly for one of them rather
-    than spin (short, so new requests and aborts are still taken promptly)."""
+def wait_for_images(unready: Iterable[list[object]], others: Iterable[futures.Future] = ()) -> None:
+    """Nothing to run but images still decoding (or `others`, e.g. grammars compiling):
+    wait briefly for one of them rather than spin (short, so new requests and aborts are
+    still taken promptly)."""
     pending = [f for works in unready for f in pending_images(works)]
+    pending += [f for f in others if not f.done()]
     if pending:
         futures.wait(pending, timeout=IMAGE_POLL_S, return_when=futures.FIRST_COMPLETED)
 
@@ -50,3 +53,21 @@ def pending_images(works: Iterable[object]) -> list[futures.Future]:
         for work in works
         if isinstance(work, ImageWork) and work.future is not None and not work.future.done()
     ]
+
+
+def poll_grammars(
+    grammars: Mapping[str, object],
+) -> tuple[set[str], list[tuple[str, Exception]]]:
+    """Of the requests (id -> RequestGrammar or None) not ready yet: those whose grammar is
+    still compiling, and those whose compile failed or ran out of time. Never blocks: a
+    compile is polled like an image decode."""
+    compiling, failed = set(), []
+    for request_id, grammar in grammars.items():
+        if grammar is None:
+            continue
+        try:
+            if not grammar.ready():
+                compiling.add(request_id)
+        except Exception as e:  # noqa: BLE001 - this request's constraint alone
+            failed.append((request_id, e))
+    return compiling, failed

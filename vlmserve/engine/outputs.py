@@ -58,3 +58,4 @@ class PreparedRequest:
     # n > 1: the id of the sibling whose prefill this one waits for, to share its prompt's
     # KV blocks through the prefix cache (`request_options`).
     share_prompt_with: str | None = None
+    grammar: object = None  # vlmserve.sample.grammar.RequestGrammar (params.structured)

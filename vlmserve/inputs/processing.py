@@ -48,6 +48,7 @@ class Request:
     # n > 1 fanned out by a caller: a sibling with the same prompt whose prefill this one
     # waits for, to share its prompt's KV (`vlmserve.engine.request_options`).
     share_prompt_with: str | None = None
+    tools: list[dict] | None = None  # OpenAI tool specs the chat template renders
 
 
 @dataclass(frozen=True)
@@ -127,9 +128,11 @@ def split_messages(messages: list[dict]) -> tuple[list[dict], list[ImageSource]]
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"a message must be a dict with a role, got {message!r}")
         content = message.get("content", "")
+        # A tool-calling turn keeps its calls / call id for the template.
+        calls = {key: message[key] for key in ("tool_calls", "tool_call_id") if key in message}
         if isinstance(content, str):
             templated.append(
-                {"role": message["role"], "content": [{"type": "text", "text": content}]}
+                {"role": message["role"], "content": [{"type": "text", "text": content}], **calls}
             )
             continue
         parts = []
@@ -142,7 +145,7 @@ def split_messages(messages: list[dict]) -> tuple[list[dict], list[ImageSource]]
                 images.append(part["image"])
             else:
                 raise ValueError(f"unsupported content part type {kind!r}")
-        templated.append({"role": message["role"], "content": parts})
+        templated.append({"role": message["role"], "content": parts, **calls})
     return templated, images
 
 
@@ -214,7 +217,10 @@ class HFPromptProcessor:
             owner = self.processor or self.tokenizer
             if getattr(owner, "chat_template", None) is None:
                 raise ValueError("this checkpoint has no chat template: send a raw prompt")
-            text = owner.apply_chat_template(templated, add_generation_prompt=True, tokenize=False)
+            extra = {"tools": request.tools} if request.tools else {}
+            text = owner.apply_chat_template(
+                templated, add_generation_prompt=True, tokenize=False, **extra
+            )
             return text, sources, False  # the template wrote BOS and friends
         if request.prompt is None:
             raise ValueError("a request needs messages or a prompt")

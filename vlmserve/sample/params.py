@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vlmserve.sample.structured import StructuredOutput
+
 # Below this a temperature is treated as 0 (greedy), as vLLM does: the distribution is
 # already a point mass on the argmax to float32 precision.
 GREEDY_TEMPERATURE = 1e-5
@@ -54,6 +56,8 @@ class SamplingParams:
     # logprob. Child i of a seeded request draws with seed + i.
     n: int = 1
     best_of: int | None = None
+    # Structured outputs: the output follows this JSON schema / regex / choice / grammar.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -146,6 +150,8 @@ class SamplerState:
     logprobs: collections.deque = field(default_factory=collections.deque)
     # Prompt logprobs as the prefill computes them: (first position, records) per chunk.
     prompt_logprobs: collections.deque = field(default_factory=collections.deque)
+    # Its constraint's vlmserve.sample.grammar.RequestGrammar (None: unconstrained).
+    grammar: object = None
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)

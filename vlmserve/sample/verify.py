@@ -17,6 +17,8 @@ keeps the drafts up to the first rejection. A request's tokens do not depend on 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from scheduler.step_plan import ScheduledSeq
@@ -63,26 +65,61 @@ def verify(logits: torch.Tensor, drafts: tuple[int, ...], state: SamplerState) -
     return out
 
 
-def sample_plan(
-    scheduled: list[ScheduledSeq], logits: torch.Tensor, samplers: list[SamplerState]
-) -> list[list[int] | Exception]:
-    """The tokens each scheduled item emits ([] for a prefill chunk that does not sample),
-    or the exception its sampling raised: that fails the request alone, and the others
-    keep the tokens (and generator states) they would have had anyway.
-    logits: [num_sampling_rows, vocab] as the runner returns them; `samplers` has one
-    state per sampling item, in plan order."""
+def plan_groups(scheduled: list[ScheduledSeq], samplers: list[SamplerState]) -> list[RowGroup]:
+    """One RowGroup per sampling item of a step, in plan order: its sampler and its rows
+    of the logits (one per draft, then the bonus row)."""
     groups: list[RowGroup] = []
     row, states = 0, iter(samplers)
     for item in scheduled:
         if item.sample:
             groups.append(RowGroup(next(states), row, item.draft_token_ids))
             row += 1 + len(item.draft_token_ids)
+    return groups
+
+
+def start_masks(
+    scheduled: list[ScheduledSeq], samplers: list[SamplerState], vocab: int
+) -> Future | None:
+    """Start filling the step's grammar masks beside its forward pass (None when no row is
+    constrained); `sample_plan` applies them. xgrammar is imported only once a
+    constrained request arrives."""
+    if all(state.grammar is None for state in samplers):
+        return None
+    from vlmserve.sample.grammar import start_fill
+
+    groups = plan_groups(scheduled, samplers)
+    return start_fill(groups, sum(1 + len(g.draft_token_ids) for g in groups), vocab)
+
+
+def sample_plan(
+    scheduled: list[ScheduledSeq],
+    logits: torch.Tensor,
+    samplers: list[SamplerState],
+    masks: Future | None = None,
+) -> list[list[int] | Exception]:
+    """The tokens each scheduled item emits ([] for a prefill chunk that does not sample),
+    or the exception its sampling raised: that fails the request alone, and the others
+    keep the tokens (and generator states) they would have had anyway.
+    logits: [num_sampling_rows, vocab] as the runner returns them; `samplers` has one
+    state per sampling item, in plan order; `masks`: the grammar masks `start_masks`
+    began filling (filled here when a row is constrained and none were started)."""
+    groups = plan_groups(scheduled, samplers)
+    constrained = any(group.state.grammar is not None for group in groups)
     try:
+        if constrained:
+            from vlmserve.sample.grammar import apply_masks, fill_masks
+
+            filled = masks.result() if masks is not None else fill_masks(groups, *logits.shape)
+            dead = apply_masks(logits, filled)  # refused tokens -> -inf, in place
         # All rows where the logits are; only token ids and flags come back.
-        results = iter(sample_rows(logits, groups))
+        results = sample_rows(logits, groups)
     except Exception as e:  # noqa: BLE001 - belongs to no one request: fails the samplers
         return [e if item.sample else [] for item in scheduled]
-    emitted = [_emitted(group, next(results)) for group in groups]
+    emitted = [_emitted(group, result) for group, result in zip(groups, results, strict=True)]
+    if constrained:
+        from vlmserve.sample.grammar import advance_grammars
+
+        emitted = advance_grammars(groups, emitted, dead)
     book_emitted(logits, groups, emitted)  # histories for the controls, logprobs
     taken = iter(emitted)
     return [next(taken) if item.sample else [] for item in scheduled]

@@ -5,6 +5,7 @@ their status; a failure after the stream has begun is sent as an `error` event."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -33,6 +34,14 @@ from vlmserve.server.protocol import (
     make_usage,
 )
 from vlmserve.server.sampling_fields import TokenTexts, chat_logprobs
+from vlmserve.server.tools import (
+    ToolPlan,
+    ToolStream,
+    chat_template_of,
+    finish_reason_of,
+    message_of,
+    plan_tools,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +110,9 @@ async def build_messages(
                 for part in content
             ]
         role = "system" if message.role == "developer" else message.role
-        converted.append({"role": role, "content": content or ""})
+        extra = message.model_extra or {}  # a tool-calling turn, for the chat template
+        passed = {key: extra[key] for key in ("tool_calls", "tool_call_id") if key in extra}
+        converted.append({"role": role, "content": content or "", **passed})
     return converted
 
 
@@ -127,10 +138,16 @@ class ChatHandler:
                     f"{self.settings.model_name!r})",
                 )  # fmt: skip
             sampling = body.to_sampling(self.settings.default_max_tokens)
+            tools = plan_tools(body.model_extra or {}, chat_template_of(self.loop.engine))
+            if tools is not None and tools.structured is not None:
+                if sampling.structured is not None:
+                    raise ValueError("a constraint and tool_choice cannot both be sent")
+                sampling = dataclasses.replace(sampling, structured=tools.structured)
             messages = await build_messages(body.messages, self.settings, self.metrics)
             track = _Tracker(arrival, self.metrics, request_class(_num_images(messages)))
             choices = Choices(self.loop, track.on_snapshot)
-            choices.submit(fan_out(Request(messages), sampling, request_id))
+            base = Request(messages, tools=tools.template_tools if tools is not None else None)
+            choices.submit(fan_out(base, sampling, request_id))
         except Exception as e:  # mapped to its 4xx/5xx
             return self._failed(e)
         failed = await choices.accepted()
@@ -149,9 +166,9 @@ class ChatHandler:
                 choices.abort()
                 return self._failed(second.error)
             state = _StreamState()
-            stream = self._stream(request_id, body, choices, state, second)
+            stream = self._stream(request_id, body, choices, state, second, tools)
             return _AbortingStream(stream, lambda: self._close_stream(choices, state))
-        return await self._complete(request_id, body, choices, http)
+        return await self._complete(request_id, body, choices, http, tools)
 
     def _refuse(self, status: int, message: str) -> JSONResponse:
         self.metrics.requests.inc(outcome=f"http_{status}")
@@ -162,7 +179,12 @@ class ChatHandler:
         return error_response(error)
 
     async def _complete(
-        self, request_id: str, body: ChatCompletionRequest, choices: Choices, http: HTTPRequest
+        self,
+        request_id: str,
+        body: ChatCompletionRequest,
+        choices: Choices,
+        http: HTTPRequest,
+        tools: ToolPlan | None = None,
     ) -> Response:
         failed = await choices.complete(http.is_disconnected)
         if failed is not None:
@@ -175,14 +197,14 @@ class ChatHandler:
             ordered[0].last.finish_reason, _usage(ordered),
         )  # fmt: skip
         template = out["choices"][0]
-        out["choices"] = [
-            template | {
-                "index": c.index, "message": template["message"] | {"content": c.text},
-                "finish_reason": c.last.finish_reason,
+        out["choices"] = []
+        for c in ordered:
+            message, has_calls = message_of(tools, c.text)  # tool calls parsed out
+            out["choices"].append(template | {
+                "index": c.index, "message": message,
+                "finish_reason": finish_reason_of(tools, c.last.finish_reason, has_calls),
                 "logprobs": self._logprobs(body, c.logprobs),
-            }
-            for c in ordered
-        ]  # fmt: skip
+            })  # fmt: skip
         return JSONResponse(out)
 
     def _logprobs(self, body: ChatCompletionRequest, records) -> dict | None:
@@ -201,8 +223,10 @@ class ChatHandler:
         choices: Choices,
         state: _StreamState,
         first: Item,
+        tools: ToolPlan | None = None,
     ) -> AsyncIterator[str]:
         model, created = self.settings.model_name, int(time.time())
+        calls: dict[int, ToolStream] = {}  # per choice, with tools
         for c in choices.ordered():
             role = {"role": "assistant", "content": ""}
             yield _sse(chunk_body(request_id, model, created, role, index=c.index))
@@ -213,14 +237,25 @@ class ChatHandler:
                 yield _sse(error_body(status_of(item.error), public_message(item.error)))
                 break
             choice = choices.take(item)
+            delta: dict | None = {"content": item.delta}
+            if tools is not None:
+                delta = calls.setdefault(choice.index, ToolStream(tools)).delta(item.delta)
             # The engine holds back what a stop string could still cut.
-            if item.delta or (body.logprobs and item.logprobs):
-                chunk = chunk_body(request_id, model, created, {"content": item.delta},
+            if (item.delta and delta) or (body.logprobs and item.logprobs):
+                chunk = chunk_body(request_id, model, created, delta or {"content": ""},
                                    index=choice.index)  # fmt: skip
                 chunk["choices"][0]["logprobs"] = self._logprobs(body, item.logprobs)
                 yield _sse(chunk)
             if item.finished:
-                yield _sse(chunk_body(request_id, model, created, {}, item.finish_reason,
+                reason = item.finish_reason
+                if tools is not None:
+                    stream = calls.setdefault(choice.index, ToolStream(tools))
+                    final = stream.final()
+                    if final:
+                        yield _sse(chunk_body(request_id, model, created, final,
+                                              index=choice.index))  # fmt: skip
+                    reason = finish_reason_of(tools, reason, stream.has_calls)
+                yield _sse(chunk_body(request_id, model, created, {}, reason,
                                       index=choice.index))  # fmt: skip
         else:
             state.done = True

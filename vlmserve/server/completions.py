@@ -32,6 +32,7 @@ from vlmserve.server.chat import (
     status_of,
 )
 from vlmserve.server.choices import Choice, Choices, fan_out, stream_items
+from vlmserve.server.constraints import structured_of
 from vlmserve.server.engine_loop import EngineLoop, Failed
 from vlmserve.server.metrics import ServerMetrics
 from vlmserve.server.protocol import StreamOptions, error_body, make_usage
@@ -105,6 +106,7 @@ class CompletionRequest(SamplingFields):
             prompt_logprobs=self._prompt_logprobs(),
             best_of=self.best_of,
             **self.control_kwargs(),
+            structured=structured_of(self.model_extra or {}),  # response_format, guided_*
         )
 
     def _prompt_logprobs(self) -> int | None:

@@ -1,9 +1,11 @@
 """The OpenAI chat-completions wire format: request and response models, error bodies.
 
 Request models reject unknown shapes with 422 (pydantic); the fields we know but cannot
-honour (`tools`, `response_format`, `best_of` on chat, …) are
+honour (`best_of` on chat, …) are
 refused with 400 naming them in `to_sampling`, whenever they ask for something other than
 the default: silently ignoring them would hand back an answer the client did not ask for.
+Constraints (`response_format`, `structured_outputs`, `guided_*`) are read in
+`constraints.py`, tools in `tools.py`.
 Other extra fields (metadata, `user`, `store`, …) are allowed and ignored, so newer
 clients keep working.
 """
@@ -16,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from vlmserve.sample.params import SamplingParams
+from vlmserve.server.constraints import structured_of
 from vlmserve.server.sampling_fields import SamplingFields
 
 DEFAULT_MAX_TOKENS = 256
@@ -23,21 +26,12 @@ DEFAULT_MAX_TOKENS = 256
 # Request fields that change the answer and that the engine does not implement, with the
 # values that mean "not used" (sending those is fine).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
     "best_of": (None, 1),
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
 }
 
 
@@ -64,7 +58,7 @@ ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ChatMessage(_Open):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -118,6 +112,7 @@ class ChatCompletionRequest(SamplingFields, _Open):
             ignore_eos=self.ignore_eos,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             **self.control_kwargs(),
+            structured=structured_of(self.model_extra or {}),
         )
 
     @property
@@ -155,12 +150,18 @@ def make_usage(
     ).model_dump()
 
 
-FinishReason = Literal["stop", "length"] | None
+FinishReason = Literal["stop", "length", "tool_calls"] | None
 
 
 def completion_body(
-    request_id: str, model: str, text: str, finish_reason: FinishReason, usage: dict[str, Any]
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: FinishReason,
+    usage: dict[str, Any],
+    message: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The answer; `message` replaces the plain text one (tool calls)."""
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -169,7 +170,7 @@ def completion_body(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message or {"role": "assistant", "content": text},
                 "finish_reason": finish_reason,
                 "logprobs": None,
             }

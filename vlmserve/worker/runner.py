@@ -27,7 +27,8 @@ from kernels.malloc_tuning import keep_freed_memory
 from kernels.packed_linear import pack_linears
 from scheduler.config import kv_pool_num_blocks
 from scheduler.step_plan import ScheduledSeq, StepPlan
-from vlmserve.config import EngineConfig
+from vlmserve.config import EngineConfig, kv_cache_torch_dtype
+from vlmserve.worker.dtypes import check_dtypes
 from vlmserve.worker.models.loader import LoadedModel, load_model
 from vlmserve.worker.parallel.layers import shard_decoder
 from vlmserve.worker.parallel.sharding import TPShard
@@ -94,7 +95,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_activations_in_heap()
         self.dtype = config.model.torch_dtype
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.backend = select_backend(self.device, config.model.attention_backend, self.dtype)
+        check_dtypes(config, self.dtype, self.kv_dtype, self.backend.name)
         shard = None if group is None else TPShard(group.rank, group.size)
         self.model: LoadedModel = load_model(
             config.model.path, self.dtype, self.device, self.backend, shard
@@ -137,7 +140,8 @@ class ModelRunner:
             self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim
         )
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            for _ in range(cfg.num_layers)
         ]
         # Per request id: the block table and images, from the plans (StepPlan deltas).
         self._requests: dict[str, _RequestState] = {}
@@ -167,7 +171,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         cfg = self.model.decoder.cfg
-        elem = torch.finfo(self.dtype).bits // 8
+        elem = torch.finfo(self.kv_dtype).bits // 8
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     def _blocks_that_fit(self, config: EngineConfig) -> int:

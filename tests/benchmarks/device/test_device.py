@@ -17,7 +17,8 @@ from benchmarks.device.bundle_check import check, read_pins, read_wheel
 
 REPO = Path(__file__).resolve().parents[3]
 # What the device lacks until its bundle is installed (and what it never gets).
-MISSING = ("fastapi", "uvicorn", "starlette", "pydantic", "pulp", "openai", "ray", "flashinfer")
+MISSING = ("fastapi", "uvicorn", "starlette", "pydantic", "pulp", "openai", "ray", "flashinfer",
+           "xgrammar")  # fmt: skip
 
 
 def make_wheel(folder: Path, name: str, version: str, requires: list[str], tag: str) -> Path:

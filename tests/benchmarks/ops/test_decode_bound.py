@@ -15,7 +15,7 @@ def test_decode_bound_counts_every_weight_a_step_reads(tmp_path) -> None:
         tmp_path, "llama", hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
         vocab=vocab, intermediate_size=inter,
     )  # fmt: skip
-    row = decode_batch1(str(tmp_path), "cpu", None, steps=3)
+    row = decode_batch1(str(tmp_path), "cpu", "auto", steps=3)
     head_dim = hidden // heads
     per_layer = (
         hidden * head_dim * (heads + 2 * kv_heads)  # q, k, v

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -177,3 +178,31 @@ def test_process_cpu_s_counts_a_server_session_and_its_children():
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the child is in the leader's process group
         proc.wait()
+
+
+def test_dtype_reaches_both_engines_and_names_the_result(tmp_path):
+    """--dtype bfloat16: vs_vllm_bf16.json; the spec's engine record carries the dtype both
+    workers and both servers take (--dtype on each); the KV sizing counts 2-byte elements."""
+    from benchmarks.lib import vs_vllm_serve, vs_vllm_workloads
+    from benchmarks.serving.vs_vllm import parse_args
+
+    assert parse_args(["--dtype", "bfloat16"]).name == "vs_vllm_bf16"
+    assert parse_args(["--dtype", "bfloat16", "--serve"]).name == "vs_vllm_serve_bf16"
+    assert parse_args([]).name == "vs_vllm"
+    args = vs_vllm_workloads.text_args(quick=True)
+    args.dtype = "bfloat16"
+    engine = vs_vllm_workloads._engine(args, 4096, [100], [10])
+    assert engine["dtype"] == "bfloat16"
+    half = vs_vllm_workloads.kv_bytes_per_token(args)
+    args.dtype = "float32"
+    assert vs_vllm_workloads.kv_bytes_per_token(args) == 2 * half
+    spec = {
+        "engine": engine,
+        "model": str(tmp_path),
+        "workload": "text",
+        "kv_bytes_per_token": half,
+    }
+    ns = argparse.Namespace(vllm_python="python")
+    for system in ("vllm", "vlmserve"):
+        cmd = vs_vllm_serve.server_command(system, spec, ns, 1234)
+        assert cmd[cmd.index("--dtype") + 1] == "bfloat16"

@@ -56,6 +56,18 @@ def test_info_reports_versions_pil_device_and_backend():
         assert ops["add_rms_norm"] == "cpu C++ (fused)" and ops["cuda_graphs"] == "off"
     if info["device"] == "cpu" and packed_linear.skinny_available() is None:
         assert ops["linear"].startswith("onednn packed; skinny C++")
+    # the dtype --dtype auto would pick for a 16-bit checkpoint, and why
+    from kernels.cpu_build import native_bf16
+
+    if info["device"] == "cpu":
+        want = "bfloat16" if native_bf16() else "float32"
+        assert info["dtype"].startswith(want) and "checkpoint is bfloat16" in info["dtype"]
+
+
+def test_info_names_the_dtype_a_model_would_run_in(llama_path, capsys):
+    assert main(["info", "--json", "--model", str(llama_path)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["dtype"].startswith("float32 (checkpoint is float32")  # the random ones
 
 
 @pytest.mark.slow

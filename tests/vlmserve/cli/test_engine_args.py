@@ -33,6 +33,7 @@ FLAGS = [
     (["--device", "cuda:1"], "model.device", "cuda:1"),
     (["--num-kv-blocks", "77"], "cache.num_blocks", 77),
     (["--block-size", "8"], "cache.block_size", 8),
+    (["--kv-cache-dtype", "bfloat16"], "cache.kv_cache_dtype", "bfloat16"),
     (["--kv-cache-mb", "3"], "cache.memory_bytes", 3 << 20),
     (["--no-prefix-caching"], "cache.enable_prefix_caching", False),
     (["--max-num-batched-tokens", "300"], "scheduler.max_num_batched_tokens", 300),
@@ -123,7 +124,10 @@ def test_a_bad_value_is_an_argparse_error_naming_the_flag(flags, message, capsys
     ("flags", "message"),
     [
         (["--speculative-ngram-min", "5"], "--speculative-ngram-min / --speculative-ngram-max:"),
-        (["--block-size", "12"], "--block-size / --num-kv-blocks: block_size=12 must be a power"),
+        (
+            ["--block-size", "12"],
+            "--block-size / --num-kv-blocks / --kv-cache-dtype: block_size=12",
+        ),
         (["--max-decode-pixels", "10", "--max-image-pixels", "20"], "--max-decode-pixels: max_"),
         # The default model has 6 attention heads.
         (["--tensor-parallel-size", "4"], "--tensor-parallel-size: tensor_parallel_size=4 does"),
@@ -195,3 +199,10 @@ def test_the_readme_states_the_flags_real_defaults():
     serve = parser.parse_args(DOORS["serve"])
     for flag, value in stated.items():
         assert str(getattr(serve, flag[2:].replace("-", "_"))) == value, flag
+
+
+def test_warmup_is_on_for_serve_and_on_request_elsewhere():
+    assert config_for("serve").warmup is True
+    assert config_for("serve", "--no-warmup").warmup is False
+    assert config_for("generate").warmup is False
+    assert config_for("generate", "--warmup").warmup is True

@@ -137,8 +137,6 @@ def test_stop_answers_a_request_still_being_prepared_at_once(slow_loop):
 def test_fields_the_engine_does_not_implement_are_refused_by_name(llava_ov_path):
     with serve(lambda: Engine(engine_config(llava_ov_path)), api_key=KEY) as served:
         for extra, name in [
-            ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-            ({"response_format": {"type": "json_object"}}, "response_format"),
             ({"best_of": 2}, "best_of"),
             ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ]:

@@ -50,6 +50,48 @@ def word_tokenizer(special: list[str], eos: str):
     )
 
 
+# Text the byte-level tokenizer's merges are learnt from: prompt words and JSON, so the
+# vocabulary holds multi-byte tokens such as `{"`, `": ` and whole words, as real ones do.
+_BPE_CORPUS = (
+    " ".join(WORDS),
+    '{"name": "red circle", "count": 3, "colour": "blue", "tags": ["left", "top"]}',
+    '[{"name": "search", "arguments": {"query": "star", "limit": 2}}, null, true, false]',
+    "<tool_call> {} </tool_call> 0123456789 -+.eE,:;!?'\\/()[]{}<>_ abcdefghijklmnopqrstuvwxyz",
+)
+
+TokenizerKind = Literal["words", "bytes"]
+
+
+def byte_tokenizer(special: list[str], eos: str, vocab: int):
+    """A byte-level BPE tokenizer (GPT-2 / Llama 3 / Qwen style) of `vocab` entries: the
+    256 byte tokens, `special`, and merges learnt from _BPE_CORPUS. Any text round-trips,
+    so it can write JSON, which the word-level one cannot (structured outputs need it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab < len(alphabet) + len(special) + 1:
+        raise ValueError(f"vocab={vocab} is too small for a byte-level tokenizer")
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<pad>", *special], initial_alphabet=alphabet,
+        show_progress=False,
+    )  # fmt: skip
+    core.train_from_iterator(list(_BPE_CORPUS) * 4, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token=eos, additional_special_tokens=special
+    )
+
+
+def make_tokenizer(kind: TokenizerKind, special: list[str], eos: str, vocab: int):
+    """The random checkpoints' tokenizer: word-level (default) or byte-level BPE."""
+    if kind == "bytes":
+        return byte_tokenizer(special, eos, vocab)
+    return word_tokenizer(special, eos)
+
+
 def _text_config(kind: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
                  **extra):  # fmt: skip
     from transformers import LlamaConfig, Qwen2Config
@@ -77,9 +119,11 @@ def make_text_checkpoint(
     kv_heads: int = 2,
     vocab: int = 256,
     seed: int = 0,
+    tokenizer: TokenizerKind = "words",
     **extra,
 ) -> Path:
-    """A random text-only decoder (Llama or Qwen2 class) with a word-level tokenizer."""
+    """A random text-only decoder (Llama or Qwen2 class) with a word-level (or, with
+    tokenizer="bytes", byte-level BPE) tokenizer."""
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -87,7 +131,7 @@ def make_text_checkpoint(
     model = (Qwen2ForCausalLM if kind == "qwen2" else LlamaForCausalLM)(config)
     path = Path(path)
     model.save_pretrained(path)
-    word_tokenizer(["<s>", "</s>"], "</s>").save_pretrained(path)
+    make_tokenizer(tokenizer, ["<s>", "</s>"], "</s>", vocab).save_pretrained(path)
     return path
 
 
@@ -109,12 +153,14 @@ def make_vlm_checkpoint(
     vision_intermediate: int | None = None,  # None: 2 * vision_hidden
     max_grid: int = 3,
     aspect_ratio: str = "anyres_max_4",
+    tokenizer: TokenizerKind = "words",
     **text_extra,
 ) -> Path:
     """A random VLM with its HF processor (tokenizer, image processor, chat template).
     LLaVA-OneVision only: anyres grids up to `max_grid` x `max_grid` tiles and
     `aspect_ratio` (the real family: 6 and "anyres_max_9"). `text_extra` goes to the
-    decoder's config (intermediate_size, max_position_embeddings)."""
+    decoder's config (intermediate_size, max_position_embeddings). tokenizer="bytes": a
+    byte-level BPE tokenizer of `vocab` entries instead of the word-level one."""
     from transformers import SiglipVisionConfig
 
     torch.manual_seed(seed)
@@ -126,13 +172,15 @@ def make_vlm_checkpoint(
     path = Path(path)
     text = (vocab, hidden, layers, heads, kv_heads)
     if family == "llava_onevision":
-        _make_llava_onevision(path, vision, text, tile, max_grid, aspect_ratio, text_extra)
+        _make_llava_onevision(
+            path, vision, text, tile, max_grid, aspect_ratio, text_extra, tokenizer
+        )
     else:
-        _make_idefics3(path, vision, *text, tile, text_extra)
+        _make_idefics3(path, vision, *text, tile, text_extra, tokenizer)
     return path
 
 
-def _make_llava_onevision(path, vision, text, tile, max_grid, aspect_ratio, text_extra):
+def _make_llava_onevision(path, vision, text, tile, max_grid, aspect_ratio, text_extra, kind):  # noqa: PLR0913
     from transformers import (
         LlavaOnevisionConfig,
         LlavaOnevisionForConditionalGeneration,
@@ -142,7 +190,7 @@ def _make_llava_onevision(path, vision, text, tile, max_grid, aspect_ratio, text
     )
 
     special = ["<image>", "<video>", "<|im_start|>", "<|im_end|>"]
-    tokenizer = word_tokenizer(special, "<|im_end|>")
+    tokenizer = make_tokenizer(kind, special, "<|im_end|>", text[0])
     grid = range(1, max_grid + 1)
     pinpoints = [[tile * i, tile * j] for i in grid for j in grid]
     config = LlavaOnevisionConfig(
@@ -169,7 +217,7 @@ def _make_llava_onevision(path, vision, text, tile, max_grid, aspect_ratio, text
     processor.save_pretrained(path)
 
 
-def _make_idefics3(path, vision, vocab, hidden, layers, heads, kv_heads, tile, text_extra):  # noqa: PLR0913
+def _make_idefics3(path, vision, vocab, hidden, layers, heads, kv_heads, tile, text_extra, kind):  # noqa: PLR0913
     from transformers import (
         Idefics3Config,
         Idefics3ForConditionalGeneration,
@@ -180,7 +228,7 @@ def _make_idefics3(path, vision, vocab, hidden, layers, heads, kv_heads, tile, t
     special = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
                "<|begin_of_text|>", *(f"<row_{i}_col_{j}>" for i in range(1, 7)
                                       for j in range(1, 7))]  # fmt: skip
-    tokenizer = word_tokenizer(special, "<end_of_utterance>")
+    tokenizer = make_tokenizer(kind, special, "<end_of_utterance>", vocab)
     scale = 2
     config = Idefics3Config(
         text_config=_text_config("llama", vocab, hidden, layers, heads, kv_heads, **text_extra),
@@ -333,3 +381,34 @@ def make_gemma3_checkpoint(
     )  # fmt: skip
     processor.save_pretrained(path)
     return path
+
+
+def to_bfloat16_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """A copy of the checkpoint at `src` stored in bfloat16, as real checkpoints ship:
+    every floating tensor rounded to bfloat16 and config.json's dtype (top level and
+    sub-configs) set to bfloat16. Tokenizer and processor files are copied as they are."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for file in src.iterdir():
+        if file.suffix == ".safetensors":
+            tensors = {
+                name: t.to(torch.bfloat16) if t.is_floating_point() else t
+                for name, t in load_file(file).items()
+            }
+            save_file(tensors, dst / file.name, metadata={"format": "pt"})
+        elif file.name == "config.json":
+            config = json.loads(file.read_text())
+            for part in (config, *(v for v in config.values() if isinstance(v, dict))):
+                for key in ("dtype", "torch_dtype"):
+                    if key in part:
+                        part[key] = "bfloat16"
+            config["dtype"] = "bfloat16"
+            (dst / file.name).write_text(json.dumps(config, indent=2))
+        elif file.is_file():
+            shutil.copy(file, dst / file.name)
+    return dst

@@ -1,0 +1,166 @@
+"""The whole engine in bfloat16 against transformers run in bfloat16 (eager attention) on
+bfloat16 copies of the random checkpoints, images included (on the default device:
+`benchmarks/gpu_check.py` runs this file with VLMSERVE_DEVICE=cuda, transformers staying
+on the CPU): bfloat16 is not token-exact
+with float32 (nor with transformers' own op order), so the test states its bounds on the
+logits of every generated position (transformers teacher-forced on our tokens).
+
+The bounds: the random models' logits are within about +-0.7, where a bfloat16 ulp is
+2^-8 = 0.0039; both sides round to bfloat16 after every op, in different orders and
+places (fused kernels round once), so the logits may differ by a few ulps: the bound is
+0.02 (measured on this CPU: 0.0039, top-1 agreement 100% on all three families). A kernel
+bug (a wrong element type, a dropped block, unrounded K/V) moves them by far more and
+flips the argmax. Top-1 must agree wherever transformers' own top two are further apart
+than twice the bound, and at 90% of all positions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.packed_linear import PackedLinear
+from scheduler.config import CacheConfig, SchedulerConfig
+from tests.helpers import chat
+from vlmserve.config import EngineConfig, ModelConfig
+from vlmserve.engine.core import Engine
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+from vlmserve.worker.models.random_checkpoint import to_bfloat16_checkpoint
+
+MAX_ABS_LOGIT_DIFF = 0.02  # the bound on |ours - transformers| over every position
+NUM_TOKENS = 16
+TEXT = "what colour is the star on the left"
+
+
+def engine_logits(  # noqa: PLR0913
+    path, family: str, images, text: str, max_tokens: int, dtype: str,
+    kv_cache_dtype: str = "auto", **model,
+):  # fmt: skip
+    """Greedy tokens and the float32 logits each was sampled from ([tokens, vocab])."""
+    engine = Engine(
+        EngineConfig(
+            ModelConfig(str(path), dtype=dtype, **model),
+            CacheConfig(num_blocks=128, block_size=16, kv_cache_dtype=kv_cache_dtype),
+            SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=4),
+        )
+    )
+    recorded: list[torch.Tensor] = []
+    run = engine.runner.run
+
+    def recording_run(inputs, previous=None):  # the real forward; its logits kept
+        logits = run(inputs, previous)
+        recorded.append(logits.float().clone())
+        return logits
+
+    engine.runner.run = recording_run
+    assert engine.runner.kv_caches[0].dtype == engine.runner.kv_dtype
+    cpu = engine.runner.device.type == "cpu"
+    if cpu and model.get("pack_weights", True) and torch.backends.mkldnn.is_available():
+        # the bf16 hot path really runs: packed oneDNN linears (and the skinny kernel)
+        assert isinstance(engine.runner.model.decoder.layers[0].mlp.down_proj, PackedLinear)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    request = (
+        chat(images, text, params) if family != "llama" else Request(prompt=text, sampling=params)
+    )
+    engine.add_request(request)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].finished
+    tokens = outputs[-1].token_ids
+    return tokens, torch.cat([r for r in recorded if r.shape[0]])[: len(tokens)]
+
+
+def hf_logits(path, family: str, images, text: str, tokens: list[int]) -> torch.Tensor:
+    """transformers in bfloat16 (eager attention), teacher-forced on `tokens`: the float32
+    logits at each generated position ([tokens, vocab])."""
+    import transformers as tf
+
+    cls = {
+        "llama": tf.AutoModelForCausalLM,
+        "llava_onevision": tf.LlavaOnevisionForConditionalGeneration,
+        "idefics3": tf.Idefics3ForConditionalGeneration,
+    }[family]
+    model = cls.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    if family == "llama":
+        inputs = dict(tf.AutoTokenizer.from_pretrained(path)(text, return_tensors="pt"))
+    else:
+        processor = tf.AutoProcessor.from_pretrained(path)
+        messages = [{"role": "user", "content": [{"type": "image"}] * len(images)
+                     + [{"type": "text", "text": text}]}]  # fmt: skip
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+        batch = [images] if family == "idefics3" else images
+        inputs = dict(processor(text=[prompt], images=batch, return_tensors="pt",
+                                add_special_tokens=False))  # fmt: skip
+    num_prompt = inputs["input_ids"].shape[1]
+    extra = torch.tensor([tokens[:-1]])
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], 1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
+    with torch.no_grad():
+        logits = model(**inputs).logits[0].float()
+    return logits[num_prompt - 1 : num_prompt - 1 + len(tokens)]
+
+
+@pytest.fixture(scope="module")
+def bf16_paths(llama_path, llava_ov_path, idefics3_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bf16")
+    sources = {"llama": llama_path, "llava_onevision": llava_ov_path, "idefics3": idefics3_path}
+    return {name: to_bfloat16_checkpoint(src, root / name) for name, src in sources.items()}
+
+
+def check_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape
+    diff = (ours - ref).abs().max().item()
+    assert diff <= MAX_ABS_LOGIT_DIFF, f"logits differ by {diff:.4f} > {MAX_ABS_LOGIT_DIFF}"
+    top2 = ref.topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * MAX_ABS_LOGIT_DIFF  # no near-tie at that position
+    agree = ours.argmax(-1) == ref.argmax(-1)
+    assert agree[clear].all(), f"top-1 differs at clear positions {(~agree & clear).nonzero()}"
+    assert agree.float().mean() >= 0.9, f"top-1 agreement {agree.float().mean():.2f}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "sizes"),
+    [("llama", []), ("llava_onevision", [(90, 50)]), ("idefics3", [(70, 45)])],
+)
+@pytest.mark.parametrize("eager", [False, True], ids=["fused-packed", "eager"])
+def test_bf16_engine_logits_match_transformers_in_bf16(family, sizes, eager, bf16_paths,
+                                                      random_image):  # fmt: skip
+    images = [random_image(i, w, h) for i, (w, h) in enumerate(sizes)]
+    path = bf16_paths[family]
+    tokens, ours = engine_logits(
+        path, family, images, TEXT, NUM_TOKENS, "bfloat16",
+        pack_weights=not eager, fused_ops=not eager,
+    )  # fmt: skip
+    assert len(tokens) == NUM_TOKENS
+    check_close(ours, hf_logits(path, family, images, TEXT, tokens))
+
+
+def test_auto_dtype_picks_bf16_for_a_bf16_checkpoint_only_on_native_bf16(bf16_paths, llama_path):
+    from kernels.cpu_build import native_bf16
+
+    assert ModelConfig(str(llama_path), device="cpu").torch_dtype == torch.float32
+    want = torch.bfloat16 if native_bf16() else torch.float32
+    assert ModelConfig(str(bf16_paths["llama"]), device="cpu").torch_dtype == want
+    assert ModelConfig(str(bf16_paths["llama"]), device="cuda").torch_dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_a_bf16_kv_cache_under_float32_weights_stays_close_to_float32(llama_path):
+    """--kv-cache-dtype bfloat16 with float32 weights: K/V rounded once into the cache,
+    everything else float32: the logits stay within the bound of the float32 engine's (up
+    to the first position where the greedy tokens part, if any)."""
+    tokens, exact = engine_logits(
+        llama_path, "llama", [], TEXT, NUM_TOKENS, "float32", device="cpu"
+    )
+    got, ours = engine_logits(
+        llama_path, "llama", [], TEXT, NUM_TOKENS, "float32", kv_cache_dtype="bfloat16",
+        device="cpu",
+    )  # fmt: skip
+    same = next((i for i, (a, b) in enumerate(zip(tokens, got, strict=True)) if a != b), None)
+    upto = NUM_TOKENS if same is None else same + 1
+    assert (ours[:upto] - exact[:upto]).abs().max() <= MAX_ABS_LOGIT_DIFF

@@ -1,0 +1,130 @@
+"""Warm-up before serving: a few requests through the engine that meet the step shapes
+live traffic will, so the first real requests do not pay for them.
+
+On a CPU, oneDNN builds (JIT-compiles) a GEMM primitive the first time it meets a shape,
+the C++ kernels and the allocator meet their first buffers, and the vision tower its first
+tile batch: the first requests after start ran at about half speed until they had all been
+met (issue 29; vLLM spends its start-up warming and compiling). The warm-up runs, in this
+order, while time is left of `max_seconds` (a phase started is finished):
+- one prefill chunk of the full step budget (max_num_batched_tokens, at most 2,048 tokens
+  and the context);
+- decode batches of 1, 2, 4, ... up to max_num_seqs sequences (each bucket's prefill of
+  short prompts, then decode steps at that batch);
+- for a vision model, one small and one large image (the fewest and the most tiles).
+The outputs are thrown away; the KV blocks go back to the pool (as cached prefixes no
+real prompt shares) and the engine's counters include the warm-up's steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+from PIL import Image
+
+from vlmserve.config import EngineConfig
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SECONDS = 20.0
+_SHORT_PROMPT = 8  # tokens of each decode-bucket request (under a block: never cached)
+_MAX_CHUNK = 2048  # the prefill phase's cap (a larger budget's chunks: met live)
+_IMAGE_SIZES = ((48, 48), (1536, 1024))  # the fewest and (capped by the tiling) most tiles
+
+
+class Engine(Protocol):
+    """What the warm-up uses of the Engine (vlmserve/engine/core.py, which calls it: a
+    protocol here, not an import back)."""
+
+    config: EngineConfig
+    tokenizer: Any
+    eos_token_ids: Any
+    max_model_len: int
+    runner: Any
+    num_steps: int
+
+    def has_unfinished(self) -> bool: ...
+
+    def generate(self, requests: list[Request]) -> list: ...
+
+
+@dataclass
+class WarmupReport:
+    """What the warm-up ran: its phases, steps and seconds."""
+
+    seconds: float = 0.0
+    num_steps: int = 0
+    phases: list[str] = field(default_factory=list)
+    phase_seconds: list[float] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # out of time
+
+    def summary(self) -> str:
+        timed = zip(self.phases, self.phase_seconds, strict=True)
+        done = ", ".join(f"{name} {s:.1f} s" for name, s in timed) or "nothing"
+        left = f"; skipped (time bound): {', '.join(self.skipped)}" if self.skipped else ""
+        return f"warm-up done in {self.seconds:.1f} s, {self.num_steps} steps: {done}{left}"
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... below max_num_seqs, then max_num_seqs."""
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_num_seqs]
+
+
+def warm_up(engine: Engine, max_seconds: float = DEFAULT_MAX_SECONDS) -> WarmupReport:
+    """Run the phases (module doc) through `engine` while time is left; log and return
+    what ran. The engine must be idle."""
+    assert not engine.has_unfinished(), "warm up an idle engine"
+    report, start = WarmupReport(), time.perf_counter()
+    steps_before = engine.num_steps
+    for name, requests in _phases(engine):
+        if time.perf_counter() - start > max_seconds:
+            report.skipped.append(name)
+            continue
+        phase_start = time.perf_counter()
+        engine.generate(requests)
+        report.phases.append(name)
+        report.phase_seconds.append(time.perf_counter() - phase_start)
+    report.seconds = time.perf_counter() - start
+    report.num_steps = engine.num_steps - steps_before
+    log.info("%s", report.summary())
+    return report
+
+
+def _phases(engine: Engine) -> Iterator[tuple[str, list[Request]]]:
+    """(name, requests) per phase, built lazily (in phase order)."""
+    sched = engine.config.scheduler
+    ids = engine.tokenizer("describe the picture please", add_special_tokens=False).input_ids
+    ids = [i for i in ids if i not in engine.eos_token_ids] or [0]
+
+    def prompt(length: int) -> list[int]:
+        return (ids * (length // len(ids) + 1))[:length]
+
+    def params(tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    chunk = min(sched.max_num_batched_tokens, engine.max_model_len - 4, _MAX_CHUNK)
+    yield f"prefill {chunk}", [Request(prompt_token_ids=prompt(chunk), sampling=params(2))]
+    for b in decode_buckets(sched.max_num_seqs):
+        yield (
+            f"decode x{b}",
+            [Request(prompt_token_ids=prompt(_SHORT_PROMPT), sampling=params(4)) for i in range(b)],
+        )
+    if engine.runner.model.vision is None:
+        return
+    rng = np.random.default_rng(0)
+    for width, height in _IMAGE_SIZES:
+        pixels = rng.integers(1, 255, (height, width, 3), dtype=np.uint8)
+        content = [{"type": "image", "image": Image.fromarray(pixels)},
+                   {"type": "text", "text": "describe"}]  # fmt: skip
+        request = Request(messages=[{"role": "user", "content": content}], sampling=params(2))
+        yield f"image {width}x{height}", [request]
