@@ -39,12 +39,23 @@ MODULES = _project_modules()
 
 def _imported_names(path: Path) -> list[str]:
     """Every dotted name an `import` in the file reaches (relative ones resolved); for
-    `from pkg import name`, `pkg.name` where that is a module, else `pkg`."""
+    `from pkg import name`, `pkg.name` where that is a module, else `pkg`. Imports under
+    `if TYPE_CHECKING:` are left out: they never run (annotations only), so they neither
+    load a module nor close a cycle; every other import counts, function-level ones too."""
     tree = ast.parse(path.read_text(), filename=str(path))
     this = _module_name(path)
     is_package = path.name == "__init__.py"
+    type_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
     names = []
     for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -180,3 +191,12 @@ def test_no_file_over_450_lines():
             if n_lines > MAX_LINES_PER_FILE:
                 long_files[str(path.relative_to(ROOT))] = n_lines
     assert not long_files
+
+
+def test_type_checking_imports_are_left_out_and_function_level_ones_count():
+    # core.py imports request_options at module level; request_options names Engine for
+    # its annotations only, under TYPE_CHECKING; the runner imports lazily in functions.
+    assert "vlmserve.engine.request_options" in _project_edges("vlmserve.engine.core")
+    assert "vlmserve.engine.core" not in _project_edges("vlmserve.engine.request_options")
+    assert "TYPE_CHECKING" in MODULES["vlmserve.engine.request_options"].read_text()
+    assert "vlmserve.sample.grammar" in _project_edges("vlmserve.engine.grammars")  # in a method

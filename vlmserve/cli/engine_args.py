@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
 
 from encoders.config import EncoderConfig
 from kernels.backends import BACKENDS
 from scheduler.config import CacheConfig, SchedulerConfig, SloConfig, SpeculativeConfig
+from vlmserve.cli.arg_types import device, int_at_least, positive_float, ttft_targets
 from vlmserve.cli.precision_args import add_dtype_arg, add_kv_cache_dtype_arg, add_warmup_arg
 from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
@@ -29,55 +29,6 @@ _SCHED = SchedulerConfig()
 _SPEC = SpeculativeConfig()
 _ENCODER = EncoderConfig()
 _PARALLEL = ParallelConfig()
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {minimum}"  # argparse names the type in its errors
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _ttft_targets(text: str) -> tuple[float, float]:
-    """`--slo-ttft-ms`: "MS" or "text=MS,image=MS" -> (text, image) seconds."""
-    parts = dict(p.split("=", 1) if "=" in p else ("", p) for p in text.split(","))
-    if set(parts) == {""}:
-        value = _positive_float(parts[""]) / 1e3
-        return value, value
-    if not set(parts) <= {"text", "image"} or not parts:
-        raise argparse.ArgumentTypeError(f"{text!r}: want MS or text=MS,image=MS")
-    text_s = _positive_float(parts["text"]) / 1e3 if "text" in parts else None
-    image_s = _positive_float(parts["image"]) / 1e3 if "image" in parts else None
-    if text_s is None or image_s is None:
-        raise argparse.ArgumentTypeError(f"{text!r}: give both text= and image= targets")
-    return text_s, image_s
-
-
-def _device(text: str) -> str:
-    import torch
-
-    try:
-        torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:1)") from None
-    return text
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -107,20 +58,20 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         help="checkpoint folder (default: the embedded model trained on generated scenes)",
     )
     group.add_argument(
-        "--device", type=_device, default=None, help="cpu, cuda (default: $VLMSERVE_DEVICE)"
+        "--device", type=device, default=None, help="cpu, cuda (default: $VLMSERVE_DEVICE)"
     )
     add_dtype_arg(group)
     group.add_argument(
-        "--max-model-len", type=_int_at_least(2), default=None, help="default: the checkpoint's"
+        "--max-model-len", type=int_at_least(2), default=None, help="default: the checkpoint's"
     )
     group.add_argument(
         "--max-images-per-request",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=_MODEL["max_images_per_request"],
     )
     group.add_argument(
         "--tensor-parallel-size",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=_PARALLEL.tensor_parallel_size,
         metavar="N",
         help="split the decoder's heads and MLP over N ranks, one process each (gloo on "
@@ -165,7 +116,7 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
 def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--kv-cache-mb",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=_CACHE.memory_bytes >> 20,
         metavar="MB",
         help=f"KV pool budget on CPU (default: {_CACHE.memory_bytes >> 20}); the pool is "
@@ -174,19 +125,19 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--num-kv-blocks",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         metavar="N",
         help="KV pool size in blocks (overrides the sizing above)",
     )
     group.add_argument(
-        "--block-size", type=_int_at_least(1), default=_CACHE.block_size, help="a power of two"
+        "--block-size", type=int_at_least(1), default=_CACHE.block_size, help="a power of two"
     )
     add_kv_cache_dtype_arg(group)
     group.add_argument(
-        "--max-num-batched-tokens", type=_int_at_least(1), default=_SCHED.max_num_batched_tokens
+        "--max-num-batched-tokens", type=int_at_least(1), default=_SCHED.max_num_batched_tokens
     )
-    group.add_argument("--max-num-seqs", type=_int_at_least(1), default=_SCHED.max_num_seqs)
+    group.add_argument("--max-num-seqs", type=int_at_least(1), default=_SCHED.max_num_seqs)
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument(
         "--no-chunked-prefill",
@@ -204,21 +155,21 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--max-wait-steps",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=sched.max_wait_steps,
         help=f"aging bound: a request waits at most this many steps behind later arrivals "
         f"(default: {sched.max_wait_steps})",
     )
     group.add_argument(
         "--encoder-tiles-per-step",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=sched.encoder_tiles_per_step,
         help=f"vision-tower tiles encoded per step, 0 = unlimited (default: "
         f"{sched.encoder_tiles_per_step}; an image bigger than this goes alone)",
     )
     group.add_argument(
         "--decode-reserve-tokens",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=sched.decode_reserve_tokens,
         help=f"decode growth reserved per request at admission: min(max_tokens, this) "
         f"(default: {sched.decode_reserve_tokens})",
@@ -232,7 +183,7 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--lump-prefill-tokens",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=sched.lump_prefill_tokens_per_step,
         metavar="N",
         help=f"prefill tokens a step gives requests with tower work or long prefills, 0 = "
@@ -249,7 +200,7 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--slo-ttft-ms",
-        type=_ttft_targets,
+        type=ttft_targets,
         default=None,
         metavar="MS|text=MS,image=MS",
         help="time-to-first-token target (lumpy admission orders waiting requests by slack "
@@ -258,7 +209,7 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--slo-tpot-ms",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="MS",
         help="time-per-output-token target: a step carrying decodes admits only the prefill "
@@ -276,7 +227,7 @@ def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
     spec = _SPEC
     group.add_argument(
         "--speculative-tokens",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=spec.num_speculative_tokens,
         metavar="N",
         help="draft up to N tokens per sequence per step from the sequence's own n-grams, "
@@ -292,14 +243,14 @@ def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--speculative-ngram-min",
         metavar="N",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=spec.min_n,
         help=f"shortest suffix the proposer matches (default: {spec.min_n})",
     )
     group.add_argument(
         "--speculative-ngram-max",
         metavar="N",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=spec.max_n,
         help=f"longest suffix the proposer matches (default: {spec.max_n})",
     )
@@ -308,7 +259,7 @@ def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
 def _add_encoder_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--preprocess-workers",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=_ENCODER.num_workers,
         metavar="N",
         help="image decode/tile worker processes; 0 decodes in the calling thread "
@@ -317,21 +268,21 @@ def _add_encoder_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--preprocess-max-pending",
         metavar="N",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=_ENCODER.max_pending,
         help=f"images queued or in flight before submitters wait (default: {_ENCODER.max_pending})",
     )
     group.add_argument(
         "--preprocess-timeout",
         metavar="S",
-        type=_positive_float,
+        type=positive_float,
         default=_ENCODER.submit_timeout_s,
         help="seconds a request waits for room in the pool before it fails "
         f"(default: {_ENCODER.submit_timeout_s:g})",
     )
     group.add_argument(
         "--encoder-cache-mb",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=_ENCODER.cache_bytes >> 20,
         metavar="MB",
         help="encoder-output cache budget, repeated images skip the vision tower; 0 turns "
@@ -340,14 +291,14 @@ def _add_encoder_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--max-image-pixels",
         metavar="N",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=_ENCODER.max_pixels,
         help=f"decompression-bomb cap, checked from the header (default: {_ENCODER.max_pixels})",
     )
     group.add_argument(
         "--max-decode-pixels",
         metavar="N",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=_ENCODER.max_decode_pixels,
         help="pixels being decoded at once, process-wide; an image waits for room up to "
         "--preprocess-timeout, then fails with a retryable 503 (default: 2 x --max-image-pixels)",

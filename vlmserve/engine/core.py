@@ -25,10 +25,8 @@ import itertools
 import logging
 import time
 from concurrent import futures
-from dataclasses import dataclass
 
 from encoders.errors import PromptTooLongError, RequestError
-from scheduler.in_flight import LaunchedStep
 from scheduler.planner import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.spans import image_spans
@@ -38,6 +36,7 @@ from search.costmodel.cost_model import spec_speedup
 from vlmserve.config import EngineConfig
 from vlmserve.engine.detokenizer import IncrementalDetokenizer
 from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, run_step
+from vlmserve.engine.grammars import LazyGrammars
 from vlmserve.engine.image_wait import pending_images, poll_grammars, poll_images, wait_for_images
 from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
 from vlmserve.engine.request_options import (
@@ -48,40 +47,17 @@ from vlmserve.engine.request_options import (
     take_logprobs,
     take_prompt_logprobs,
 )
+from vlmserve.engine.request_state import InFlightStep, Kept, RequestState, samplers_of
 from vlmserve.engine.stats import engine_stats
 from vlmserve.engine.step_cost import OnlineStepCost
 from vlmserve.engine.warmup import warm_up
 from vlmserve.inputs.processing import Request, check_prompt_chars, eos_token_ids
 from vlmserve.inputs.prompt_processor import make_prompt_processor
-from vlmserve.sample.params import SamplerState, SamplingParams
-from vlmserve.sample.structured import LazyGrammars
+from vlmserve.sample.params import SamplingParams
 from vlmserve.sample.verify import ridge_batch_for
 from vlmserve.worker.parallel.executor import make_runner
 
 log = logging.getLogger(__name__)
-
-_Kept = dict[str, tuple[list[int], FinishReason | None]]  # request id -> (tokens, why it ended)
-
-
-@dataclass
-class _State:
-    seq: Sequence
-    params: SamplingParams
-    sampler: SamplerState
-    max_tokens: int
-    output: RequestOutput
-    detokenizer: IncrementalDetokenizer
-    stop_token_ids: frozenset[int]  # its own and, unless ignore_eos, the model's EOS ids
-    works: list[object]  # its images' encoder records (the runner has them too)
-
-
-@dataclass(frozen=True)
-class _InFlight:
-    """A step launched on the forward thread whose output the engine has not taken."""
-
-    step: LaunchedStep
-    states: list[_State]  # per plan item
-    future: futures.Future[Sampled]
 
 
 class Engine:
@@ -110,7 +86,7 @@ class Engine:
             step_cost=self.step_cost, clock=time.monotonic,
         )  # fmt: skip
         self.eos_token_ids = eos_token_ids(config.model.path, model.config, self.tokenizer)
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run (cache misses)
@@ -119,7 +95,7 @@ class Engine:
         # step before emitted, so a speculating engine waits for them.
         self.async_scheduling = config.scheduler.async_scheduling and not config.speculative.enabled
         self._forward = ForwardThread(self.runner, self.times) if self.async_scheduling else None
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlightStep | None = None
         vocab = model.decoder.cfg.vocab_size  # structured outputs: made on the first one
         self.grammars = LazyGrammars(self._detok_tokenizer, vocab, self.eos_token_ids, config)
         self.peak_used_blocks = 0
@@ -189,7 +165,7 @@ class Engine:
         )
         sampler = make_sampler(params, prompt.token_ids, stops, self._detok_tokenizer)
         sampler.grammar = request.grammar
-        state = _State(
+        state = RequestState(
             seq, params, sampler, request.max_tokens, output, detokenizer, stops, prompt.works
         )
         self._states[request_id] = state
@@ -239,7 +215,7 @@ class Engine:
         try:
             wants, prompt_samplers = prompt_logit_requests(plan, self._states)
             inputs = self.runner.prepare(plan, None, wants)
-            samplers = _samplers(plan, states)
+            samplers = samplers_of(plan, states)
             sampled = run_step(
                 self.runner, self.times, inputs, plan.scheduled, samplers, None, prompt_samplers
             )
@@ -287,7 +263,7 @@ class Engine:
         ]
         return self._without(plan, {out.request_id for out in failed}), failed
 
-    def _launch(self, plan: StepPlan, previous: _InFlight | None) -> _InFlight:
+    def _launch(self, plan: StepPlan, previous: InFlightStep | None) -> InFlightStep:
         """Build `plan`'s inputs, count it as run (`advance`) and queue it on the forward
         thread. Its decodes of tokens `previous` is still sampling take them from its
         output there."""
@@ -301,13 +277,13 @@ class Engine:
         try:
             wants, prompt_samplers = prompt_logit_requests(plan, self._states)
             inputs = self.runner.prepare(plan, in_flight, wants)
-            samplers, before = _samplers(plan, states), previous.future if previous else None
+            samplers, before = samplers_of(plan, states), previous.future if previous else None
             future = self._forward.submit(inputs, plan.scheduled, samplers, before, prompt_samplers)
         except Exception as e:  # noqa: BLE001 - as the forward raising: fails when taken
             future.set_exception(e)
-        return _InFlight(self.scheduler.launch(plan), states, future)
+        return InFlightStep(self.scheduler.launch(plan), states, future)
 
-    def _collect(self, flight: _InFlight | None) -> list[RequestOutput]:
+    def _collect(self, flight: InFlightStep | None) -> list[RequestOutput]:
         """Wait for `flight`'s output and take it like a synchronous step's. Requests that
         finished since it was launched are skipped: their extra token is never emitted."""
         if flight is None:
@@ -327,10 +303,12 @@ class Engine:
         self.num_steps += 1
         return failed + self._emit(accepted)
 
-    def _take(self, states: list[_State], sampled: Sampled) -> tuple[_Kept, list[RequestOutput]]:
+    def _take(
+        self, states: list[RequestState], sampled: Sampled
+    ) -> tuple[Kept, list[RequestOutput]]:
         """The tokens each request keeps (cut at its stop) and the requests whose
         sampling failed (failed alone). Requests finished meanwhile are left out."""
-        accepted: _Kept = {}
+        accepted: Kept = {}
         failed = []
         for state, new in zip(states, sampled, strict=True):
             if state.seq.status == "finished":
@@ -346,7 +324,7 @@ class Engine:
                 take_logprobs(state.sampler, state.output, len(kept[0]))
         return accepted, failed
 
-    def _emit(self, accepted: _Kept) -> list[RequestOutput]:
+    def _emit(self, accepted: Kept) -> list[RequestOutput]:
         outputs = []
         for request_id, (tokens, reason) in accepted.items():
             state = self._states[request_id]
@@ -360,7 +338,7 @@ class Engine:
             outputs.append(out)
         return outputs
 
-    def _fail_step(self, states: list[_State], error: Exception) -> list[RequestOutput]:
+    def _fail_step(self, states: list[RequestState], error: Exception) -> list[RequestOutput]:
         """The forward failed: fail the step's requests (those not finished meanwhile)."""
         live = [state for state in states if state.seq.status != "finished"]
         log.error("forward pass failed; failing the %d requests in it", len(live), exc_info=error)
@@ -400,7 +378,7 @@ class Engine:
                 prompt_end = min(item.end, state.seq.num_prompt_tokens)
                 self.num_computed_prompt_tokens += max(0, prompt_end - item.num_computed_tokens)
 
-    def _accept(self, state: _State, new: list[int]) -> tuple[list[int], FinishReason | None]:
+    def _accept(self, state: RequestState, new: list[int]) -> tuple[list[int], FinishReason | None]:
         """`new` up to and including the first token that ends the request (a stop id, a
         completed stop string, max_tokens or the context), as plain decoding would stop:
         accepted drafts past it are dropped. Feeds the detokenizer token by token."""
@@ -416,7 +394,7 @@ class Engine:
                 return new[: i + 1], "length"
         return new, None
 
-    def _fail(self, state: _State, error: Exception) -> RequestOutput:
+    def _fail(self, state: RequestState, error: Exception) -> RequestOutput:
         """Finish `state` with `error`: a RequestError's message and status, or 500."""
         out = state.output
         if isinstance(error, RequestError):
@@ -432,7 +410,7 @@ class Engine:
         self._finish(state, "error")
         return out
 
-    def _finish(self, state: _State, reason: FinishReason) -> None:
+    def _finish(self, state: RequestState, reason: FinishReason) -> None:
         state.output.finished = True
         state.output.finish_reason = reason
         state.output.num_cached_tokens = state.seq.num_cached_tokens
@@ -465,8 +443,3 @@ class Engine:
         with `error` set; the others are unaffected. A request with n > 1 gives n outputs
         in a row (best_of: the n of highest cumulative logprob, best first)."""
         return generate_all(self, requests)
-
-
-def _samplers(plan: StepPlan, states: list[_State]) -> list[SamplerState]:
-    """One sampler per sampling item of `plan`, in plan order (`sample_plan`'s input)."""
-    return [s.sampler for s, item in zip(states, plan.scheduled, strict=True) if item.sample]

@@ -10,8 +10,7 @@ it with xgrammar (imported only once a constrained request arrives: it costs sec
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -101,28 +100,3 @@ class StructuredConfig:
             raise ValueError(f"num_compile_threads={self.num_compile_threads} must be >= 1")
         if self.cache_size < 1:
             raise ValueError(f"cache_size={self.cache_size} must be >= 1")
-
-
-class LazyGrammars:
-    """An engine's grammar compiler (`vlmserve.sample.grammar.Grammars`), made on the first
-    constrained request: xgrammar takes seconds to import, and engines that never see a
-    constraint never pay it. `get` is safe from any thread (preparer threads call it)."""
-
-    def __init__(
-        self, tokenizer: object, vocab_size: int, stop_token_ids: Iterable[int], config: object
-    ) -> None:
-        self._args = (tokenizer, vocab_size, stop_token_ids, config.structured)
-        self._lock = threading.Lock()
-        self._grammars = None
-
-    def get(self):  # -> vlmserve.sample.grammar.Grammars
-        with self._lock:
-            if self._grammars is None:
-                from vlmserve.sample.grammar import Grammars
-
-                self._grammars = Grammars(*self._args)
-            return self._grammars
-
-    def close(self) -> None:
-        if self._grammars is not None:
-            self._grammars.close()

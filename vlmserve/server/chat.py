@@ -116,7 +116,9 @@ async def build_messages(
     return converted
 
 
-class ChatHandler:
+class Handler:
+    """An endpoint's handler: the engine loop, the settings and metrics it serves with."""
+
     def __init__(self, loop: EngineLoop, settings: ChatSettings, metrics: ServerMetrics):
         self.loop, self.settings, self.metrics = loop, settings, metrics
         self._texts: TokenTexts | None = None
@@ -128,6 +130,8 @@ class ChatHandler:
             self._texts = TokenTexts(self.loop.engine.tokenizer)
         return self._texts
 
+
+class ChatHandler(Handler):
     async def __call__(self, body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         arrival = time.perf_counter()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

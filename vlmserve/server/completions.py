@@ -22,7 +22,7 @@ from scheduler.config import request_class
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
 from vlmserve.server.chat import (
-    ChatSettings,
+    Handler,
     _AbortingStream,
     _sse,
     _StreamState,
@@ -33,12 +33,10 @@ from vlmserve.server.chat import (
 )
 from vlmserve.server.choices import Choice, Choices, fan_out, stream_items
 from vlmserve.server.constraints import structured_of
-from vlmserve.server.engine_loop import EngineLoop, Failed
-from vlmserve.server.metrics import ServerMetrics
+from vlmserve.server.engine_loop import Failed
 from vlmserve.server.protocol import StreamOptions, error_body, make_usage
 from vlmserve.server.sampling_fields import (
     SamplingFields,
-    TokenTexts,
     completion_logprobs,
     vllm_logprobs,
 )
@@ -120,17 +118,7 @@ class CompletionRequest(SamplingFields):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionHandler:
-    def __init__(self, loop: EngineLoop, settings: ChatSettings, metrics: ServerMetrics):
-        self.loop, self.settings, self.metrics = loop, settings, metrics
-        self._texts: TokenTexts | None = None
-
-    @property
-    def texts(self) -> TokenTexts:
-        if self._texts is None:
-            self._texts = TokenTexts(self.loop.engine.tokenizer)
-        return self._texts
-
+class CompletionHandler(Handler):
     async def __call__(self, body: CompletionRequest, http: HTTPRequest) -> Response:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         track = _Tracker(time.perf_counter(), self.metrics, request_class(0))  # text only
