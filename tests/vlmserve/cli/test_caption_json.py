@@ -7,8 +7,10 @@ import json
 
 import pytest
 
-jsonschema = pytest.importorskip("jsonschema")  # the tests' validator: skip where missing
+pytest.importorskip("jsonschema")  # the tests' validator: skip where missing
 pytest.importorskip("xgrammar")  # the structured outputs themselves
+
+import jsonschema
 
 from vlmserve.cli.main import main
 from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint
