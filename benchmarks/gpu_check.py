@@ -12,17 +12,25 @@
 4. a short table, printed last.
 
 Each part runs on its own: a failing part prints its error and the rest still run (this
-script's first GPU run is the first time any of it runs on a device).
+script's first GPU run is the first time any of it runs on a device). `--part NAME --save
+DIR` runs one part and saves its result, `--summary DIR` prints the table of the saved
+ones: benchmarks/device/run.sh runs each part so, in its own process under its own
+timeout, with its output in a log of its own.
 
     python -m benchmarks.gpu_check
+    python -m benchmarks.gpu_check --part kernels --save /tmp/parts && \
+        python -m benchmarks.gpu_check --summary /tmp/parts
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -39,9 +47,10 @@ def part(name: str, fn, failures: list[str]):
         return None
 
 
-def gpu_tests() -> int:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"]
-    return subprocess.run(cmd, timeout=240).returncode
+def gpu_tests(timeout_s: float = 240) -> int:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider",
+           "-rfEs", "--durations=10"]  # fmt: skip
+    return subprocess.run(cmd, timeout=timeout_s).returncode
 
 
 def bf16_check() -> int:
@@ -74,57 +83,139 @@ def kernels() -> dict:
     return kernels_main(["--device", "cuda", "--dtype", "bfloat16", *MODEL])
 
 
-def main() -> int:
+def nanobatch() -> dict:
+    """Issue 15: benchmarks/engine/nanobatch.py on the GPU, a ~1.07B-parameter bf16 random Llama
+    at a dense batch of 256 decodes (target >= 1.1x over sequential)."""
+    from benchmarks.engine.nanobatch import main as nanobatch_main
+
+    return nanobatch_main(
+        [
+            "--device", "cuda", "--layers", "20", "--hidden", "2048", "--heads", "16",
+            "--kv-heads", "8", "--intermediate", "5632", "--vocab", "32000", "--batch", "256",
+            "--prompt", "512", "--output", "33", "--name", "nanobatch_gpu",
+        ]
+    )  # fmt: skip
+
+
+PARTS = {"tests": gpu_tests, "bf16": bf16_check, "offline": offline, "kernels": kernels,
+         "nanobatch": nanobatch}  # fmt: skip
+
+
+def summary(results: dict[str, object], failures: list[str], gpu: str) -> list[str]:
+    """The closing table: one line per figure of each part that produced one (a result
+    this cannot read is named, not raised: the logs beside it still stand)."""
+    lines = ["=== gpu_check summary ===", f"gpu                  {gpu}"]
+    tests = results.get("tests")
+    lines.append("gpu tests            " + ("passed" if tests == 0 else f"FAILED ({tests})"))
+    if "bf16" in results or "bf16" in " ".join(failures):
+        bf16 = results.get("bf16")
+        lines.append("bf16 accuracy        " + ("passed" if bf16 == 0 else f"FAILED ({bf16})"))
+    for name, fn in (("offline", _offline_lines), ("kernels", _kernel_lines),
+                     ("nanobatch", _nanobatch_lines)):  # fmt: skip
+        if results.get(name) is not None:
+            try:
+                lines += fn(results[name])
+            except (KeyError, TypeError, ValueError) as e:
+                lines.append(f"{name:<20} unreadable result: {type(e).__name__}: {e}")
+    lines.append(f"failed parts         {', '.join(failures) or 'none'}")
+    return lines
+
+
+def _offline_lines(result: dict) -> list[str]:
+    lines = [f"{name[:20]:<20} {row['output_tok_per_s']:,.0f} output tok/s"
+             for name, row in {r["system"]: r for r in result["rows"]}.items()]  # fmt: skip
+    speedup = result["speedup_vs_transformers"]
+    lines.append(f"speed-up             {speedup:.2f}x" if speedup else "speed-up             n/a")
+    fraction = result["engine_roofline"]["roofline_fraction"]
+    return lines + [f"roofline fraction    {fraction:.1%}"]
+
+
+def _kernel_lines(kern: dict) -> list[str]:
+    lines = [f"copy bandwidth       {kern['copy_gbps']:.0f} GB/s"]
+    for r in kern["attention"]:
+        share = f"{r['copy_fraction']:.0%}" if r.get("copy_fraction") else "n/a"
+        lines.append(f"attn {r['context']:>5} x {r['batch']:<3} {r['backend']:<10} {share} of copy")
+    for r in kern.get("decode_batch1", []):
+        if "error" in r:
+            lines.append(f"decode b1 {r['config']:<22} FAILED: {r['error'][:60]}")
+        else:
+            lines.append(f"decode b1 {r['config']:<22} {r['ms_per_step']:.2f} ms/step, "
+                         f"{r['bound_fraction']:.0%} of the bandwidth bound")  # fmt: skip
+    return lines
+
+
+def _nanobatch_lines(nano: dict) -> list[str]:
+    return [f"nano-batch           {nano['nano_over_plain']:.2f}x sequential"]
+
+
+def saved_results(folder: Path) -> tuple[dict[str, object], list[str]]:
+    """The parts `--save` wrote to `folder`; a part with no file (killed by its timeout, or
+    its process died) counts as failed."""
+    results, failures = {}, []
+    for name in PARTS:
+        path = folder / f"{name}.json"
+        if not path.exists():
+            failures.append(f"{name} (no result: see its log)")
+            continue
+        saved = json.loads(path.read_text())
+        results[name] = saved["result"]
+        if saved["failed"]:
+            failures.append(name)
+    return results, failures
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--part",
+        action="append",
+        choices=list(PARTS),
+        help="run only this part (repeatable; default: all, then the summary)",
+    )
+    p.add_argument(
+        "--save", type=Path, metavar="DIR", help="write each part's result to DIR/<part>.json"
+    )
+    p.add_argument(
+        "--summary",
+        type=Path,
+        metavar="DIR",
+        help="print the summary of the results saved in DIR and write "
+        "DIR/gpu_check.json; runs nothing",
+    )
+    p.add_argument("--tests-timeout-s", type=float, default=240)  # fmt: skip
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.summary is not None:
+        results, failures = saved_results(args.summary)
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none visible"
+        print("\n".join(summary(results, failures, gpu)))
+        combined = {"gpu": gpu, "failures": failures, "parts": results}
+        (args.summary / "gpu_check.json").write_text(json.dumps(combined, indent=2, default=str))
+        return 1 if failures or results.get("tests") != 0 or results.get("bf16", 0) != 0 else 0
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; nothing to check", file=sys.stderr)
         return 2
     start = time.perf_counter()
     failures: list[str] = []
-    tests = part("gpu tests", gpu_tests, failures)
-    bf16 = part("bf16 vs transformers bf16", bf16_check, failures)
-    result = part("offline throughput", offline, failures)
-    kern = part("kernels", kernels, failures)
-    print("\n=== gpu_check summary ===")
-    print(f"gpu                  {torch.cuda.get_device_name(0)}")
-    print(f"gpu tests            {'passed' if tests == 0 else f'FAILED ({tests})'}")
-    print(f"bf16 accuracy        {'passed' if bf16 == 0 else f'FAILED ({bf16})'}")
-    if result is not None:
-        for name, row in {r["system"]: r for r in result["rows"]}.items():
-            print(f"{name[:20]:<20} {row['output_tok_per_s']:,.0f} output tok/s")
-        speedup = result["speedup_vs_transformers"]
-        print(f"speed-up             {speedup:.2f}x" if speedup else "speed-up             n/a")
-        print(f"roofline fraction    {result['engine_roofline']['roofline_fraction']:.1%}")
-    if kern is not None:
-        print(f"copy bandwidth       {kern['copy_gbps']:.0f} GB/s")
-        for r in kern["attention"]:
-            share = f"{r['copy_fraction']:.0%}" if r.get("copy_fraction") else "n/a"
-            print(f"attn {r['context']:>5} x {r['batch']:<3} {r['backend']:<10} {share} of copy")
-        for r in kern.get("decode_batch1", []):
-            if "error" in r:
-                print(f"decode b1 {r['config']:<22} FAILED: {r['error'][:60]}")
-            else:
-                print(f"decode b1 {r['config']:<22} {r['ms_per_step']:.2f} ms/step, "
-                      f"{r['bound_fraction']:.0%} of the bandwidth bound")  # fmt: skip
-    nanobatch_gpu()
-    print(f"failed parts         {', '.join(failures) or 'none'}")
+    results: dict[str, object] = {}
+    run = {**PARTS, "tests": lambda: gpu_tests(args.tests_timeout_s)}
+    for name in args.part or list(PARTS):
+        part_start = time.perf_counter()
+        results[name] = part(name, run[name], failures)
+        if args.save is not None:
+            args.save.mkdir(parents=True, exist_ok=True)
+            saved = {"result": results[name], "failed": name in failures,
+                     "seconds": time.perf_counter() - part_start}  # fmt: skip
+            (args.save / f"{name}.json").write_text(json.dumps(saved, default=str))
+    if args.part:  # one part of run.sh's sequence: its summary comes from --summary
+        return 1 if failures or results.get("tests", 0) != 0 or results.get("bf16", 0) != 0 else 0
+    print()
+    print("\n".join(summary(results, failures, torch.cuda.get_device_name(0))))
     print(f"wall time            {time.perf_counter() - start:.0f}s")
-    return 1 if failures or tests != 0 or bf16 != 0 else 0
-
-
-def nanobatch_gpu() -> None:
-    """Issue 15: benchmarks/engine/nanobatch.py on the GPU, a ~1.07B-parameter bf16 random Llama
-    at a dense batch of 256 decodes (target >= 1.1x over sequential); skipped on any
-    failure so the rest of the check stands."""
-    try:
-        from benchmarks.engine.nanobatch import main as nanobatch
-
-        r = nanobatch(["--device", "cuda", "--layers", "20", "--hidden", "2048", "--heads",
-                       "16", "--kv-heads", "8", "--intermediate", "5632", "--vocab", "32000",
-                       "--batch", "256", "--prompt", "512", "--output", "33",
-                       "--name", "nanobatch_gpu"])  # fmt: skip
-        print(f"nano-batch           {r['nano_over_plain']:.2f}x sequential")
-    except Exception as e:  # noqa: BLE001 - report and go on
-        print(f"nano-batch           skipped: {type(e).__name__}: {e}")
+    return 1 if failures or results.get("tests") != 0 or results.get("bf16", 0) != 0 else 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ and span paths are written to FlashInfer's documented `plan` arguments, not run 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,39 @@ def available(device: torch.device, dtype: torch.dtype | None = None) -> str | N
         return f"FlashInfer runs float16 / bfloat16, not {dtype}"
     if importlib.util.find_spec("flashinfer") is None:
         return "flashinfer is not installed (pip install 'vlmserve[gpu]')"
+    return None
+
+
+# The parameters `_plan` passes by position, in order (FlashInfer 0.5.3 to 0.7.4 take them
+# so); the rest go by keyword.
+DECODE_PLAN_ARGS = ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads",
+                    "head_dim", "page_size")  # fmt: skip
+PREFILL_PLAN_ARGS = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices",
+                     "paged_kv_last_page_len", "num_qo_heads", "num_kv_heads", "head_dim_qk",
+                     "page_size")  # fmt: skip
+PLAN_KEYWORDS = ("sm_scale", "q_data_type", "kv_data_type")
+
+
+def api_mismatch(flashinfer) -> str | None:
+    """None when the installed `flashinfer` module's wrappers take the calls this backend
+    makes (checked on the host, before any kernel is built); otherwise what differs."""
+    checks = [
+        ("BatchDecodeWithPagedKVCacheWrapper", DECODE_PLAN_ARGS, PLAN_KEYWORDS),
+        ("BatchPrefillWithPagedKVCacheWrapper", PREFILL_PLAN_ARGS, (*PLAN_KEYWORDS, "causal")),
+    ]
+    for name, positional, keywords in checks:
+        wrapper = getattr(flashinfer, name)
+        params = list(inspect.signature(wrapper.plan).parameters.values())[1:]  # past self
+        names = tuple(p.name for p in params[: len(positional)])
+        if names != positional:
+            return f"{name}.plan takes {names}, not {positional}"
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            missing = set(keywords) - {p.name for p in params}
+            if missing:
+                return f"{name}.plan has no {sorted(missing)}"
+        run = list(inspect.signature(wrapper.run).parameters)[1:3]
+        if run != ["q", "paged_kv_cache"]:
+            return f"{name}.run takes {run}, not (q, paged_kv_cache)"
     return None
 
 

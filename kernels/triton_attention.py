@@ -40,6 +40,9 @@ from kernels.triton_ops import rope_and_cache_write
 # own language functions (tl.sum, ...) must have been decorated under it too.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 LATE = INTERPRETED and isinstance(tl.sum, triton.runtime.JITFunction)
+# Triton before 3.7 interprets `range(0, bound)` with a computed bound as int() of a
+# 1-element array, which numpy refuses; compiled kernels (CUDA) are not affected.
+OLD_INTERPRETER = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
 # Decode splits: at least this many context tokens per split, and enough splits to give a
 # GPU about this many programs (two waves on an H100/H200's 132 SMs).
 MIN_SPLIT_TOKENS = 256
@@ -52,6 +55,9 @@ def available(device: torch.device) -> str | None:
         return None
     if device.type == "cpu" and LATE:
         return "TRITON_INTERPRET=1 was set after triton was imported: set it before start"
+    if device.type == "cpu" and INTERPRETED and OLD_INTERPRETER:
+        return (f"Triton {triton.__version__}'s interpreter cannot index with a scalar block "
+                "(the kernels' loop bounds; fixed in 3.7): on a CPU use triton >= 3.7")  # fmt: skip
     if device.type == "cpu" and INTERPRETED:
         return None
     return f"Triton kernels run on CUDA, or on a CPU under TRITON_INTERPRET=1 (not {device})"

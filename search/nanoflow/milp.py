@@ -30,7 +30,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from itertools import combinations
 
-import pulp
+try:
+    import pulp
+except ModuleNotFoundError:  # only the solves need it: the CLI and engine import this module
+    pulp = None
 
 from search.nanoflow.nano_schedule import (
     Nano,
@@ -75,6 +78,11 @@ def split_groups(op_names: Iterable[str]) -> dict[str, str]:
     return {o: FUSED_INTO[o] if FUSED_INTO.get(o) in names else o for o in names}
 
 
+def _require_pulp() -> None:
+    if pulp is None:
+        raise ModuleNotFoundError("the NanoFlow MILP search needs pulp: pip install pulp")
+
+
 def _cbc(time_limit_s: float, warm: bool = False) -> pulp.LpSolver:
     # One thread: the search shares the host with the engine (and CI with other jobs).
     with warnings.catch_warnings():
@@ -104,6 +112,7 @@ def solve_stage1(
     run (NanoFlow's pipeline: KQV of layer l + 1 behind the all-reduce of layer l), and a
     resource runs one nano-operation at a time across layers: modulo the period. At most
     two layers are in flight (makespan <= 2 periods)."""
+    _require_pulp()
     g = profiles.granularity
     if dense_batch % g or not g <= dense_batch <= profiles.max_tokens:
         raise ValueError(f"dense batch {dense_batch} is not a profiled multiple of {g}")

@@ -11,16 +11,16 @@ from __future__ import annotations
 from dataclasses import replace
 from itertools import combinations
 
-import pulp
-
-from search.nanoflow.milp import (
+from search.nanoflow.milp import (  # pulp: None where it is not installed (see milp.py)
     MIN_SHARE,
     SHARE_GRID,
     StageResult,
     _layer_edges,
+    _require_pulp,
     _solve,
     lap_of,
     periodic_asap,
+    pulp,
 )
 from search.nanoflow.nano_schedule import (
     Nano,
@@ -44,6 +44,7 @@ def solve_stage2(
 ) -> StageResult:
     """Shares R and interference-adjusted times for Stage I's nano-operations (a cyclic
     Stage I gets a cyclic Stage II: see `_solve_stage2_cyclic`)."""
+    _require_pulp()
     if stage1.period_us is not None:
         return _solve_stage2_cyclic(stage1, profiles, time_limit_s)
     nanos = list(stage1.nanos)

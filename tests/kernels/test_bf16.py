@@ -31,10 +31,29 @@ def within(out: torch.Tensor, exact: torch.Tensor, roundings: float, floor: floa
     assert excess.max() <= 0, f"max error past the bound: {excess.max().item():.3g}"
 
 
-needs_fused = pytest.mark.skipif(fused_ops.available() is not None, reason="no fused kernels")
-needs_skinny = pytest.mark.skipif(
-    packed_linear.skinny_available() is not None, reason="no skinny kernel"
-)
+# The C++ kernels build on first use: checked when a test needs them, never at collection
+# (a GPU machine's `pytest -m gpu` would build them all for nothing).
+@pytest.fixture
+def fused_kernels():
+    if fused_ops.available() is not None:
+        pytest.skip("no fused kernels")
+
+
+@pytest.fixture
+def skinny_kernel():
+    if packed_linear.skinny_available() is not None:
+        pytest.skip("no skinny kernel")
+
+
+@pytest.fixture
+def attention_kernels():
+    if cpu_attention.available() is not None or cpu_attention.prefill_available() is not None:
+        pytest.skip("the CPU attention kernels did not build")
+
+
+needs_fused = pytest.mark.usefixtures("fused_kernels")
+needs_skinny = pytest.mark.usefixtures("skinny_kernel")
+needs_attention = pytest.mark.usefixtures("attention_kernels")
 
 
 @needs_fused
@@ -130,10 +149,6 @@ def test_packed_linear_bf16_layers_match_float32_on_the_same_weights():
         assert ((added - want).abs() <= bound + 2 * HALF_ULP * want.abs()).all()
 
 
-needs_attention = pytest.mark.skipif(
-    cpu_attention.available() is not None or cpu_attention.prefill_available() is not None,
-    reason="the CPU attention kernels did not build",
-)
 SHAPES = [(0, 40), (70, 25), (5, 100), (33, 1), (120, 1), (16, 3)]  # prefills, decodes
 
 

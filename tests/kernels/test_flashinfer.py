@@ -6,6 +6,8 @@ a wrong indptr, block list or last-page length fails here before any GPU sees it
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,6 +76,105 @@ def test_flashinfer_is_gpu_only_and_16_bit():
     why = flashinfer_attention.available(torch.device("cuda"), torch.float32)
     assert why is not None and "float16" in why
     assert select_backend(torch.device("cpu")).name in ("cpu", "torch")  # never auto on CPU
+
+
+def fake_flashinfer(decode_plan, prefill_plan):
+    """A module with FlashInfer's two wrapper names whose `plan`s have the given bodies'
+    signatures (and FlashInfer's `run(q, paged_kv_cache)`)."""
+
+    def wrapper(plan):
+        return type("Wrapper", (), {"plan": plan, "run": lambda self, q, paged_kv_cache: q})
+
+    return SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=wrapper(decode_plan),
+        BatchPrefillWithPagedKVCacheWrapper=wrapper(prefill_plan),
+    )
+
+
+def test_api_check_takes_named_or_catch_all_keywords_and_names_a_difference():
+    def decode(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        q_data_type="float16",
+        kv_data_type=None,
+        sm_scale=None,
+    ): ...
+
+    def decode_kwargs(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        *deprecated,
+        **kwargs,
+    ): ...
+
+    def prefill(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        page_size,
+        head_dim_vo=None,
+        causal=False,
+        sm_scale=None,
+        q_data_type="float16",
+        kv_data_type=None,
+    ): ...
+
+    def prefill_swapped(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_kv_heads,
+        num_qo_heads,
+        head_dim_qk,
+        page_size,
+        **kwargs,
+    ): ...
+
+    def decode_no_scale(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        q_data_type="float16",
+        kv_data_type=None,
+    ): ...
+
+    assert flashinfer_attention.api_mismatch(fake_flashinfer(decode, prefill)) is None
+    assert flashinfer_attention.api_mismatch(fake_flashinfer(decode_kwargs, prefill)) is None
+    swapped = flashinfer_attention.api_mismatch(fake_flashinfer(decode, prefill_swapped))
+    assert "BatchPrefillWithPagedKVCacheWrapper" in swapped and "num_kv_heads" in swapped
+    no_scale = flashinfer_attention.api_mismatch(fake_flashinfer(decode_no_scale, prefill))
+    assert "sm_scale" in no_scale
+
+
+def test_installed_flashinfer_takes_the_backends_calls():
+    """Where FlashInfer is installed (the GPU device's bundle, `pip install .[gpu]`), its
+    wrappers take the calls `_plan` and `forward` make, on the host, before any build."""
+    flashinfer = pytest.importorskip("flashinfer")
+    assert flashinfer_attention.api_mismatch(flashinfer) is None
 
 
 @pytest.mark.gpu

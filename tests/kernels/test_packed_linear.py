@@ -69,12 +69,15 @@ def test_linear_add_adds_the_residual_and_leaves_it_alone(packed):
 
 # -- the skinny kernel and the plain-weight paths ---------------------------------------
 
-needs_skinny = pytest.mark.skipif(
-    skinny_available() is not None, reason=f"skinny kernel unavailable: {skinny_available()}"
-)
+
+@pytest.fixture
+def needs_skinny():
+    """The kernel builds on first use: when a test needs it, never at collection."""
+    if (why := skinny_available()) is not None:
+        pytest.skip(f"skinny kernel unavailable: {why}")
 
 
-@needs_skinny
+@pytest.mark.usefixtures("needs_skinny")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16])
 @pytest.mark.parametrize(("in_features", "out_features"), [(768, 130), (13, 7), (100, 1)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -93,7 +96,7 @@ def test_skinny_linear_matches_a_float64_reference(rows, in_features, out_featur
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=atol)
 
 
-@needs_skinny
+@pytest.mark.usefixtures("needs_skinny")
 def test_skinny_linear_takes_strided_rows_and_leading_dims():
     torch.manual_seed(2)
     weight = torch.randn(40, 64)
@@ -104,7 +107,7 @@ def test_skinny_linear_takes_strided_rows_and_leading_dims():
     torch.testing.assert_close(skinny_linear(x3, weight, None), x3 @ weight.T, rtol=1e-5, atol=1e-5)
 
 
-@needs_skinny
+@pytest.mark.usefixtures("needs_skinny")
 def test_skinny_linear_refuses_what_it_cannot_read():
     weight = torch.randn(8, 16)
     out = torch.empty(2, 8)
@@ -114,7 +117,7 @@ def test_skinny_linear_refuses_what_it_cannot_read():
         torch.ops.vlmserve_skinny.linear(out, torch.randn(2, 16).double(), weight, None)
 
 
-@needs_skinny
+@pytest.mark.usefixtures("needs_skinny")
 @pytest.mark.parametrize("rows", [1, 4, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, MKL_MIN_ROWS])
 def test_packed_linear_with_plain_weights_matches_linear_on_every_path(rows):
     torch.manual_seed(rows)

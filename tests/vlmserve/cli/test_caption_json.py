@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
+
+pytest.importorskip("jsonschema")  # the tests' validator: skip where missing
+pytest.importorskip("xgrammar")  # the structured outputs themselves
+
+import jsonschema
 
 from vlmserve.cli.main import main
 from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint

@@ -272,8 +272,15 @@ def metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
+def needs_server_libraries() -> None:
+    """`serve` needs the server's libraries; a GPU machine's own environment may lack them."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+
+
 @pytest.mark.slow
 def test_serve_speculates_and_answers_as_generate(scene_png, capsys):
+    needs_server_libraries()
     assert main(["generate", "--image", str(scene_png), "--prompt", "Describe the image.",
                  "--max-tokens", "40"]) == 0  # fmt: skip
     offline = capsys.readouterr().out.strip()
@@ -300,6 +307,7 @@ def test_serve_speculates_and_answers_as_generate(scene_png, capsys):
 def test_serve_exits_non_zero_when_its_engine_dies(tmp_path):
     """A checkpoint whose weights are cut short: the engine fails to load on the engine
     thread, and the server stops and exits 1 instead of keeping a port open."""
+    needs_server_libraries()
     from vlmserve.embedded import DEFAULT_MODEL_DIR
 
     broken = tmp_path / "broken_model"

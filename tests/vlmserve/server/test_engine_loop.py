@@ -9,6 +9,11 @@ import time
 
 import httpx
 import pytest
+
+pytest.importorskip("fastapi")  # the server's libraries: skip where they are missing
+pytest.importorskip("uvicorn")
+pytest.importorskip("openai")  # test_server drives the server with it
+
 from test_server import KEY, engine_config, serve
 
 from vlmserve.engine.core import Engine

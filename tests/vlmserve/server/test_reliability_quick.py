@@ -14,6 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+
+pytest.importorskip("fastapi")  # the server's libraries: skip, not error, where missing
+pytest.importorskip("uvicorn")
+
 from fastapi import FastAPI
 
 from benchmarks.reliability.chaos import _faulty_engine_factory
