@@ -40,5 +40,6 @@ def test_freed_activations_are_reused_without_page_faults() -> None:
     ).stdout.split()
     if out[0] == "skip":
         pytest.skip(f"glibc mallopt unavailable or capped here (threshold {out[1]})")
-    # Default glibc: every round maps fresh pages, 10 x 10,240 faults.
-    assert int(out[-1]) < 2_000
+    # Default glibc: every round maps fresh pages, 10 x 10,240 faults. Kept in the heap: none,
+    # or one round's while the heap's top settles (0 or 10,240 in a fresh process here).
+    assert int(out[-1]) < 2 * 10_240
