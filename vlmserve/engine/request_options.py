@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from scheduler.step_plan import StepPlan
-from vlmserve.engine.outputs import RequestOutput
+from vlmserve.engine.outputs import PreparedRequest, RequestOutput
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplerState, SamplingParams
 
@@ -151,9 +151,17 @@ def add_with_children(engine: Engine, request: Request) -> list[str]:
     base = prepared.request_id or f"req-{next(engine._ids)}"
     ids = [f"{base}-{i}" for i in range(num_children(params))]
     for i, request_id in enumerate(ids):
-        child = dataclasses.replace(
-            prepared, request_id=request_id, params=child_params(params, i),
-            share_prompt_with=ids[0] if i else None,
-        )  # fmt: skip
-        engine.add_request(child)
+        share = ids[0] if i else None
+        engine.add_request(child_request(prepared, request_id, child_params(params, i), share))
     return ids
+
+
+def child_request(
+    prepared: PreparedRequest, request_id: str, params: SamplingParams, share: str | None
+) -> PreparedRequest:
+    """One of the n requests made from one preparation (template, tokens, images done
+    once): its own id and parameters, a matcher of its own over the shared compile."""
+    grammar = prepared.grammar.fork() if prepared.grammar is not None else None
+    return dataclasses.replace(
+        prepared, request_id=request_id, params=params, share_prompt_with=share, grammar=grammar
+    )

@@ -150,6 +150,13 @@ class RequestGrammar:
         self.timeout_s = timeout_s
         self.matcher: xgr.GrammarMatcher | None = None
 
+    def fork(self) -> RequestGrammar:
+        """Another request's constraint on the same compile (n > 1 children): the compile
+        and its deadline shared, a matcher of its own."""
+        twin = RequestGrammar(self.future, self.timeout_s)
+        twin.deadline = self.deadline
+        return twin
+
     def ready(self) -> bool:
         """True once the matcher exists; False while compiling. Raises GrammarError for a
         spec that failed to compile or is still compiling past its deadline. Never blocks."""

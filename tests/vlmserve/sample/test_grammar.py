@@ -215,3 +215,15 @@ def test_a_vocabulary_that_cannot_write_the_grammar_is_a_400(llama_path):
     assert out.finish_reason == "error" and out.error_status == 400
     assert "vocabulary" in out.error
     assert not engine.has_unfinished()
+
+
+def test_n_children_each_follow_the_grammar_alone(byte_llama):
+    # Each of n children walks its own matcher over the one compiled grammar: a matcher
+    # shared by the children would be advanced by every child's tokens.
+    regex = "r[a-e]{3,9}d"
+    outs = make_engine(byte_llama).generate(
+        [constrained(5, 1.0, StructuredOutput.regex(regex), n=4)]
+    )
+    assert len(outs) == 4 and len({o.text for o in outs}) > 1  # seeds 5..8 differ
+    for out in outs:
+        assert out.error is None and re.fullmatch(regex, out.text), out.text
