@@ -81,29 +81,29 @@ class Choices:
         self.sink = AsyncSink()
         self.choices: dict[str, Choice] = {}
         self.process_s = 0.0
-        self._later: dict[str, list[Request]] = {}  # sibling id -> choices sharing its prompt
         self._submitted: set[str] = set()
         self._early: list[Item] = []  # items that came before every choice was admitted
 
     def submit(self, requests: list[tuple[int, Request]], prompt_index: int = 0) -> None:
-        """Queue the requests; a refusal (429 / 503) aborts those already queued. A choice
-        that shares a sibling's prompt is queued once that sibling is admitted (`accepted`),
-        so the engine holds it for the sibling's prefill."""
+        """Queue the requests, each that shares a sibling's prompt with that sibling, so
+        the prompt is prepared once (template, tokens, images) and the engine holds the
+        choice for the sibling's prefill. A refusal (429 / 503) aborts those queued."""
+        children: dict[str, list[Request]] = {}
         for index, request in requests:
             self.choices[request.request_id] = Choice(index, request.request_id, prompt_index)
             if request.share_prompt_with is not None:
-                self._later.setdefault(request.share_prompt_with, []).append(request)
-                continue
-            self._submit(request)
+                children.setdefault(request.share_prompt_with, []).append(request)
+        for _, request in requests:
+            if request.share_prompt_with is None:
+                self._submit(request, children.get(request.request_id, []))
 
-    def _submit(self, request: Request) -> None:
+    def _submit(self, request: Request, children: list[Request]) -> None:
         try:
-            self.loop.submit(request, self.sink)
+            self.loop.submit(request, self.sink, children)
         except Exception:
-            self._later.clear()
             self.abort()
             raise
-        self._submitted.add(request.request_id)
+        self._submitted.update([request.request_id, *(c.request_id for c in children)])
 
     def abort(self) -> None:
         for choice in self.choices.values():
@@ -122,11 +122,6 @@ class Choices:
             if isinstance(item, Accepted):
                 waiting -= 1
                 self.process_s = max(self.process_s, item.process_s)
-                try:
-                    for request in self._later.pop(item.request_id, []):
-                        self._submit(request)
-                except Exception as e:  # noqa: BLE001 - refused (429 / 503): the answer
-                    return Failed(item.request_id, e)
             else:
                 self._early.append(item)
         return None

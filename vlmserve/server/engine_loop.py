@@ -25,15 +25,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
 from encoders.errors import RequestError
 from vlmserve.engine.core import Engine, PreparedRequest, RequestOutput
+from vlmserve.engine.request_options import child_request
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.logprobs import TokenLogprob
+from vlmserve.sample.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -170,46 +172,59 @@ class EngineLoop:
     def num_pending(self) -> int:
         return self._num_pending
 
-    def submit(self, request: Request, sink: Sink) -> None:
-        """Queue `request` (its `request_id` must be set). Raises ServerBusyError /
-        ServiceUnavailableError instead of queueing without bound."""
-        request_id = request.request_id
-        assert request_id, "the server names its requests"
+    def submit(self, request: Request, sink: Sink, children: Sequence[Request] = ()) -> None:
+        """Queue `request` (its `request_id` must be set) and the `children` made from its
+        one preparation (n > 1: each with its own id and sampling parameters, sharing its
+        prompt). Raises ServerBusyError / ServiceUnavailableError instead of queueing
+        without bound."""
+        request_ids = [request.request_id, *(child.request_id for child in children)]
+        assert all(request_ids), "the server names its requests"
         with self._lock:
             if self.state != "ready" or self._closed is not None:
                 raise ServiceUnavailableError(f"the engine is {self.state}")
-            if self._num_pending >= self.max_pending:
+            if self._num_pending + len(request_ids) > self.max_pending:
                 raise ServerBusyError(
                     f"the server has {self._num_pending} requests in flight, its limit"
                 )
-            self._num_pending += 1
-            self._preparing[request_id] = _Preparing(sink)
+            self._num_pending += len(request_ids)
+            for request_id in request_ids:
+                self._preparing[request_id] = _Preparing(sink)
         # Template, tokenisation and image decode/tiling run on a preparer thread, beside
         # the engine's steps and other requests' preparation; the loop only enqueues.
         try:
-            self._preparers.submit(self._prepare, request)
+            self._preparers.submit(self._prepare, request, tuple(children))
         except RuntimeError:  # the executor is shut down: stopping
             with self._lock:
-                if self._preparing.pop(request_id, None) is not None:
-                    self._num_pending -= 1
+                for request_id in request_ids:
+                    if self._preparing.pop(request_id, None) is not None:
+                        self._num_pending -= 1
             raise ServiceUnavailableError("the server is shutting down") from None
 
-    def _prepare(self, request: Request) -> None:  # a preparer thread
+    def _prepare(self, request: Request, children: tuple[Request, ...]) -> None:  # a preparer
         start = time.perf_counter()
         try:
             prepared, error = self.engine.prepare(request), None
         except Exception as e:  # the request fails, nothing else does
             prepared, error = None, e
-        request_id = request.request_id
+        made: list[tuple[str, PreparedRequest | None]] = [(request.request_id, prepared)]
+        for child in children:  # the parent's preparation, the child's own id and params
+            if prepared is not None:
+                params = child.sampling or SamplingParams()
+                one = child_request(prepared, child.request_id, params, child.share_prompt_with)
+            made.append((child.request_id, one if prepared is not None else None))
+        failed = []
         with self._lock:
-            entry = self._preparing.pop(request_id, None)
-            if entry is None:
-                return  # answered already: the loop stopped or died meanwhile
-            if error is None and not entry.aborted:
-                self._inbox.put(("add", prepared, entry.sink, time.perf_counter() - start))
-                return
-            self._num_pending -= 1
-        _emit(entry.sink, Failed(request_id, error or RequestAborted("aborted by the client")))
+            for request_id, one in made:
+                entry = self._preparing.pop(request_id, None)
+                if entry is None:
+                    continue  # answered already: the loop stopped or died meanwhile
+                if error is None and not entry.aborted:
+                    self._inbox.put(("add", one, entry.sink, time.perf_counter() - start))
+                    continue
+                self._num_pending -= 1
+                failed.append((request_id, entry.sink))
+        for request_id, sink in failed:
+            _emit(sink, Failed(request_id, error or RequestAborted("aborted by the client")))
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ pytest.importorskip("fastapi")  # the server's libraries: skip where they are mi
 pytest.importorskip("uvicorn")
 pytest.importorskip("openai")  # test_server drives the server with it
 
-from test_server import KEY, engine_config, serve
+from server_testing import KEY, engine_config, png, serve, user
 
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
@@ -174,3 +174,28 @@ def test_a_retryable_failure_inside_a_step_stays_a_503():
     # Our messages keep a host spelled in hex; an object address is redacted.
     assert "0x7f000001" in public_message(ValueError("cannot fetch https://0x7f000001/"))
     assert "0x7f3a5c2e1b90" not in public_message(ValueError("<obj at 0x7f3a5c2e1b90>"))
+
+
+class CountingEngine(Engine):
+    """Counts `prepare` calls (template, tokenisation, image decode)."""
+
+    prepared: list[str] = []
+
+    def prepare(self, request):
+        self.prepared.append(request.request_id)
+        return super().prepare(request)
+
+
+def test_n_choices_share_one_preparation_of_their_prompt(llava_ov_path, random_image):
+    CountingEngine.prepared.clear()
+    factory = lambda: CountingEngine(engine_config(llava_ov_path))
+    with serve(factory) as served:
+        body = {
+            "messages": [user("what is this?", png(random_image, 3))],
+            "n": 3, "max_tokens": 4, "temperature": 1.0, "seed": 7,
+        }  # fmt: skip
+        response = served.post(body)
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        assert sorted(c["index"] for c in choices) == [0, 1, 2]
+        assert len(CountingEngine.prepared) == 1  # one template, one image decode
