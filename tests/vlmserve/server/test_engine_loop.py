@@ -186,6 +186,7 @@ class CountingEngine(Engine):
         return super().prepare(request)
 
 
+@pytest.mark.slow
 def test_n_choices_share_one_preparation_of_their_prompt(llava_ov_path, random_image):
     CountingEngine.prepared.clear()
     factory = lambda: CountingEngine(engine_config(llava_ov_path))
