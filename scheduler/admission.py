@@ -19,8 +19,8 @@ preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
 - headroom: a share of the pool that only quick requests may take. A non-quick request
   starts only if, after it, the part of that share quick sequences do not already hold is
   still free. Its size is what quick requests have lately needed, at most `lump_headroom`
-  of the pool: a high-water mark of their KV (held, reserved, and wanted by those
-  waiting) that decays by `QUICK_DEMAND_DECAY` an admission pass. A fixed 30% kept idle
+  of the pool: a high-water mark of the KV running quick sequences hold and have reserved,
+  decaying by `QUICK_DEMAND_DECAY` an admission pass. A fixed 30% kept idle
   for text that holds 8% of the pool costs images a fifth of it when the pool binds.
   Quick requests may pass an aged lump that does not fit while they stay inside the
   share: that leaves the lump's own condition unchanged, so the aging bound still holds
@@ -47,10 +47,12 @@ preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
   target becomes the head. The running sequences' known lengths (max_tokens) say at which
   step enough blocks for it will be free (the shadow step) and how many will be free then
   beyond its need (the extra). A later request may start only if that cannot delay the
-  head: it fits in the extra (which it then uses up), or it is done and its blocks are
-  back before the shadow step, or it is quick and stays inside the headroom (as past an
-  aged lump). So text passes a waiting image only where the image could not use the room
-  anyway; once the pool binds, requests are served in slack (≈ arrival) order.
+  head: it fits in the extra (which it then uses up, as does each request that can still
+  make its target and does not start: those ahead of it come first), or it is done and
+  its blocks are back before the shadow step, or it is quick and stays inside the
+  headroom (as past an aged lump). So text passes a waiting image only where the image
+  could not use the room anyway; once the pool binds, requests are served in slack (≈
+  arrival) order.
 - victim: the running sequence whose preemption throws away the least computed KV not
   kept by the prefix cache (`recompute_cost`), newest first among equals (§19).
 """
@@ -118,7 +120,7 @@ class AdmissionPolicy(Protocol):
         ...
 
     def observe_quick_demand(self, num_blocks: int) -> None:
-        """Blocks quick requests hold, have reserved or wait for, this admission pass."""
+        """Blocks running quick sequences hold or have reserved, this admission pass."""
         ...
 
     def may_pass(
@@ -234,7 +236,7 @@ class LumpyAdmission(FcfsAdmission):
         self.lump_prefill_tokens = lump_prefill_tokens
 
     def observe_quick_demand(self, num_blocks: int) -> None:
-        """Blocks quick requests hold, have reserved or wait for now (each admission
+        """Blocks running quick sequences hold or have reserved now (each admission
         pass): the headroom follows their decaying high-water mark."""
         self.quick_demand_blocks = max(
             float(num_blocks), self.quick_demand_blocks * QUICK_DEMAND_DECAY
@@ -315,6 +317,12 @@ class HeadReservation:
             return True
         # Its blocks are free for the plan of step lifetime + 1, the head's at shadow + 1.
         return lifetime_steps <= self.shadow_steps
+
+    def queue_behind(self, cand: Candidate, num_blocks: int) -> None:
+        """A later request that can still make its target did not start either: the
+        extra is its first (conservative backfilling for those behind the head, so the
+        second image of a burst is not left to wait for what text took)."""
+        self.extra_blocks = max(0, self.extra_blocks - num_blocks)
 
 
 def head_reservation(

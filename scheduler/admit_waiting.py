@@ -92,8 +92,9 @@ class WaitingAdmission:
             if s.request_id in self._quick_ids
         )
         if not quick_only:  # once a step
-            wanted = sum(bm.blocks_for(self._reserve(c.seq)) for c, _ in found if c.quick)
-            policy.observe_quick_demand(quick_blocks + wanted)
+            # What they hold, not what waits: text queued behind a burst of images it
+            # may not delay must not widen its own lane (that would starve the images).
+            policy.observe_quick_demand(quick_blocks)
         matches = {id(c.seq): m for c, m in found}
         blocked: tuple[Candidate, int] | None = None  # an aged candidate that did not fit
         head: HeadReservation | None = None  # the first that did not start, with slack
@@ -112,12 +113,14 @@ class WaitingAdmission:
             if fits and head is not None and not (quick_only and not cand.quick):
                 if not self._backfills(head, cand, cost, num_cached, quick_blocks):
                     self._kv_blocked.add(seq.request_id)
-                    continue
-            if chunk is not None and not fits:
+                    fits = False
+            elif chunk is not None and not fits:
                 self._kv_blocked.add(seq.request_id)
             if not fits or (quick_only and not cand.quick):
                 if policy.may_overtake(cand):
-                    if head is None and blocked is None and policy.reserves_for(cand):
+                    if head is not None and policy.reserves_for(cand):
+                        head.queue_behind(cand, cost)
+                    elif head is None and blocked is None and policy.reserves_for(cand):
                         head = self._head(cand, cost, available, quick_blocks)
                     continue
                 if blocked is not None:
