@@ -22,7 +22,7 @@ from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spans import span_safe_prefix
 from scheduler.step_plan import ScheduledSeq, schedule_item
-from scheduler.step_room import Room, prefill_token_s, slack_s
+from scheduler.step_room import Room, is_urgent, prefill_token_s, slack_s
 
 
 class WaitingAdmission:
@@ -143,6 +143,9 @@ class WaitingAdmission:
     ) -> bool:  # fmt: skip
         """Whether `cand` may start past `head` without delaying it: inside the headroom
         (the policy's rule), within the extra, or done before the shadow step."""
+        now = self.clock() if self.clock is not None else None
+        if is_urgent(head.cand.seq, self.config.slo, now):
+            return False  # less than half its target left: strict order behind it
         if self.admission.may_pass(head.cand, head.blocks_needed, cand, cost, quick_blocks):
             return True
         seq, limit = cand.seq, self._max_num_tokens.get(cand.seq.request_id)
