@@ -18,10 +18,12 @@ preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
   `max_wait_steps`: then it goes first and nobody behind it starts until it fits.
 - headroom: a share of the pool that only quick requests may take. A non-quick request
   starts only if, after it, the part of that share quick sequences do not already hold is
-  still free. Its size is what quick requests have lately needed, at most `lump_headroom`
-  of the pool: a high-water mark of the KV running quick sequences hold and have reserved,
-  decaying by `QUICK_DEMAND_DECAY` an admission pass. A fixed 30% kept idle
-  for text that holds 8% of the pool costs images a fifth of it when the pool binds.
+  still free: `lump_headroom` of the pool without TTFT targets (quick-first order has
+  nothing else to keep text moving through a burst of lumps). With targets, the deadline
+  order and the head reservation do that, and the headroom is what quick requests have
+  lately held, at most that share: a high-water mark of the KV running quick sequences
+  hold and have reserved, decaying by `QUICK_DEMAND_DECAY` an admission pass (30% kept
+  idle for text that holds 8% of the pool costs images a fifth of it when it binds).
   Quick requests may pass an aged lump that does not fit while they stay inside the
   share: that leaves the lump's own condition unchanged, so the aging bound still holds
   (a lump too big to leave the share free gets a smaller one).

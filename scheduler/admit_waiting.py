@@ -91,9 +91,11 @@ class WaitingAdmission:
             for s in self.running
             if s.request_id in self._quick_ids
         )
-        if not quick_only:  # once a step
-            # What they hold, not what waits: text queued behind a burst of images it
-            # may not delay must not widen its own lane (that would starve the images).
+        slo = self.config.slo
+        if not quick_only and (slo.ttft_s is not None or slo.image_ttft_s is not None):
+            # With targets the headroom follows what quick requests hold (once a step);
+            # not what waits: text queued behind a burst of images it may not delay must
+            # not widen its own lane (that would starve the images).
             policy.observe_quick_demand(quick_blocks)
         matches = {id(c.seq): m for c, m in found}
         blocked: tuple[Candidate, int] | None = None  # an aged candidate that did not fit
