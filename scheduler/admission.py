@@ -52,9 +52,10 @@ preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
   head: it fits in the extra (which it then uses up, as does each request that can still
   make its target and does not start: those ahead of it come first), or it is done and
   its blocks are back before the shadow step, or it is quick and stays inside the
-  headroom (as past an aged lump). So text passes a waiting image only where the image
-  could not use the room anyway; once the pool binds, requests are served in slack (≈
-  arrival) order.
+  headroom (as past an aged lump). Once the head has less than half its target left (the
+  urgency at which quick requests bring the caps back) nobody passes it. So text passes a
+  waiting image only where the image could not use the room anyway, and not at all when
+  it is close to missing; once the pool binds, requests go in slack (≈ arrival) order.
 - victim: the running sequence whose preemption throws away the least computed KV not
   kept by the prefix cache (`recompute_cost`), newest first among equals (§19).
 """
@@ -320,7 +321,7 @@ class HeadReservation:
         # Its blocks are free for the plan of step lifetime + 1, the head's at shadow + 1.
         return lifetime_steps <= self.shadow_steps
 
-    def queue_behind(self, cand: Candidate, num_blocks: int) -> None:
+    def queue_behind(self, num_blocks: int) -> None:
         """A later request that can still make its target did not start either: the
         extra is its first (conservative backfilling for those behind the head, so the
         second image of a burst is not left to wait for what text took)."""

@@ -100,7 +100,7 @@ class WaitingAdmission:
         matches = {id(c.seq): m for c, m in found}
         blocked: tuple[Candidate, int] | None = None  # an aged candidate that did not fit
         head: HeadReservation | None = None  # the first that did not start, with slack
-        self._kv_blocked = set()  # quick ones held back by the pool, not by the step
+        self._kv_blocked = set()  # held back by the pool or the head, not by the step
         for cand in policy.order([c for c, _ in found]):
             seq = cand.seq
             if room.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -121,7 +121,7 @@ class WaitingAdmission:
             if not fits or (quick_only and not cand.quick):
                 if policy.may_overtake(cand):
                     if head is not None and policy.reserves_for(cand):
-                        head.queue_behind(cand, cost)
+                        head.queue_behind(cost)
                     elif head is None and blocked is None and policy.reserves_for(cand):
                         head = self._head(cand, cost, available, quick_blocks)
                     continue

@@ -131,7 +131,7 @@ def test_head_reservation_finds_the_shadow_step_and_the_extra():
     assert (r.shadow_steps, r.extra_blocks) == (0.0, 4)
     # A later request that can still make its target and does not start comes first.
     r = head_reservation(head, 25, 30, 10, releases)
-    r.queue_behind(Candidate(make_request("img2", 4), False, False, 1.5), 2)
+    r.queue_behind(2)
     assert r.extra_blocks == 1 and not r.admits(2, 100) and r.admits(1, 100)
     # An unknown length before the shadow, or a pool that never frees enough: no backfill.
     for releases in ([(5.0, 8, 0), (math.inf, 30, 0)], [(5.0, 8, 0)]):
