@@ -206,3 +206,22 @@ def test_slack_order_never_starves_text_behind_a_stream_of_image_lumps():
         if "text" in started:
             break
     assert "text" in started and step <= 5 + 30 + 10 + 8, step
+
+
+def test_a_quick_request_waiting_for_kv_does_not_keep_the_caps_on():
+    """A lump (75 of 80 blocks) is prefilling when a text request arrives that does not fit
+    the 5 blocks left: short steps would not start it sooner, so after the step that found
+    it waiting for KV the caps are released as if no quick request were there (two quiet
+    steps, then doubling), instead of holding the lump at 8 rows a step until it ends."""
+    scheduler = make_scheduler(num_blocks=80, admission="lumpy", lump_prefill_tokens_per_step=8)
+    lump = make_request("lump", 300, images=[(2, 200, 1)])
+    limits = {"lump": 301, "text": 44}
+    scheduler.add(lump, 301)
+    run_step(scheduler, limits)  # nothing needed the caps: the whole budget
+    scheduler.add(make_request("text", 40), 44)
+    rows = []
+    for _ in range(6):
+        plan = run_step(scheduler, limits)
+        rows += [i.num_new_tokens for i in plan.scheduled if i.request_id == "lump"]
+        assert all(i.request_id != "text" for i in plan.scheduled)
+    assert rows == [8, 8, 8, 16, 32, 64], rows
