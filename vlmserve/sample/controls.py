@@ -15,8 +15,8 @@ Row j of a group with drafts sees the drafts before it as output (the tokens it 
 follow). The result is a new float32 tensor: the caller's logits stay raw, since logprobs
 are computed from them. min_p is a filter on the weights (`ops.filter_min_p_`), not here.
 
-No step reads a request's whole history: the penalties' prompt mask and output counts are
-kept per request, incrementally (`penalty_table.py`), and gathered for the step's rows in
+No step reads a request's whole history: the penalties' output counts and repetition factors
+are kept per request, incrementally (`penalty_table.py`), and gathered for the step's rows in
 one op; bad words and min_tokens read only the output's length and its last few tokens.
 """
 
@@ -111,24 +111,29 @@ def _float(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
 
 
-def _penalise(x: torch.Tensor, host: _Rows, counts: torch.Tensor, prompt: torch.Tensor) -> None:
-    """The three penalties in place on x [rows, vocab] float32, from the rows' output
-    counts [rows, vocab] int32 (a gathered copy) and prompt masks (bool, when any row has
-    a repetition penalty). A row without penalties (rep 1, freq and pres 0) is unchanged:
-    x / 1, x * 1 and x - 0 are x."""
+def _penalise(x: torch.Tensor, host: _Rows, counts: torch.Tensor, scale: torch.Tensor) -> None:
+    """The three penalties in place on x [rows, vocab] float32, from the rows' gathered
+    output counts and repetition factors ([rows, vocab] float32 copies; the factors only
+    when a row has a repetition penalty). A row without penalties (rep 1, freq and pres 0)
+    is unchanged: x / 1, x * 1 and x - 0 are x. No torch.where: on the CPU it is 30x
+    slower than the plain elementwise ops used here (15 ms against 0.5 ms at 64 x 32k)."""
     device = x.device
-    if host.drafts[0]:
+    if host.drafts[0]:  # the drafts before a row count as its output
         index = (_long(host.drafts[0], device), _long(host.drafts[1], device))
         ones = torch.ones(len(host.drafts[0]), dtype=counts.dtype, device=device)
         counts.index_put_(index, ones, accumulate=True)
-    present = counts > 0
-    if any(r != 1.0 for r in host.rep):
-        # Seen in the prompt or the output: a positive logit / r, a negative one * r.
-        scale = torch.where(present | prompt, _float(host.rep, device)[:, None], 1.0)
-        x.copy_(torch.where(x > 0, x / scale, x * scale))
+        if scale.numel():
+            reps = _float([host.rep[i] for i in host.drafts[0]], device)
+            scale.index_put_(index, reps)
+    if scale.numel():
+        # A positive logit / r, a negative one * r: of x's two clamped parts one is 0, so
+        # the sum is exactly x / r or x * r (inf and -inf included).
+        negative = x.clamp(max=0.0).mul_(scale)
+        x.clamp_(min=0.0).div_(scale).add_(negative)
     if any(host.freq):
         x.sub_(_float(host.freq, device)[:, None] * counts)
     if any(host.pres):
+        present = counts.clamp_(max=1.0)  # 1 where the id is in the output, else 0
         x.sub_(_float(host.pres, device)[:, None] * present)
 
 
@@ -151,8 +156,7 @@ def apply_controls(logits: torch.Tensor, groups: Sequence) -> torch.Tensor:
             for j in range(1 + len(drafts)):
                 host.add(state, group.first_row + j, drafts[:j], slot, vocab)
         if table is not None:
-            with_prompt = any(r != 1.0 for r in host.rep)
-            counts, prompt = table.gather(host.slots, with_prompt)
+            counts, scale = table.gather(host.slots, any(r != 1.0 for r in host.rep))
     out = logits.float().clone()
     every = host.rows == list(range(out.shape[0]))
     rows = None if every else _long(host.rows, device)
@@ -163,7 +167,7 @@ def apply_controls(logits: torch.Tensor, groups: Sequence) -> torch.Tensor:
         index = (_long(host.bias[0], device), _long(host.bias[1], device))
         x.index_put_(index, _float(host.bias[2], device), accumulate=True)
     if table is not None:
-        _penalise(x, host, counts, prompt)
+        _penalise(x, host, counts, scale)
     if not every:
         out.index_copy_(0, rows, x)
     return out

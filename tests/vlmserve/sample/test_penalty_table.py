@@ -74,11 +74,12 @@ def test_counts_follow_the_output_step_by_step_and_rejected_drafts_leave_nothing
             groups.append(RowGroup(state, row, drafts))
             row += 1 + len(drafts)
         check_step(groups, vocab, device, step)
+        slot = states[0].penalties  # counted up to the output the step followed
+        assert isinstance(slot, PenaltySlot) and slot.num_counted == len(slot.source)
         for g in groups:  # a random number of drafts accepted, then the row's token
             accepted = rng.randrange(len(g.draft_token_ids) + 1)
             g.state.output_token_ids.extend([*g.draft_token_ids[:accepted], rng.randrange(vocab)])
-    slot = states[0].penalties
-    assert isinstance(slot, PenaltySlot) and slot.num_counted == len(states[0].output_token_ids)
+    assert slot.source is states[0].output_token_ids
     assert states[-1].penalties is None  # no penalties: no row of its own
 
 
@@ -109,7 +110,8 @@ def test_rows_grow_and_rows_of_collected_requests_are_reused_zeroed():
     assert 0 not in used and len(used) == len(states)
     del states, s
     gc.collect()
-    fresh = [make_state(100 + i, vocab, presence_penalty=1.0) for i in range(len(used))]
+    fresh = [make_state(100 + i, vocab, presence_penalty=1.0, repetition_penalty=1.2)
+             for i in range(len(used))]  # fmt: skip
     check_step([RowGroup(s, i) for i, s in enumerate(fresh)], vocab, "cpu", 1)
     assert {s.penalties.index for s in fresh} == used  # recycled, and zeroed (the check)
 
