@@ -566,9 +566,13 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
 
 // The float lanes the kernel was built for; 0: it cannot run on this CPU.
 int64_t vector_lanes() { return vlmserve_vec::kLanes; }
+// Whether bfloat16 q and cache run on AVX-512 BF16 dot products (head dims a multiple of the
+// lanes), not widened to float32.
+bool bf16_dot() { return vlmserve_bf16::kBf16Dot; }
 
 TORCH_LIBRARY(vlmserve_prefill, m) {
   m.def("vector_lanes() -> int", &vector_lanes);
+  m.def("bf16_dot() -> bool", &bf16_dot);
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor query_starts, Tensor query_lens, Tensor context_lens, int block_size, "

@@ -201,3 +201,21 @@ def test_attention_kernels_in_bf16_throughout():
         assert ((got - exact).abs() <= bound).all(), (got - exact).abs().max()
         # and not looser than that: a wrong key or a lost pair would be far outside
         assert (got - exact).abs().max() < 0.02
+
+
+def test_tile_attention_is_full_attention_within_each_tile():
+    """The vision tower's bfloat16 attention on the prefill kernel: every tile's patches
+    see each other in full and nothing of another tile, against float64 attention per tile
+    on the same bf16 values (bound as above)."""
+    if not cpu_attention.bf16_dot_available():
+        pytest.skip("the prefill kernel has no AVX-512 BF16 dot products on this CPU")
+    torch.manual_seed(6)
+    tiles, patches, heads, dim = 3, 37, 4, 32
+    qkv = torch.randn(tiles * patches, 3 * heads * dim).to(BF16)
+    got = cpu_attention.tile_attention(qkv, tiles, heads, dim**-0.5).double()
+    q, k, v = qkv.double().view(tiles, patches, 3, heads, dim).permute(2, 0, 3, 1, 4)
+    probs = (q @ k.transpose(-1, -2) * dim**-0.5).softmax(-1)  # [tiles, heads, p, p]
+    exact = (probs @ v).transpose(1, 2).reshape(tiles * patches, heads * dim)
+    weighted = (probs @ v.abs()).transpose(1, 2).reshape(tiles * patches, heads * dim)
+    bound = 2 * HALF_ULP * exact.abs() + HALF_ULP * weighted + 1e-5
+    assert ((got - exact).abs() <= bound).all(), (got - exact).abs().max()
