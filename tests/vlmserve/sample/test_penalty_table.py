@@ -203,3 +203,9 @@ def test_penalised_greedy_equals_the_reference_under_speculation_async_and_preem
     greedy = outputs["sync"][: len(TEXTS)]
     changed = [a.token_ids != b.token_ids for a, b in zip(plain, greedy, strict=True)]
     assert sum(changed) >= 3, changed  # the penalties do change the answers
+    # Every finished request gave its row back (row 0 is never handed out).
+    table = table_for(engine.runner.device, engine.runner.model.decoder.cfg.vocab_size)
+    gc.collect()
+    with table.lock:
+        table.sync([])
+    assert len(table._free) == table.num_rows - 1
