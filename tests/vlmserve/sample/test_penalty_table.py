@@ -3,7 +3,8 @@ per-row reference of `test_controls.py` recomputed from the whole history every 
 over many steps, with drafts (accepted and rejected), with an output list its owner cut or
 replaced, with rows recycled from collected requests; and end to end, greedy decoding with
 penalties under speculation, async scheduling and preemption equals transformers' logits
-run through the reference."""
+run through the reference, every controlled row the engines sample (draft rows included)
+equals the reference over its request's kept output, and every row comes back."""
 
 from __future__ import annotations
 
@@ -162,9 +163,39 @@ def reference_tokens(model, prompt_ids: list[int], state: SamplerState) -> list[
     return tokens
 
 
+def checking_controls(monkeypatch) -> tuple[list[int], list[str]]:
+    """Check every controlled row the engine samples against the reference over its
+    request's kept output and the drafts before it (rows checked per draft position,
+    mismatches): a step's rejected drafts must not reach the next step's rows."""
+    import vlmserve.sample.sampler as sampler_module
+
+    real = sampler_module.apply_controls
+    positions, bad = [0] * 8, []
+
+    def checking(logits: torch.Tensor, groups) -> torch.Tensor:
+        out = real(logits, groups)
+        for g in groups:
+            if not g.state.params.has_logit_controls:
+                continue
+            for j in range(1 + len(g.draft_token_ids)):
+                history = [*g.state.output_token_ids, *g.draft_token_ids[:j]]
+                want = reference(logits[g.first_row + j].float(), g.state, history)
+                got = out[g.first_row + j]
+                finite = want.isfinite()
+                if not torch.equal(got.isinf(), want.isinf()) or not torch.allclose(
+                    got[finite], want[finite], rtol=1e-6, atol=1e-5
+                ):
+                    bad.append(f"row {j} of {len(g.draft_token_ids)} drafts")
+                positions[j] += 1
+        return out
+
+    monkeypatch.setattr(sampler_module, "apply_controls", checking)
+    return positions, bad
+
+
 @pytest.mark.slow
 def test_penalised_greedy_equals_the_reference_under_speculation_async_and_preemption(
-    llama_path,
+    llama_path, monkeypatch
 ):
     from transformers import AutoModelForCausalLM
 
@@ -181,7 +212,10 @@ def test_penalised_greedy_equals_the_reference_under_speculation_async_and_preem
         ),
         "speculating": helpers.make_engine(llama_path, budget=24, speculative=spec),
     }
+    positions, bad = checking_controls(monkeypatch)
     outputs = {name: helpers.run_checked(e, requests()) for name, e in engines.items()}
+    assert not bad, bad[:5]
+    assert positions[1] >= 10 and positions[3] > 0, positions  # draft rows were checked
     assert engines["async"].async_scheduling
     assert engines["preempted"].scheduler.num_preemptions > 0
     metrics = engines["speculating"].spec_metrics
