@@ -53,8 +53,11 @@ class _Rows:
     # gathered counts (never to the table: a rejected draft leaves nothing behind).
     drafts: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
 
-    def add(self, state: SamplerState, row: int, drafts: Sequence[int], slot: int, vocab: int):
-        """Row `row` of `state`, which follows its output and then `drafts`."""
+    def add(
+        self, state: SamplerState, row: int, drafts: Sequence[int], slot: int, vocab: int
+    ) -> None:
+        """Row `row` of `state`, which follows its output and then `drafts`; `slot`: its
+        penalty-table row."""
         params, index = state.params, len(self.rows)
         self.rows.append(row)
         self.rep.append(params.repetition_penalty)

@@ -150,7 +150,14 @@ class PenaltyTable:
         if writes.scale_ids or writes.prompts:
             self._put(self.scale, torch.cat(rows), torch.cat(ids), torch.cat(values), False)
 
-    def _put(self, target: torch.Tensor, rows, ids, values, accumulate: bool) -> None:
+    def _put(
+        self,
+        target: torch.Tensor,
+        rows: torch.Tensor,
+        ids: torch.Tensor,
+        values: torch.Tensor,
+        accumulate: bool,
+    ) -> None:
         """target[rows[i], ids[i]] = (or +=) values[i], host tensors; ids outside the
         vocabulary left out."""
         keep = (ids >= 0) & (ids < self.vocab)
