@@ -17,7 +17,11 @@ compile, and a cached lookup.
     .venv/bin/python -m benchmarks.engine.structured_output --vllm VENV # + vLLM CPU (opt-in)
 
 --vllm runs the same workload on vLLM's CPU build with its xgrammar backend
-(benchmarks/lib/structured_vllm_worker.py in that venv); it is never run by default.
+(benchmarks/lib/structured_vllm_worker.py in that venv, built by benchmarks/lib/vllm_cpu.py
+when missing): the same checkpoint, dtype and compact JSON (disable_any_whitespace), tuned
+as its CPU docs say, its OpenMP threads bound to --threads cores; it is never run by
+default. The result's `vllm` holds its runs, its own constrained / free ratio and
+vlmserve's constrained throughput over vLLM's (target >= 1.0x).
 """
 
 from __future__ import annotations
