@@ -27,6 +27,7 @@ vlmserve's constrained throughput over vLLM's (target >= 1.0x).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -44,6 +45,7 @@ from benchmarks.lib.common import environment, table, write_result
 from scheduler.config import CacheConfig, SchedulerConfig
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine.core import Engine
+from vlmserve.engine.forward_thread import StepTimes
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
 from vlmserve.sample.structured import StructuredOutput
@@ -84,6 +86,7 @@ SCHEMA = {
 }  # fmt: skip
 MODES = ("free", "constrained")
 COMMAND = "python -m benchmarks.engine.structured_output"
+PHASES = ("step_ms", "forward_ms", "sample_ms", "host_ms", "idle_ms")  # per step, `step_phases`
 
 
 def stdlib_corpus(max_bytes: int = 4 << 20) -> list[str]:
@@ -141,9 +144,11 @@ def requests(batch: int, mode: str, args: argparse.Namespace) -> list[Request]:
 
 def run_once(engine: Engine, batch: int, mode: str, args: argparse.Namespace) -> dict:
     reqs = requests(batch, mode, args)
+    before = (dataclasses.replace(engine.times), engine.num_steps)
     start = time.perf_counter()
     outs = engine.generate(reqs)
     wall = time.perf_counter() - start
+    phases = step_phases(engine, *before, wall)
     assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
     tokens = sum(len(o.token_ids) for o in outs)
     if mode == "constrained":  # closed objects must parse
@@ -151,7 +156,23 @@ def run_once(engine: Engine, batch: int, mode: str, args: argparse.Namespace) ->
             if o.finish_reason == "stop":
                 json.loads(o.text)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-            "num_closed": sum(o.finish_reason == "stop" for o in outs)}  # fmt: skip
+            "num_closed": sum(o.finish_reason == "stop" for o in outs), **phases}  # fmt: skip
+
+
+def step_phases(engine: Engine, times: StepTimes, num_steps: int, wall: float) -> dict:
+    """Milliseconds per step of a run (from the engine's StepTimes): the step's wall time;
+    the forward pass (decoder and LM head) and the sampling (controls, masks, the draw),
+    which run in turn on the forward thread when async; the engine thread's CPU outside
+    them (planning, inputs, stop checks, detokenising); and the forward thread's idle wall
+    time between steps (what the overlap did not hide)."""
+    now, steps = engine.times, max(engine.num_steps - num_steps, 1)
+    forward = now.forward_s - times.forward_s
+    sample = now.sample_s - times.sample_s
+    return {
+        "step_ms": 1e3 * wall / steps, "forward_ms": 1e3 * (forward - sample) / steps,
+        "sample_ms": 1e3 * sample / steps, "host_ms": 1e3 * (now.host_s - times.host_s) / steps,
+        "idle_ms": 1e3 * (now.forward_idle_s - times.forward_idle_s) / steps,
+    }  # fmt: skip
 
 
 def compile_times(engine: Engine) -> dict:
@@ -220,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [median_row(mode, runs[mode]) for mode in MODES]
     ratio = rows[1]["tok_s"] / rows[0]["tok_s"]
     print(table(rows, ["mode", "tok_s", "wall_s", "tokens", "num_closed"]))
+    print("per step (ms):")
+    print(table(rows, ["mode", *PHASES]))
     print(f"constrained / free throughput: {ratio:.3f}x (target >= 0.9x)")
     print("compile: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in compile_s.items()))
     if vllm is not None:
@@ -245,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def median_row(mode: str, runs: list[dict]) -> dict:
     row = {"mode": mode}
-    for key in ("tok_s", "wall_s", "tokens", "num_closed"):
+    for key in ("tok_s", "wall_s", "tokens", "num_closed", *PHASES):
         row[key] = statistics.median(r[key] for r in runs)
     return row
 

@@ -50,6 +50,8 @@ class StepTimes:
     # Forward + sampling (on the forward thread when async): wall and that thread's CPU.
     forward_s: float = 0.0
     forward_cpu_s: float = 0.0
+    # The part of forward_s spent sampling (logit controls, grammar masks, the draw).
+    sample_s: float = 0.0
     # Wall time between the end of one forward and the start of the next: the device (or
     # here the forward's thread) idle while the host works. Sync: all of the host's time;
     # async: what the overlap did not hide.
@@ -124,7 +126,9 @@ def run_step(
         # Constrained rows: their grammar masks fill on another thread meanwhile.
         masks = start_masks(scheduled, samplers, runner.model.decoder.cfg.vocab_size)
         logits = runner.run(inputs, previous)
+        sampling = time.perf_counter()
         sampled = sample_plan(scheduled, logits, samplers, masks)
+        times.sample_s += time.perf_counter() - sampling
         if inputs.prompt_spans:
             book_prompt_logprobs(logits, inputs.prompt_spans, prompt_samplers or {})
         return sampled
