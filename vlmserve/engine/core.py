@@ -34,7 +34,7 @@ from scheduler.spec_policy import SpecMetrics
 from scheduler.step_plan import ScheduledSeq, StepPlan
 from search.costmodel.cost_model import spec_speedup
 from vlmserve.config import EngineConfig
-from vlmserve.engine.detokenizer import IncrementalDetokenizer
+from vlmserve.engine.detokenizer import IncrementalDetokenizer, direct_decoder
 from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, run_step
 from vlmserve.engine.grammars import LazyGrammars
 from vlmserve.engine.image_wait import pending_images, poll_grammars, poll_images, wait_for_images
@@ -72,6 +72,7 @@ class Engine:
         self.tokenizer = self.processor.tokenizer
         # The engine thread's own copy: preparer threads tokenise with theirs meanwhile.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
+        self._detok_decoder = direct_decoder(self._detok_tokenizer)  # the same text, faster
         self.max_model_len = self.runner.max_model_len  # the flag, capped by the context
         speculative = config.speculative
         if speculative.enabled and speculative.adaptive and speculative.ridge_batch is None:
@@ -157,7 +158,7 @@ class Engine:
         )
         if params.prompt_logprobs is not None:
             output.prompt_logprobs = [None] * num_prompt
-        detokenizer = IncrementalDetokenizer(self._detok_tokenizer, params.stop, params.min_tokens)
+        detokenizer = IncrementalDetokenizer(self._detok_decoder, params.stop, params.min_tokens)
         # A constrained request ends on the EOS its grammar allows, even with ignore_eos.
         ignore_eos = params.ignore_eos and request.grammar is None
         stops = frozenset(params.stop_token_ids) | (

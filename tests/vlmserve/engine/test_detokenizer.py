@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from vlmserve.embedded import DEFAULT_MODEL_DIR
-from vlmserve.engine.detokenizer import IncrementalDetokenizer
+from vlmserve.engine.detokenizer import IncrementalDetokenizer, direct_decoder
 
 TEXT = "héllo wörld ✓ 日本語 — naïve café, ok?"
 
@@ -105,3 +105,25 @@ def test_min_tokens_lets_no_stop_string_end_in_the_first_tokens(byte_tokenizer):
     straddling = IncrementalDetokenizer(byte_tokenizer, stop=("lo",), min_tokens=4)
     feed(straddling, ids)  # "lo" starts in the first 4 tokens and ends after them
     assert straddling.text == "hel"
+
+
+def test_direct_decoder_gives_the_tokenizers_own_text(byte_tokenizer):
+    """The Rust decoder stands in only where transformers' decode returns its text: the
+    same deltas and text on split characters, specials skipped, and the tokenizer itself
+    kept where a clean-up pass would change the text."""
+    words = PreTrainedTokenizerFast.from_pretrained(DEFAULT_MODEL_DIR)
+    special = words.convert_tokens_to_ids("<image>")
+    word_ids = words("there is a red circle .", add_special_tokens=False)["input_ids"]
+    for tokenizer, ids in ((byte_tokenizer, byte_tokenizer(TEXT)["input_ids"]),
+                           (words, [*word_ids[:2], special, *word_ids[2:]])):  # fmt: skip
+        fast = direct_decoder(tokenizer)
+        assert fast is not tokenizer
+        for skip in (True, False):
+            assert fast.decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip
+            )
+        want = IncrementalDetokenizer(tokenizer, stop=("never",))
+        got = IncrementalDetokenizer(fast, stop=("never",))
+        assert feed(got, ids) == feed(want, ids) and got.text == want.text
+    words.clean_up_tokenization_spaces = True
+    assert direct_decoder(words) is words
