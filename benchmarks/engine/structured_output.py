@@ -7,9 +7,10 @@ real multi-byte tokens, as a production one has: xgrammar's mask work grows with
 B requests (default 64) decode together for --output-tokens tokens at temperature 1:
 "constrained" with a 10-field JSON schema (response_format json_schema), "free" without.
 Both on the same Engine, in interleaved rounds (the order alternating), medians reported;
-throughput = output tokens / wall seconds of the batch. Constrained requests may finish
-early (their JSON closed), which shrinks their batch: that biases the ratio against the
-constrained side. Compile: the tokenizer tables (once per engine), the schema's first
+throughput = output tokens / wall seconds of the batch, and per step (StepTimes): the
+forward pass, the sampling, the engine thread's host CPU and the forward's idle gaps.
+Constrained requests may finish early (their JSON closed), which shrinks their batch: that
+biases the ratio against the constrained side. Compile: the tokenizer tables (once per engine), the schema's first
 compile, and a cached lookup.
 
     .venv/bin/python -m benchmarks.engine.structured_output             # a quiet machine, ~3 min
