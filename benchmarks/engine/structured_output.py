@@ -10,8 +10,8 @@ Both on the same Engine, in interleaved rounds (the order alternating), medians 
 throughput = output tokens / wall seconds of the batch, and per step (StepTimes): the
 forward pass, the sampling, the engine thread's host CPU and the forward's idle gaps.
 Constrained requests may finish early (their JSON closed), which shrinks their batch: that
-biases the ratio against the constrained side. Compile: the tokenizer tables (once per engine), the schema's first
-compile, and a cached lookup.
+biases the ratio against the constrained side. Compile: the tokenizer tables (once per
+engine), the schema's first compile, and a cached lookup.
 
     .venv/bin/python -m benchmarks.engine.structured_output             # a quiet machine, ~3 min
     .venv/bin/python -m benchmarks.engine.structured_output --quick     # batch 16, 2 rounds
