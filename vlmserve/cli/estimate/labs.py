@@ -124,9 +124,13 @@ def run_image(args: argparse.Namespace) -> Outcome:
     b = budget_for(grid, images_per_request=args.images)
     thumb = " + thumbnail" if grid.thumbnail else ""
     size = f"{width} x {height}" if width is not None else "not needed (fixed tiling)"
+    layout = f"{grid.cols} x {grid.rows}{thumb} = {b.tiles_per_image} tiles"
+    if args.tiling == "pan-and-scan":  # Gemma 3: the whole image first, then its crops
+        num_crops = grid.cols * grid.rows if grid.thumbnail else 0
+        layout = f"whole image + {num_crops} crops = {b.tiles_per_image} tiles"
     rows: list[Row] = [
         ("image size", size),
-        ("tile grid", f"{grid.cols} x {grid.rows}{thumb} = {b.tiles_per_image} tiles"),
+        ("tile grid", layout),
         ("patch tokens", f"{b.patch_tokens_per_image:,} per image"),
         ("visual tokens", f"{b.visual_tokens_per_image:,} per image ({args.pooling}:1 pooling)"),
         (
