@@ -43,6 +43,7 @@ PROMPT = "<|im_start|> user <image> {question} <|im_end|> <|im_start|> assistant
 # Gemma 3: its tower at the released 896 px / patch 14, 256 tokens per image; the window
 # short enough that an image request's decode crosses it.
 GEMMA3_TILE, GEMMA3_PATCH, GEMMA3_TOKENS, GEMMA3_WINDOW = 896, 14, 256, 256
+GEMMA3_NEWLINES = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
 GEMMA3_PROMPT = (
     "<bos> <start_of_turn> user <start_of_image> {question} <end_of_turn> <start_of_turn> model"
 )
@@ -180,6 +181,8 @@ def write_gemma3_workload(
     params = {
         "gemma3": [*sizes, vision_layers, GEMMA3_TILE, GEMMA3_PATCH, GEMMA3_TOKENS, GEMMA3_WINDOW],
         "covered_vocab": True,
+        "newlines": True,
+        "nested_tower": 2,
     }
     if _stale(root, params):
         head_dim = args.hidden // args.heads
@@ -192,7 +195,11 @@ def write_gemma3_workload(
             vision_layers=vision_layers, vision_heads=VISION_HEADS,
             vision_intermediate=VISION_INTERMEDIATE,
         )  # fmt: skip
-        cover_vocab(model, args.vocab)
+        # vLLM's Gemma 3 processor looks up the real tokenizer's newline-run tokens (it
+        # merges "\n" + "\n\n" after its image replacement): give them ids. The word-level
+        # pre-tokenizer splits on whitespace, so neither side ever emits them.
+        cover_vocab(model, args.vocab, extra=GEMMA3_NEWLINES)
+        nest_vision_tower(model / "model.safetensors")
         _mark(root, params)
     image_spec = write_image_workload(root / "llava", args, num_requests, max_tokens, 0, False)
     requests, warmup = image_spec["requests"], image_spec["warmup"]
@@ -233,15 +240,17 @@ def kv_report(model: Path, context: int, cache_bytes: int) -> dict:
     return out
 
 
-def cover_vocab(model: Path, vocab_size: int) -> None:
-    """Give every id of the model a word of its own (w<i> fillers after the tokenizer's
-    words; existing ids unchanged). Random weights emit any id, and ids past the tokenizer
-    decode to nothing: a stream of them has no text, so no first token to time."""
+def cover_vocab(model: Path, vocab_size: int, extra: tuple[str, ...] = ()) -> None:
+    """Give every id of the model a word of its own (`extra`, then w<i> fillers after the
+    tokenizer's words; existing ids unchanged). Random weights emit any id, and ids past the
+    tokenizer decode to nothing: a stream of them has no text, so no first token to time."""
     from tokenizers import Tokenizer, models
 
     path = model / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(path))
     vocab = tokenizer.get_vocab(with_added_tokens=True)
+    for word in extra:
+        vocab.setdefault(word, len(vocab))
     i = 0
     while len(vocab) < vocab_size:
         vocab.setdefault(f"w{i}", len(vocab))
@@ -261,8 +270,8 @@ def add_chat_template(model: Path, template: str) -> None:
 def nest_vision_tower(path: Path) -> None:
     """Rename `vision_tower.*` to `vision_tower.vision_model.*` (what `save_pretrained`
     writes is refused by vLLM: "There is no module or parameter named
-    'vision_tower.embeddings' in LlavaOnevisionForConditionalGeneration"). vlmserve loads
-    either layout."""
+    'vision_tower.embeddings' in LlavaOnevisionForConditionalGeneration", and the same in
+    Gemma3ForConditionalGeneration). vlmserve loads either layout."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(path)

@@ -60,6 +60,10 @@ VLLM_REFUSALS = {
     "image": "ValueError: There is no module or parameter named 'vision_tower.embeddings' in "
     "LlavaOnevisionForConditionalGeneration (transformers' save_pretrained layout; the "
     "checkpoint is rewritten to vision_tower.vision_model.*)",
+    "gemma3": "ValueError: There is no module or parameter named 'vision_tower.embeddings' in "
+    "Gemma3ForConditionalGeneration (rewritten to vision_tower.vision_model.*); and "
+    "KeyError: '\\n' (its processor looks up the real tokenizer's newline-run tokens: the "
+    "word-level tokenizer is given ids for them)",
 }
 
 
