@@ -9,13 +9,14 @@ its methods read and change the scheduler state annotated below.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 
 from scheduler.admission import AdmissionPolicy, Candidate
 from scheduler.config import SchedulerConfig
 from scheduler.encoder_budget import needs_tower
-from scheduler.kv_blocks import BlockManager
+from scheduler.kv_blocks import BlockManager, PrefixHit
 from scheduler.lump_budget import StepCost
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
@@ -41,8 +42,8 @@ class WaitingAdmission:
     step_cost: StepCost | None
     clock: Callable[[], float] | None
 
-    def _candidates(self) -> list[tuple[Candidate, list[int]]]:
-        """Ready waiting sequences, each with its prefix-cache match (blocks)."""
+    def _candidates(self) -> list[tuple[Candidate, PrefixHit]]:
+        """Ready waiting sequences, each with its prefix-cache match (blocks per group)."""
         bm, out = self.block_manager, []
         now = self.clock() if self.clock is not None else None
         token_s = prefill_token_s(self.step_cost, self.config.max_num_batched_tokens)
@@ -51,13 +52,12 @@ class WaitingAdmission:
             if not seq.ready or seq.num_pending_tokens:
                 continue
             hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
-            # Keep at least one token to compute: its logits give the next token.
-            matched = bm.match_prefix(hashes)[: (seq.num_tokens - 1) // self.block_size]
-            matched = matched if seq.use_prefix_cache else []  # prompt logprobs: none
-            if seq.spans:  # a match may not end inside an image (scheduler/spans.py)
-                reusable = span_safe_prefix(seq.spans, len(matched) * self.block_size)
-                matched = matched[: reusable // self.block_size]
-            num_cached = len(matched) * self.block_size
+            # Keep at least one token to compute: its logits give the next token. Prompt
+            # logprobs: no match. A match may not end inside an image (scheduler/spans.py).
+            max_blocks = (seq.num_tokens - 1) // self.block_size if seq.use_prefix_cache else 0
+            safe = functools.partial(span_safe_prefix, seq.spans) if seq.spans else None
+            matched = bm.find_prefix(hashes, max_blocks, safe)
+            num_cached = matched.num_blocks * self.block_size
             tower = any(
                 needs_tower(img, num_cached, seq.num_tokens, num_cached, self._is_cached(img))
                 for img in seq.images
@@ -80,12 +80,13 @@ class WaitingAdmission:
         # Blocks that admitted sequences have yet to take are spoken for: the rest of
         # their prompt and (lumpy) their expected growth.
         # (A speculating sequence may hold more than its tokens need: that is not a credit.)
+        # (A sliding group's blocks count at their peak: the window and one step's chunk.)
         reserved = sum(
-            max(0, bm.blocks_for(self._reserve(s)) - len(s.block_table)) for s in self.running
+            max(0, bm.footprint(self._reserve(s)) - bm.held_blocks(s)) for s in self.running
         )
         available = bm.num_free_blocks - reserved
         quick_blocks = sum(
-            max(len(s.block_table), bm.blocks_for(self._reserve(s)))
+            max(bm.held_blocks(s), bm.footprint(self._reserve(s)))
             for s in self.running
             if s.request_id in self._quick_ids
         )
@@ -99,7 +100,7 @@ class WaitingAdmission:
             cost = bm.cost_of(matched, self._reserve(seq))
             if blocked is not None and not policy.may_pass(*blocked, cand, cost, quick_blocks):
                 continue
-            num_cached = len(matched) * self.block_size
+            num_cached = matched.num_blocks * self.block_size
             chunk = self._chunk(seq, num_cached, room, not cand.quick)
             fits = chunk is not None and policy.can_admit(cand, cost, available, quick_blocks)
             if not fits or (quick_only and not cand.quick):
@@ -120,7 +121,7 @@ class WaitingAdmission:
         return scheduled
 
     def _start(
-        self, seq: Sequence, matched: list[int], num_cached: int, num_new: int, quick: bool
+        self, seq: Sequence, matched: PrefixHit, num_cached: int, num_new: int, quick: bool
     ) -> None:
         """Move `seq` from waiting to running with its prefix-cache blocks and its first
         chunk's blocks."""

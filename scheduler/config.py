@@ -64,14 +64,22 @@ class CacheConfig:
 
 
 def kv_pool_num_blocks(
-    budget_bytes: int, block_bytes: int, block_size: int, max_num_seqs: int, max_model_len: int
+    budget_bytes: int,
+    block_bytes: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    blocks_per_seq: int | None = None,
 ) -> int:
     """Blocks of a KV pool sized by a byte budget: as many as `budget_bytes` holds, but no
     more than `max_num_seqs` sequences of `max_model_len` tokens fill at once (a bigger pool
-    only ever holds prefix-cache leftovers). At least one block."""
+    only ever holds prefix-cache leftovers). At least one block. `blocks_per_seq`: what one
+    such sequence holds at most (hybrid KV: over every group, `kv_blocks.seq_peak_blocks`;
+    default: a block per block_size tokens)."""
     assert block_bytes > 0 and block_size > 0, (block_bytes, block_size)
-    max_useful = max_num_seqs * -(-max_model_len // block_size)  # ceil: a partial last block
-    return max(1, min(budget_bytes // block_bytes, max_useful))
+    if blocks_per_seq is None:
+        blocks_per_seq = -(-max_model_len // block_size)  # ceil: a partial last block
+    return max(1, min(budget_bytes // block_bytes, max_num_seqs * blocks_per_seq))
 
 
 @dataclass(frozen=True)

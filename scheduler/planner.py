@@ -71,13 +71,22 @@ class Scheduler(WaitingAdmission):
         spec_speedup: SpeedupFn | None = None,
         step_cost: StepCost | None = None,
         clock: Callable[[], float] | None = None,
+        kv_windows: tuple[int | None, ...] = (None,),
     ) -> None:
+        """`kv_windows`: each KV cache group's sliding window (None: full attention), as
+        `kv_blocks.kv_cache_groups` groups the model's layers; one group by default."""
         self.config = config
         # Seconds a step of a given shape takes (TPOT guard) and the time now (slack
         # against TTFT targets): injected by the engine and the simulator.
         self.step_cost, self.clock = step_cost, clock
-        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, cache.block_size, cache.enable_prefix_caching, kv_windows,
+            config.max_num_batched_tokens,
+        )  # fmt: skip
         self.admission = admission or make_admission(config, cache, num_blocks)
+        if isinstance(self.admission, LumpyAdmission):  # what one sequence can reserve
+            usable = self.block_manager.num_usable_blocks - self.admission.watermark_blocks
+            self.admission.max_reservable_tokens = self.block_manager.max_tokens_within(usable)
         # Whether the encoder cache holds an image (by ImagePlaceholder.content_hash).
         self.encoder_cached = encoder_cached or (lambda _: False)
         self.waiting: deque[Sequence] = deque()
@@ -116,19 +125,19 @@ class Scheduler(WaitingAdmission):
         prefill off. Pure: the engine refuses with it at arrival (400), the simulator the
         same way."""
         bm = self.block_manager
-        needed = bm.blocks_for(num_prompt_tokens + max_tokens)
-        if needed > bm.num_blocks:
+        needed = bm.footprint(num_prompt_tokens + max_tokens)
+        if needed > bm.num_usable_blocks:
             return (
                 f"request needs {needed} KV blocks ({num_prompt_tokens} prompt + {max_tokens} "
-                f"output tokens), the KV pool holds {bm.num_blocks}"
+                f"output tokens), the KV pool holds {bm.num_usable_blocks}"
             )
-        lump = bm.blocks_for(num_prompt_tokens)
-        usable = bm.num_blocks - self.admission.watermark_blocks
+        lump = bm.footprint(num_prompt_tokens)
+        usable = bm.num_usable_blocks - self.admission.watermark_blocks
         if lump > usable:
             return (
                 f"prompt needs {lump} KV blocks at once ({num_prompt_tokens} tokens), the KV "
-                f"pool holds {bm.num_blocks} of which {usable} can be reserved (the rest is "
-                "the watermark)"
+                f"pool holds {bm.num_usable_blocks} of which {usable} can be reserved (the "
+                "rest is the watermark)"
             )
         sched = self.config
         if not sched.enable_chunked_prefill and num_prompt_tokens > sched.max_num_batched_tokens:
@@ -164,14 +173,21 @@ class Scheduler(WaitingAdmission):
     def stats(self) -> dict[str, float]:
         """Queue and KV-pool gauges, preemption counters (the engine's `stats()`)."""
         bm = self.block_manager
-        used = bm.num_blocks - bm.num_free_blocks
-        return {
+        used = bm.num_usable_blocks - bm.num_free_blocks
+        stats = {
             "waiting": float(len(self.waiting)), "running": float(len(self.running)),
-            "num_blocks": float(bm.num_blocks), "free_blocks": float(bm.num_free_blocks),
-            "used_blocks": float(used), "kv_usage": used / bm.num_blocks,
+            "num_blocks": float(bm.num_usable_blocks), "free_blocks": float(bm.num_free_blocks),
+            "used_blocks": float(used), "kv_usage": used / bm.num_usable_blocks,
             "num_preemptions": float(self.num_preemptions),
             "recomputed_tokens_total": float(self.num_recomputed_tokens),
         }  # fmt: skip
+        if bm.num_groups > 1 or bm.null_block is not None:  # hybrid KV: held per kind
+            for kind in ("full", "sliding"):
+                stats[f"kv_blocks_in_use_{kind}"] = float(sum(
+                    bm.blocks_in_use(g) for g, w in enumerate(bm.windows)
+                    if (w is None) == (kind == "full")
+                ))  # fmt: skip
+        return stats
 
     @property
     def spec_metrics(self) -> SpecMetrics | None:
@@ -316,6 +332,8 @@ class Scheduler(WaitingAdmission):
             ):
                 continue  # async: its last token is in flight, it finishes when that lands
             lump, start = self._is_lump(seq), seq.num_computed_tokens
+            # Blocks that fell out of a sliding group's window go back before it grows.
+            self.block_manager.release_skipped(seq)
             chunk = self._chunk(seq, start, room, lump)
             if chunk is None:
                 continue  # chunking off, or its next image waits for a step with tower room
@@ -367,7 +385,7 @@ class Scheduler(WaitingAdmission):
             seq.token_ids.extend(tokens)
             # Only accepted tokens are hashed: the hashes stop at num_computed_tokens.
             hashes = extend_block_hashes(seq, seq.num_computed_tokens, self.block_size)
-            self.block_manager.register(hashes, seq.block_table)
+            self.block_manager.register_seq(hashes, seq)
             if drafts:  # roll back the blocks grown only for rejected drafts
                 self.block_manager.shrink(seq, seq.num_computed_tokens)
 

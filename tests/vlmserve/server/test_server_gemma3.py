@@ -1,13 +1,18 @@
 """Gemma 3 through `serve`'s app on a loopback port with the openai client: the answer and
 usage of a prompt past the sliding window with two images equal the offline engine's
-(which tests/vlmserve/engine/test_gemma3.py holds to transformers)."""
+(which tests/vlmserve/engine/test_gemma3.py holds to transformers); `/metrics` shows the
+hybrid KV manager's sliding groups staying within the window on a long generation."""
 
 from __future__ import annotations
 
+import re
+
+import httpx
 import pytest
-from server_testing import engine_config, greedy, png, serve, user
+from server_testing import engine_config, greedy, png, serve, user, wait_until
 from test_server import offline_answer
 
+from scheduler.kv_blocks import group_peak_blocks
 from vlmserve.engine.core import Engine
 
 
@@ -23,3 +28,34 @@ def test_gemma3_answer_matches_the_offline_engine(gemma3_path, random_image):
     usage = reply.usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (ref.num_prompt_tokens, 12)
     assert usage.prompt_tokens_details.image_tokens == 32
+
+
+def blocks_in_use(metrics_text: str) -> dict[str, float]:
+    """`vlmserve_kv_blocks_in_use{group="..."}` samples by group."""
+    found = re.findall(r'^vlmserve_kv_blocks_in_use\{group="(\w+)"\} (\S+)$', metrics_text, re.M)
+    return {group: float(value) for group, value in found}
+
+
+@pytest.mark.slow
+def test_metrics_show_sliding_kv_within_the_window_on_a_long_generation(gemma3_path):
+    """/metrics scraped while one long answer streams (about 30 prompt + 300 output tokens,
+    window 64, blocks of 4): the global layers' group keeps every block, so its count grows
+    with the sequence; the five sliding groups stay within the window bound, each at most
+    ceil((64 - 1 + 1) / 4) + 1 = 17 blocks while decoding, where all-global layers would
+    hold five times the full group's."""
+    samples = []
+    with serve(lambda: Engine(engine_config(gemma3_path))) as served:
+        stream = served.client().chat.completions.create(
+            messages=[user("count the stars on the left " * 4)], stream=True, **greedy(300)
+        )
+        for i, _ in enumerate(stream):
+            if i % 25 == 10:
+                samples.append(blocks_in_use(httpx.get(served.url("/metrics")).text))
+        scrape = lambda: blocks_in_use(httpx.get(served.url("/metrics")).text)  # noqa: E731
+        # All returned once the answer ends (cached blocks are free, not in use).
+        assert wait_until(lambda: scrape() == {"full": 0.0, "sliding": 0.0}), scrape()
+    assert len(samples) >= 8 and all(set(s) == {"full", "sliding"} for s in samples)
+    bound = 5 * group_peak_blocks(64, 4, 10**6, 1)
+    assert all(s["sliding"] <= bound for s in samples), samples
+    assert samples[-1]["full"] >= 250 / 4  # the global layers hold the whole sequence
+    assert samples[-1]["sliding"] < 5 * samples[-1]["full"] / 3, samples[-1]
