@@ -4,10 +4,10 @@ Self-contained, like vLLM v1's `SchedulerOutput`: request ids, the tokens and po
 compute, the block-table change since the runner last saw the request (one per KV cache
 group), the image placeholders the chunk fills (the encoder work of the step, named by
 request id, image index and encoder-cache key), drafts, whether a row samples, and the
-requests that finished or lost their KV since the plan before. The runner keeps its own block tables and the
-encoder records of each request's images (encoders/stage.py makes them) and applies the
-plan to them; it never reads a `Sequence`. The scheduler keeps the live sequences and
-looks them up by request id when the step comes back.
+requests that finished or lost their KV since the plan before. The runner keeps its own
+block tables and the encoder records of each request's images (encoders/stage.py makes
+them) and applies the plan to them; it never reads a `Sequence`. The scheduler keeps the
+live sequences and looks them up by request id when the step comes back.
 
 What must stay true: a plan holds plain data only (ints, strings, bytes, tuples, lists,
 frozen records of those); tests/scheduler/test_step_plan.py walks it.

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from scheduler.kv_blocks import kv_cache_groups
+from scheduler.config import kv_cache_groups
 from search.costmodel import cost_model as cm
 from search.costmodel.presets import Accelerator, ModelShape, VisionEncoder
 from search.image_budget import ImageAssumptions, vit_flops

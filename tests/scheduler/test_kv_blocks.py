@@ -1,6 +1,7 @@
 import pytest
 
-from scheduler.kv_blocks import BlockManager, group_peak_blocks, kv_cache_groups
+from scheduler.config import group_peak_blocks, kv_cache_groups
+from scheduler.kv_blocks import BlockManager
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import Sequence
 from scheduler.step_plan import BlockTableDelta, schedule_item

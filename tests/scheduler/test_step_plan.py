@@ -11,8 +11,7 @@ import random
 import pytest
 from sched_testing import make_request, make_scheduler
 
-from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from scheduler.kv_blocks import group_peak_blocks
+from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig, group_peak_blocks
 from scheduler.planner import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.step_plan import StepPlan, image_chunks

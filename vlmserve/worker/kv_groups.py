@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionBackend, AttentionBatch, LayeredMetadata
-from scheduler.kv_blocks import KVCacheGroup, kv_cache_groups
+from scheduler.config import KVCacheGroup, kv_cache_groups
 from scheduler.step_plan import BlockTableDelta
 
 

@@ -25,8 +25,7 @@ from kernels.attention import AttentionBatch
 from kernels.backends import select_backend
 from kernels.malloc_tuning import keep_freed_memory
 from kernels.packed_linear import pack_linears
-from scheduler.config import kv_pool_num_blocks
-from scheduler.kv_blocks import seq_peak_blocks
+from scheduler.config import kv_pool_num_blocks, seq_peak_blocks
 from scheduler.step_plan import ScheduledSeq, StepPlan
 from vlmserve.config import EngineConfig, kv_cache_torch_dtype
 from vlmserve.worker.dtypes import check_dtypes

@@ -12,7 +12,7 @@ import pytest
 from server_testing import engine_config, greedy, png, serve, user, wait_until
 from test_server import offline_answer
 
-from scheduler.kv_blocks import group_peak_blocks
+from scheduler.config import group_peak_blocks
 from vlmserve.engine.core import Engine
 
 

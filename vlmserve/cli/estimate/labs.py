@@ -10,7 +10,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.kv_blocks import seq_peak_blocks
+from scheduler.config import seq_peak_blocks
 from search.costmodel import cost_model as cm
 from search.costmodel.labs import batching_limits, kv_report, serving_plan
 from search.costmodel.presets import (
