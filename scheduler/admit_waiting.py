@@ -37,6 +37,7 @@ class WaitingAdmission:
     _max_num_tokens: dict[str, int]
     _admitted_at: dict[str, int]
     _quick_ids: set[str]
+    max_drafts: int  # draft tokens a decode may carry (0: no speculation)
     _is_cached: Callable[[ImagePlaceholder], bool]
     _chunk: Callable[[Sequence, int, Room, bool], tuple[int, int] | None]
     step_cost: StepCost | None
@@ -80,13 +81,14 @@ class WaitingAdmission:
         # Blocks that admitted sequences have yet to take are spoken for: the rest of
         # their prompt and (lumpy) their expected growth.
         # (A speculating sequence may hold more than its tokens need: that is not a credit.)
-        # (A sliding group's blocks count at their peak: the window and one step's chunk.)
+        # (A sliding group's blocks count at their peak: the window and its biggest step.)
         reserved = sum(
-            max(0, bm.footprint(self._reserve(s)) - bm.held_blocks(s)) for s in self.running
+            max(0, bm.footprint(self._reserve(s), self._step_tokens(s)) - bm.held_blocks(s))
+            for s in self.running
         )
         available = bm.num_free_blocks - reserved
         quick_blocks = sum(
-            max(bm.held_blocks(s), bm.footprint(self._reserve(s)))
+            max(bm.held_blocks(s), bm.footprint(self._reserve(s), self._step_tokens(s)))
             for s in self.running
             if s.request_id in self._quick_ids
         )
@@ -97,10 +99,10 @@ class WaitingAdmission:
             if room.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             matched = matches[id(seq)]
-            cost = bm.cost_of(matched, self._reserve(seq))
+            num_cached = matched.num_blocks * self.block_size
+            cost = bm.cost_of(matched, self._reserve(seq), self._step_tokens(seq, num_cached))
             if blocked is not None and not policy.may_pass(*blocked, cand, cost, quick_blocks):
                 continue
-            num_cached = matched.num_blocks * self.block_size
             chunk = self._chunk(seq, num_cached, room, not cand.quick)
             fits = chunk is not None and policy.can_admit(cand, cost, available, quick_blocks)
             if not fits or (quick_only and not cand.quick):
@@ -138,6 +140,14 @@ class WaitingAdmission:
         self._admitted_at[seq.request_id] = num_cached
         if quick:
             self._quick_ids.add(seq.request_id)
+
+    def _step_tokens(self, seq: Sequence, num_computed: int | None = None) -> int:
+        """The most tokens one step computes for `seq` from `num_computed` on (default:
+        its own): the rest of its prefill, at most the step budget, or a decode and its
+        drafts. Hybrid KV: what a sliding group holds beyond its window."""
+        done = seq.num_computed_tokens if num_computed is None else num_computed
+        rest = min(seq.num_tokens - done, self.config.max_num_batched_tokens)
+        return max(rest, 1 + self.max_drafts)
 
     def _reserve(self, seq: Sequence) -> int:
         return self.admission.reserve_tokens(seq, self._max_num_tokens.get(seq.request_id))

@@ -107,12 +107,14 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def footprint(self, num_tokens: int) -> int:
+    def footprint(self, num_tokens: int, max_step_tokens: int | None = None) -> int:
         """Blocks of the pool a sequence of `num_tokens` tokens holds at most at once, over
-        every group (one group: `blocks_for`)."""
+        every group (one group: `blocks_for`); `max_step_tokens`: the most it computes in
+        one step from now on (default: the step budget)."""
         if len(self.windows) == 1 and self.null_block is None:
             return self.blocks_for(num_tokens)
-        return seq_peak_blocks(self.windows, self.block_size, num_tokens, self.max_step_tokens)
+        step = self.max_step_tokens if max_step_tokens is None else max_step_tokens
+        return seq_peak_blocks(self.windows, self.block_size, num_tokens, step)
 
     def max_tokens_within(self, num_blocks: int) -> int:
         """The longest sequence whose `footprint` fits in `num_blocks` blocks."""
@@ -219,18 +221,20 @@ class BlockManager:
         assert self.num_groups == 1 or not matched, "a multi-group hit comes from find_prefix"
         return PrefixHit(len(matched), (tuple(matched),) + ((),) * (self.num_groups - 1))
 
-    def cost_of(self, matched: list[int] | PrefixHit, num_tokens: int) -> int:
+    def cost_of(
+        self, matched: list[int] | PrefixHit, num_tokens: int, max_step_tokens: int | None = None
+    ) -> int:
         """Free blocks that holding `num_tokens` would consume at most, given the matched
         prefix (a matched block in use costs nothing; a matched free one leaves the free
-        queue; a sliding group never holds more than its peak)."""
+        queue; a sliding group never holds more than its peak, for steps of at most
+        `max_step_tokens`, default the step budget)."""
         hit, cost = self._as_hit(matched), 0
+        step = self.max_step_tokens if max_step_tokens is None else max_step_tokens
         new = self.blocks_for(num_tokens) - hit.num_blocks
         for g, table in enumerate(hit.tables):
             present = [b for b in table if b != self.null_block]
             in_use = sum(1 for b in present if self.blocks[b].ref_count > 0)
-            peak = group_peak_blocks(
-                self.windows[g], self.block_size, num_tokens, self.max_step_tokens
-            )
+            peak = group_peak_blocks(self.windows[g], self.block_size, num_tokens, step)
             cost += min(len(present) + new, max(peak, len(present))) - in_use
         return cost
 

@@ -99,7 +99,9 @@ class Scheduler(WaitingAdmission):
         self._finished_ids: dict[str, None] = {}
         self.proposer: NgramProposer | None = None
         self.spec_policy: SpecPolicy | None = None
+        self.max_drafts = 0
         if speculative is not None and speculative.enabled:
+            self.max_drafts = speculative.num_speculative_tokens
             self.proposer = NgramProposer(speculative.min_n, speculative.max_n)
             # The engine fills in B* for its device; without one the ridge never gates.
             ridge = speculative.ridge_batch if speculative.ridge_batch is not None else math.inf

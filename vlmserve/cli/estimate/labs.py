@@ -252,16 +252,17 @@ def _hybrid_rows(model: ModelShape, context: int, cache_bytes: float) -> list[Ro
 
 def _manager_row(model: ModelShape, context: int, cache_bytes: float, block: int = 16) -> Row:
     """What the engine's hybrid KV manager (scheduler/kv_blocks.py) holds for one decoding
-    sequence: its pool blocks over every KV cache group, whole blocks and the +1 of a
-    window that starts mid-block included, against all-global layers in the same blocks."""
+    sequence: its pool blocks over every KV cache group (whole blocks, the +1 of a window
+    that starts mid-block, a smaller last group's unused share all counted), against
+    all-global layers."""
     windows, per_block = kv_windows(model), kv_layers_per_block(model)
     held = seq_peak_blocks(windows, block, context, 1)
-    all_global = len(windows) * -(-context // block)
     block_bytes = cm.kv_bytes_per_token(model, cache_bytes) / model.num_layers * per_block * block
+    full = cm.kv_bytes_all_global(model, context, cache_bytes)
     return (
         f"KV manager, blocks of {block}",
         f"{held:,} blocks of {per_block} layers ({_bytes(held * block_bytes)}), "
-        f"{held / all_global:.0%} of all-global's {all_global:,}",
+        f"{held * block_bytes / full:.0%} of all global",
     )
 
 
