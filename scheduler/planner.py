@@ -74,7 +74,7 @@ class Scheduler(WaitingAdmission):
         kv_windows: tuple[int | None, ...] = (None,),
     ) -> None:
         """`kv_windows`: each KV cache group's sliding window (None: full attention), as
-        `kv_blocks.kv_cache_groups` groups the model's layers; one group by default."""
+        `config.kv_cache_groups` groups the model's layers; one group by default."""
         self.config = config
         # Seconds a step of a given shape takes (TPOT guard) and the time now (slack
         # against TTFT targets): injected by the engine and the simulator.
@@ -84,9 +84,11 @@ class Scheduler(WaitingAdmission):
             config.max_num_batched_tokens,
         )  # fmt: skip
         self.admission = admission or make_admission(config, cache, num_blocks)
-        if isinstance(self.admission, LumpyAdmission):  # what one sequence can reserve
-            usable = self.block_manager.num_usable_blocks - self.admission.watermark_blocks
-            self.admission.max_reservable_tokens = self.block_manager.max_tokens_within(usable)
+        bm = self.block_manager
+        if isinstance(self.admission, LumpyAdmission) and bm.null_block is not None:
+            # Hybrid KV: the longest sequence whose blocks over every group can be reserved.
+            usable = bm.num_usable_blocks - self.admission.watermark_blocks
+            self.admission.max_reservable_tokens = bm.max_tokens_within(usable)
         # Whether the encoder cache holds an image (by ImagePlaceholder.content_hash).
         self.encoder_cached = encoder_cached or (lambda _: False)
         self.waiting: deque[Sequence] = deque()
