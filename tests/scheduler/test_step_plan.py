@@ -169,6 +169,8 @@ def test_hybrid_tables_follow_the_deltas_and_drop_what_leaves_the_window(admissi
         bm.check_integrity()
     assert not scheduler.has_unfinished()
     assert bm.num_free_blocks == bm.num_usable_blocks
+    if admission == "lumpy":  # its reservations cover each request's whole length here
+        seen.pop("preempted")
     assert all(count > 0 for count in seen.values()), seen  # each path was exercised
 
 
