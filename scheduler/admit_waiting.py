@@ -45,19 +45,14 @@ class WaitingAdmission:
 
     def _candidates(self) -> list[tuple[Candidate, PrefixHit]]:
         """Ready waiting sequences, each with its prefix-cache match (blocks per group)."""
-        bm, out = self.block_manager, []
+        out = []
         now = self.clock() if self.clock is not None else None
         token_s = prefill_token_s(self.step_cost, self.config.max_num_batched_tokens)
         for seq in self.waiting:
             # (Preempted while its last token is in flight: that token is unknown yet.)
             if not seq.ready or seq.num_pending_tokens:
                 continue
-            hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
-            # Keep at least one token to compute: its logits give the next token. Prompt
-            # logprobs: no match. A match may not end inside an image (scheduler/spans.py).
-            max_blocks = (seq.num_tokens - 1) // self.block_size if seq.use_prefix_cache else 0
-            safe = functools.partial(span_safe_prefix, seq.spans) if seq.spans else None
-            matched = bm.find_prefix(hashes, max_blocks, safe)
+            matched = self._match(seq)
             num_cached = matched.num_blocks * self.block_size
             tower = any(
                 needs_tower(img, num_cached, seq.num_tokens, num_cached, self._is_cached(img))
@@ -69,6 +64,15 @@ class WaitingAdmission:
             slack = slack_s(seq, self.config.slo, now, prefill_s)
             out.append((Candidate(seq, quick, aged, slack), matched))
         return out
+
+    def _match(self, seq: Sequence) -> PrefixHit:
+        """`seq`'s prefix-cache match now (blocks per group)."""
+        hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
+        # Keep at least one token to compute: its logits give the next token. Prompt
+        # logprobs: no match. A match may not end inside an image (scheduler/spans.py).
+        max_blocks = (seq.num_tokens - 1) // self.block_size if seq.use_prefix_cache else 0
+        safe = functools.partial(span_safe_prefix, seq.spans) if seq.spans else None
+        return self.block_manager.find_prefix(hashes, max_blocks, safe)
 
     def _admit(self, room: Room, quick_only: bool = False) -> list[ScheduledSeq]:
         """Start waiting sequences in the policy's order while `room` and the pool allow;
@@ -98,7 +102,8 @@ class WaitingAdmission:
             seq = cand.seq
             if room.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            matched = matches[id(seq)]
+            # A start before it in this loop may have evicted a free block of its match.
+            matched = self._match(seq) if scheduled else matches[id(seq)]
             num_cached = matched.num_blocks * self.block_size
             cost = bm.cost_of(matched, self._reserve(seq), self._step_tokens(seq, num_cached))
             if blocked is not None and not policy.may_pass(*blocked, cand, cost, quick_blocks):

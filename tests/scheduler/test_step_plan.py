@@ -134,8 +134,8 @@ def test_hybrid_tables_follow_the_deltas_and_drop_what_leaves_the_window(admissi
     bm = scheduler.block_manager
     runner, limits = RunnerCopy(), {}
     seen = {"preempted": 0, "prefix_hits": 0, "released": 0, "sliding_hits": 0}
-    for step in range(500):
-        if step < 400 and rng.random() < 0.3:
+    for step in range(800):
+        if step < 300 and rng.random() < 0.25:
             prompt = [1 + (i % 5) for i in range(rng.randrange(5, 45))]
             seq = Sequence(f"r{step}", prompt)
             limits[seq.request_id] = len(prompt) + rng.randrange(1, 30)
