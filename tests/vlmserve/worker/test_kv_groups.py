@@ -40,7 +40,7 @@ def test_each_group_gets_its_own_tables_slots_and_window():
         TorchPagedAttention(), batch, torch.tensor(slots_of([7, 8, 9], 8, 12, 4))
     )
     assert isinstance(meta, LayeredMetadata) and len(meta.groups) == 6
-    assert meta.for_layer(5) is meta.groups[0] and meta.for_layer(7) is meta.groups[2]
+    assert meta.for_layer(5) is meta.groups[0] and meta.for_layer(6) is meta.groups[3]
     assert meta.groups[0].slot_mapping.tolist() == [36, 37, 38, 39]  # block 9
     assert meta.groups[3].slot_mapping.tolist() == [(10 * 3 + 2) * 4 + i for i in range(4)]
     # A sliding group gathers from its window's first block on, never the null entry.
