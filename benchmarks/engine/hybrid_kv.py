@@ -39,7 +39,7 @@ def run(path: Path, context: int, output: int, budget: int) -> dict:
         EngineConfig(
             ModelConfig(str(path), max_model_len=context + 16),
             CacheConfig(block_size=BLOCK, memory_bytes=256 << 20),
-            SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=1),
+            SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=2),
         )
     )
     prompt = [1 + (i * 7) % 250 for i in range(context - output)]
