@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import Block, VisionTransformer
 
+from kernels import cpu_attention
 from kernels.packed_linear import Activation, linear_act, linear_add
 
 
@@ -41,6 +42,10 @@ def fused_block(block: Block, x: torch.Tensor, num_tiles: int, act: Activation) 
     num_rows, hidden = x.shape
     num_patches = num_rows // num_tiles
     qkv = attn.qkv(block.norm1(x))  # [rows, 3 * hidden], columns (q|k|v, head, head_dim)
+    if tile_kernel(x, attn.head_dim):
+        out = cpu_attention.tile_attention(qkv, num_tiles, attn.num_heads, attn.scale)
+        x = linear_add(attn.proj, out, x)
+        return linear_add(block.mlp.fc2, linear_act(block.mlp.fc1, block.norm2(x), act), x)
     # 3 x [tiles, heads, patches, head_dim] strided views; SDPA reads the strides
     shape = (num_tiles, num_patches, 3, attn.num_heads, attn.head_dim)
     q, k, v = qkv.view(shape).permute(2, 0, 3, 1, 4).unbind(0)
@@ -49,6 +54,17 @@ def fused_block(block: Block, x: torch.Tensor, num_tiles: int, act: Activation) 
     out = out.transpose(1, 2).reshape(num_rows, hidden)
     x = linear_add(attn.proj, out, x)
     return linear_add(block.mlp.fc2, linear_act(block.mlp.fc1, block.norm2(x), act), x)
+
+
+def tile_kernel(x: torch.Tensor, head_dim: int) -> bool:
+    """bfloat16 on a CPU with AVX-512 BF16: attention on the prefill kernel's dot products
+    (about twice torch's SDPA there, `benchmarks/ops/vision_tower.py`); SDPA otherwise."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and head_dim % 16 == 0
+        and cpu_attention.bf16_dot_available()
+    )
 
 
 def default_tiles_per_chunk(device: torch.device, num_tiles: int) -> int:
