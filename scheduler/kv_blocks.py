@@ -90,6 +90,7 @@ class BlockManager:
         self._tables: dict[str, list[list[int]]] = {}
         self._num_null: dict[str, list[int]] = {}  # request_id -> leading null entries per group
         self._in_use = [0] * len(self.windows)  # blocks held, per group
+        self.peak_by_kind = {"full": 0, "sliding": 0}  # most held at once (`note_peak`)
 
     @property
     def num_groups(self) -> int:
@@ -137,6 +138,16 @@ class BlockManager:
     def blocks_in_use(self, group: int) -> int:
         """Blocks the tables of `group` hold (a shared one once)."""
         return self._in_use[group]
+
+    def in_use_by_kind(self) -> dict[str, int]:
+        """Blocks the full-attention groups and the sliding-window ones hold."""
+        full = sum(n for n, w in zip(self._in_use, self.windows, strict=True) if w is None)
+        return {"full": full, "sliding": sum(self._in_use) - full}
+
+    def note_peak(self) -> None:
+        """Raise `peak_by_kind` to what is held now (the planner calls it after growing)."""
+        for kind, held in self.in_use_by_kind().items():
+            self.peak_by_kind[kind] = max(self.peak_by_kind[kind], held)
 
     # -- prefix cache -------------------------------------------------------------------
 

@@ -185,12 +185,10 @@ class Scheduler(WaitingAdmission):
             "num_preemptions": float(self.num_preemptions),
             "recomputed_tokens_total": float(self.num_recomputed_tokens),
         }  # fmt: skip
-        if bm.num_groups > 1 or bm.null_block is not None:  # hybrid KV: held per kind
-            for kind in ("full", "sliding"):
-                stats[f"kv_blocks_in_use_{kind}"] = float(sum(
-                    bm.blocks_in_use(g) for g, w in enumerate(bm.windows)
-                    if (w is None) == (kind == "full")
-                ))  # fmt: skip
+        if bm.null_block is not None:  # hybrid KV: held per kind of group, now and at most
+            for kind, held in bm.in_use_by_kind().items():
+                stats[f"kv_blocks_in_use_{kind}"] = float(held)
+                stats[f"kv_blocks_peak_{kind}"] = float(bm.peak_by_kind[kind])
         return stats
 
     @property
@@ -298,6 +296,8 @@ class Scheduler(WaitingAdmission):
             # slack order serves the request (an earlier deadline always goes first).
             if (slack := step_room.slack_s(seq, self.config.slo, now)) is None or slack < 0:
                 seq.num_waiting_steps += 1
+        if self.block_manager.null_block is not None:
+            self.block_manager.note_peak()  # hybrid KV: the step's blocks, before releases
         finished, self._finished_ids = tuple(self._finished_ids), {}
         return StepPlan(scheduled, tuple(seq.request_id for seq in preempted), finished)
 

@@ -99,6 +99,11 @@ LABELLED_SERIES = {
         "KV cache blocks held by requests, per kind of KV cache group (full attention, "
         "sliding window); a hybrid-KV model only.",
     ),
+    "kv_blocks_peak_": (
+        "vlmserve_kv_blocks_in_use_peak", "group",
+        "Most KV cache blocks held at once since the start, per kind of KV cache group; "
+        "a hybrid-KV model only.",
+    ),
 }  # fmt: skip
 
 
