@@ -86,16 +86,15 @@ class WaitingAdmission:
         # their prompt and (lumpy) their expected growth.
         # (A speculating sequence may hold more than its tokens need: that is not a credit.)
         # (A sliding group's blocks count at their peak: the window and its biggest step.)
-        reserved = sum(
-            max(0, bm.footprint(self._reserve(s), self._step_tokens(s)) - bm.held_blocks(s))
-            for s in self.running
-        )
+        reserved = quick_blocks = 0
+        hybrid = bm.null_block is not None
+        for s in self.running:
+            target = bm.footprint(self._reserve(s), self._step_tokens(s) if hybrid else None)
+            held = bm.held_blocks(s)
+            reserved += max(0, target - held)
+            if s.request_id in self._quick_ids:
+                quick_blocks += max(held, target)
         available = bm.num_free_blocks - reserved
-        quick_blocks = sum(
-            max(bm.held_blocks(s), bm.footprint(self._reserve(s), self._step_tokens(s)))
-            for s in self.running
-            if s.request_id in self._quick_ids
-        )
         matches = {id(c.seq): m for c, m in found}
         blocked: tuple[Candidate, int] | None = None  # an aged candidate that did not fit
         for cand in policy.order([c for c, _ in found]):

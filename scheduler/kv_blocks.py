@@ -154,13 +154,14 @@ class BlockManager:
     def _key(self, group: int, h: bytes) -> bytes:
         return h if group == 0 else h + bytes((group,))
 
-    def match_prefix(self, hashes: list[bytes]) -> list[int]:
-        """Cached blocks of group 0 holding the longest run of `hashes` from the start."""
+    def match_prefix(self, hashes: list[bytes], limit: int | None = None) -> list[int]:
+        """Cached blocks of group 0 holding the longest run of `hashes` from the start (at
+        most `limit` of them)."""
         if not self.enable_prefix_caching:
             return []
-        matched = []
-        for h in hashes:
-            block_id = self._cached.get(h)
+        matched, cached = [], self._cached
+        for i in range(len(hashes) if limit is None else min(limit, len(hashes))):
+            block_id = cached.get(hashes[i])
             if block_id is None:
                 break
             matched.append(block_id)
@@ -175,6 +176,11 @@ class BlockManager:
         prefix within `num_tokens` (image spans); the hit is cut to it and searched again
         (a shorter hit needs another window)."""
         limit = min(len(hashes), max_blocks) if self.enable_prefix_caching else 0
+        if self.null_block is None and self.num_groups == 1:  # one full group: one pass
+            matched = self.match_prefix(hashes, limit)
+            if safe_end is not None:  # a full prefix cut shorter stays a hit
+                matched = matched[: safe_end(len(matched) * self.block_size) // self.block_size]
+            return PrefixHit(len(matched), (tuple(matched),))
         while True:
             k = limit
             for g, window in enumerate(self.windows):
@@ -253,16 +259,22 @@ class BlockManager:
         """Make the full blocks `block_table[i]` of `group` findable under `hashes[i]`."""
         if not self.enable_prefix_caching:
             return
+        # Called for every scheduled sequence after every step: the plain loop, no calls.
+        null, blocks, cached = self.null_block, self.blocks, self._cached
+        tag = bytes((group,)) if group else b""
         for h, block_id in zip(hashes, block_table, strict=False):  # only full blocks hash
-            if block_id == self.null_block:
+            if block_id == null or blocks[block_id].hash is not None:
                 continue
-            block, key = self.blocks[block_id], self._key(group, h)
-            if block.hash is None and key not in self._cached:
-                block.hash = key
-                self._cached[key] = block_id
+            key = h + tag if tag else h
+            if key not in cached:
+                blocks[block_id].hash = key
+                cached[key] = block_id
 
     def register_seq(self, hashes: list[bytes], seq: Sequence) -> None:
         """`register` every group's table of `seq`."""
+        if self.num_groups == 1:
+            self.register(hashes, seq.block_table)
+            return
         for group, table in enumerate(self._seq_tables(seq)):
             self.register(hashes, table, group)
 
@@ -301,6 +313,8 @@ class BlockManager:
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         need = self.blocks_for(num_tokens)
+        if self.num_groups == 1:
+            return need - len(seq.block_table) <= len(self._free)
         return sum(max(0, need - len(t)) for t in self._seq_tables(seq)) <= len(self._free)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
@@ -326,8 +340,10 @@ class BlockManager:
         """Return to the pool every block of `seq`'s sliding groups that lies wholly before
         the window of its next query (position num_computed_tokens): no later step reads
         it. Returns how many went back."""
+        if not self._sliding:
+            return 0
         tables = self._tables.get(seq.request_id)
-        if not self._sliding or tables is None:
+        if tables is None:
             return 0
         nulls, freed = self._num_null[seq.request_id], 0
         for g in self._sliding:

@@ -96,15 +96,23 @@ def schedule_item(
     synced = seq.num_synced_blocks
     delta = BlockTableDelta(synced, tuple(seq.block_table[synced:]))
     seq.num_synced_blocks = len(seq.block_table)
-    group_deltas = []
-    for group, table in enumerate(seq.group_block_tables):
-        synced = seq.num_synced_group_blocks[group]
-        group_deltas.append(BlockTableDelta(synced, tuple(table[synced:])))
-        seq.num_synced_group_blocks[group] = len(table)
+    group_deltas: tuple[BlockTableDelta, ...] = ()
+    if seq.group_block_tables:  # hybrid KV
+        group_deltas = tuple(_group_deltas(seq))
     return ScheduledSeq(
         seq.request_id, start, num_new, sample, tuple(seq.token_ids[start:end]), drafts, delta,
-        image_chunks(seq, start, end), tuple(group_deltas),
+        image_chunks(seq, start, end) if seq.images else (), group_deltas,
     )  # fmt: skip
+
+
+def _group_deltas(seq: Sequence) -> list[BlockTableDelta]:
+    """The deltas of KV cache groups 1..; marks them synced."""
+    deltas = []
+    for group, table in enumerate(seq.group_block_tables):
+        synced = seq.num_synced_group_blocks[group]
+        deltas.append(BlockTableDelta(synced, tuple(table[synced:])))
+        seq.num_synced_group_blocks[group] = len(table)
+    return deltas
 
 
 def image_chunks(seq: Sequence, start: int, end: int) -> tuple[ImageChunk, ...]:
