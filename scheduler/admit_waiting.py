@@ -10,10 +10,11 @@ its methods read and change the scheduler state annotated below.
 from __future__ import annotations
 
 import functools
+import math
 from collections import deque
 from collections.abc import Callable
 
-from scheduler.admission import AdmissionPolicy, Candidate
+from scheduler.admission import AdmissionPolicy, Candidate, HeadReservation, head_reservation
 from scheduler.config import SchedulerConfig
 from scheduler.encoder_budget import needs_tower
 from scheduler.kv_blocks import BlockManager, PrefixHit
@@ -22,7 +23,7 @@ from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spans import span_safe_prefix
 from scheduler.step_plan import ScheduledSeq, schedule_item
-from scheduler.step_room import Room, prefill_token_s, slack_s
+from scheduler.step_room import Room, is_urgent, prefill_token_s, slack_s
 
 
 class WaitingAdmission:
@@ -38,6 +39,7 @@ class WaitingAdmission:
     _admitted_at: dict[str, int]
     _quick_ids: set[str]
     max_drafts: int  # draft tokens a decode may carry (0: no speculation)
+    _kv_blocked: set[str]
     _is_cached: Callable[[ImagePlaceholder], bool]
     _chunk: Callable[[Sequence, int, Room, bool], tuple[int, int] | None]
     step_cost: StepCost | None
@@ -95,8 +97,16 @@ class WaitingAdmission:
             if s.request_id in self._quick_ids:
                 quick_blocks += max(held, target)
         available = bm.num_free_blocks - reserved
+        slo = self.config.slo
+        if not quick_only and (slo.ttft_s is not None or slo.image_ttft_s is not None):
+            # With targets the headroom follows what quick requests hold (once a step);
+            # not what waits: text queued behind a burst of images it may not delay must
+            # not widen its own lane (that would starve the images).
+            policy.observe_quick_demand(quick_blocks)
         matches = {id(c.seq): m for c, m in found}
         blocked: tuple[Candidate, int] | None = None  # an aged candidate that did not fit
+        head: HeadReservation | None = None  # the first that did not start, with slack
+        self._kv_blocked = set()  # held back by the pool or the head, not by the step
         for cand in policy.order([c for c, _ in found]):
             seq = cand.seq
             if room.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -109,8 +119,18 @@ class WaitingAdmission:
                 continue
             chunk = self._chunk(seq, num_cached, room, not cand.quick)
             fits = chunk is not None and policy.can_admit(cand, cost, available, quick_blocks)
+            if fits and head is not None and not (quick_only and not cand.quick):
+                if not self._backfills(head, cand, cost, num_cached, quick_blocks):
+                    self._kv_blocked.add(seq.request_id)
+                    fits = False
+            elif chunk is not None and not fits:
+                self._kv_blocked.add(seq.request_id)
             if not fits or (quick_only and not cand.quick):
                 if policy.may_overtake(cand):
+                    if head is not None and policy.reserves_for(cand):
+                        head.queue_behind(cost)
+                    elif head is None and blocked is None and policy.reserves_for(cand):
+                        head = self._head(cand, cost, available, quick_blocks)
                     continue
                 if blocked is not None:
                     break
@@ -125,6 +145,61 @@ class WaitingAdmission:
                 quick_blocks += cost
             room.spend(num_cached, num_new, tiles, not cand.quick, decode=False)
         return scheduled
+
+    def _backfills(
+        self, head: HeadReservation, cand: Candidate, cost: int, num_cached: int,
+        quick_blocks: int,
+    ) -> bool:  # fmt: skip
+        """Whether `cand` may start past `head` without delaying it: inside the headroom
+        (the policy's rule), within the extra, or done before the shadow step."""
+        now = self.clock() if self.clock is not None else None
+        if is_urgent(head.cand.seq, self.config.slo, now):
+            return False  # less than half its target left: strict order behind it
+        if self.admission.may_pass(head.cand, head.blocks_needed, cand, cost, quick_blocks):
+            return True
+        seq, limit = cand.seq, self._max_num_tokens.get(cand.seq.request_id)
+        step = self._step_tokens(seq, num_cached)
+        final = max(cost, self.block_manager.footprint(limit, step) if limit else 0)
+        # One step of margin: its first chunk may get less than a whole step's room.
+        steps = self._steps_left(seq, seq.num_tokens - num_cached, capped=not cand.quick) + 1
+        return head.admits(final, steps)
+
+    def _head(
+        self, cand: Candidate, cost: int, available: int, quick_blocks: int
+    ) -> HeadReservation:
+        """`cand`'s reservation against the running sequences' known ends."""
+        bm, releases = self.block_manager, []
+        for s in self.running:
+            step = self._step_tokens(s) if bm.null_block is not None else None
+            held = max(bm.held_blocks(s), bm.footprint(self._reserve(s), step))
+            limit = self._max_num_tokens.get(s.request_id)
+            final = max(held, bm.footprint(limit, step) if limit else 0)
+            # Leading blocks another live sequence holds (a shared prefix) stay taken.
+            shared = next(
+                (i for i, b in enumerate(s.block_table) if bm.blocks[b].ref_count < 2),
+                len(s.block_table),
+            )
+            # Its prefill at the whole step budget: the earliest it can end (a shadow too
+            # late would let backfills delay the head).
+            steps = self._steps_left(s, s.num_uncomputed_tokens, capped=False)
+            releases.append((steps, final - shared, final - held))
+        required = self.admission.required_blocks(cand, cost, quick_blocks)
+        return head_reservation(cand, cost, required, available, releases)
+
+    def _steps_left(self, seq: Sequence, num_uncomputed: int, capped: bool) -> float:
+        """Steps (this one counted) until `seq` is done, given its tokens without KV: its
+        prefill chunks (whole steps, or `capped` at the lumps' cap: the least they get),
+        then a token a step up to its limit; inf without a limit. Planned this step or
+        not, a running sequence's tokens are those before this step's."""
+        limit = self._max_num_tokens.get(seq.request_id)
+        if limit is None:
+            return math.inf
+        per_step = self.config.max_num_batched_tokens
+        if capped and self.admission.lump_prefill_tokens:
+            per_step = min(per_step, self.admission.lump_prefill_tokens)
+        prefill_steps = -(-num_uncomputed // per_step)
+        # The last prefill step samples the first of the tokens still to come.
+        return max(0, prefill_steps - 1) + max(1, limit - seq.num_tokens)
 
     def _start(
         self, seq: Sequence, matched: PrefixHit, num_cached: int, num_new: int, quick: bool

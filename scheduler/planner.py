@@ -115,6 +115,9 @@ class Scheduler(WaitingAdmission):
         # Running sequences admitted as quick: they may use the lump headroom and their
         # prefill is not capped.
         self._quick_ids: set[str] = set()
+        # Waiting requests the last admission held back for KV (the pool or the head's
+        # reservation), not for room in the step: short steps would not start them sooner.
+        self._kv_blocked: set[str] = set()
         self._yielded = False  # the previous step held lumps back for a quick request
         self.lump_budget = step_room.make_lump_budget(config, self.admission.lump_prefill_tokens)
 
@@ -302,16 +305,20 @@ class Scheduler(WaitingAdmission):
         return StepPlan(scheduled, tuple(seq.request_id for seq in preempted), finished)
 
     def _needs_caps(self, guarded: bool) -> bool:
-        """A quick request waits ready to start or runs without its first token yet, and
-        is urgent (`step_room.is_urgent`); or one decodes with no TPOT guard to keep its
-        steps short (`guarded`: there is one)."""
+        """A quick request waits ready to start (and was not held back for KV last step)
+        or runs without its first token yet, and is urgent (`step_room.is_urgent`); or one
+        decodes with no TPOT guard to keep its steps short (`guarded`: there is one)."""
         slo, now = self.config.slo, self.clock() if self.clock is not None else None
         for s in self.running:
             if s.request_id not in self._quick_ids:
                 continue
             if not guarded or (s.num_output_tokens == 0 and step_room.is_urgent(s, slo, now)):
                 return True
-        return any(c.quick and step_room.is_urgent(c.seq, slo, now) for c, _ in self._candidates())
+        return any(
+            c.quick and c.seq.request_id not in self._kv_blocked
+            and step_room.is_urgent(c.seq, slo, now)
+            for c, _ in self._candidates()
+        )  # fmt: skip
 
     def _is_lump(self, seq: Sequence) -> bool:
         """A running prefill not admitted as quick (its chunks share the lump cap)."""
