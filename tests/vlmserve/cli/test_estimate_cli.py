@@ -336,6 +336,9 @@ def test_kv_and_image_know_gemma3(capsys):
     assert code == 0
     assert "29 of 34, window 1,024" in out
     assert re.search(r"hybrid KV / all global\s+25%", out)
+    # The engine's manager: 512 blocks of the global group + 6 sliding groups x 65 blocks
+    # (a window of 1,024 in blocks of 16, +1), 5 layers a block (the last group has 4).
+    assert "902 blocks of 5 layers" in out and "26% of all global" in out
     code, out, _ = run_cli(capsys, "image", "--model", "gemma-3-27b", "--width", "900",
                            "--height", "600")  # fmt: skip
     assert code == 0 and "siglip-so400m-14-896" in out and "256 per image (16:1" in out

@@ -130,7 +130,9 @@ def test_prefix_hit_preemption_and_async_keep_the_tokens(gemma3_path, random_ima
     assert [o.token_ids for o in first + rest] == alone
     assert all(o.num_cached_tokens >= 16 for o in rest), "the image was not reused"
     requests = [chat([image], q, GREEDY_24, request_id=f"q{i}") for i, q in enumerate(questions)]
-    squeezed = engine_for(gemma3_path, budget=32, num_blocks=30, scheduler={"admission": "fcfs"})
+    # 180 blocks of one KV cache group (2 of the 12 layers): the bytes of 30 blocks of all
+    # 12 layers, a pool two of these sequences cannot share.
+    squeezed = engine_for(gemma3_path, budget=32, num_blocks=180, scheduler={"admission": "fcfs"})
     assert [o.token_ids for o in run_checked(squeezed, requests)] == alone
     assert squeezed.scheduler.num_preemptions > 0
     requests = [chat([image], q, GREEDY_24, request_id=f"q{i}") for i, q in enumerate(questions)]

@@ -10,6 +10,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from scheduler.config import seq_peak_blocks
 from search.costmodel import cost_model as cm
 from search.costmodel.labs import batching_limits, kv_report, serving_plan
 from search.costmodel.presets import (
@@ -28,6 +29,7 @@ from search.image_budget import (
     image_budget,
     tile_image,
 )
+from search.sim.step_time import kv_layers_per_block, kv_windows
 from vlmserve.cli.estimate.plot import Curve
 
 Row = tuple[str, str]
@@ -248,7 +250,24 @@ def _hybrid_rows(model: ModelShape, context: int, cache_bytes: float) -> list[Ro
         ),  # fmt: skip
         ("KV per sequence, all global", _bytes(full)),
         ("hybrid KV / all global", f"{hybrid / full:.0%}"),
+        _manager_row(model, context, cache_bytes),
     ]
+
+
+def _manager_row(model: ModelShape, context: int, cache_bytes: float, block: int = 16) -> Row:
+    """What the engine's hybrid KV manager (scheduler/kv_blocks.py) holds for one decoding
+    sequence: its pool blocks over every KV cache group (whole blocks, the +1 of a window
+    that starts mid-block, a smaller last group's unused share all counted), against
+    all-global layers."""
+    windows, per_block = kv_windows(model), kv_layers_per_block(model)
+    held = seq_peak_blocks(windows, block, context, 1)
+    block_bytes = cm.kv_bytes_per_token(model, cache_bytes) / model.num_layers * per_block * block
+    full = cm.kv_bytes_all_global(model, context, cache_bytes)
+    return (
+        f"KV manager, blocks of {block}",
+        f"{held:,} blocks of {per_block} layers ({_bytes(held * block_bytes)}), "
+        f"{held * block_bytes / full:.0%} of all global",
+    )
 
 
 # --- plan (Lab 2) ---------------------------------------------------------------------
