@@ -24,7 +24,7 @@ TEXT = " ".join(["what colour is the star on the left"] * 4)  # with 2 images: 7
 
 
 def engine_for(
-    path, *, budget=512, num_blocks=256, pan_and_scan=False, scheduler=None, speculative=None,
+    path, *, budget=512, num_blocks=1024, pan_and_scan=False, scheduler=None, speculative=None,
     encoder=None, **model,
 ):  # fmt: skip
     return Engine(
