@@ -9,6 +9,7 @@ its methods read and change the scheduler state annotated below.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from scheduler.admission import AdmissionPolicy, Candidate, HeadReservation, head_reservation
 from scheduler.config import SchedulerConfig
 from scheduler.encoder_budget import needs_tower
-from scheduler.kv_blocks import BlockManager
+from scheduler.kv_blocks import BlockManager, PrefixHit
 from scheduler.lump_budget import StepCost
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
@@ -37,29 +38,24 @@ class WaitingAdmission:
     _max_num_tokens: dict[str, int]
     _admitted_at: dict[str, int]
     _quick_ids: set[str]
+    max_drafts: int  # draft tokens a decode may carry (0: no speculation)
     _kv_blocked: set[str]
     _is_cached: Callable[[ImagePlaceholder], bool]
     _chunk: Callable[[Sequence, int, Room, bool], tuple[int, int] | None]
     step_cost: StepCost | None
     clock: Callable[[], float] | None
 
-    def _candidates(self) -> list[tuple[Candidate, list[int]]]:
-        """Ready waiting sequences, each with its prefix-cache match (blocks)."""
-        bm, out = self.block_manager, []
+    def _candidates(self) -> list[tuple[Candidate, PrefixHit]]:
+        """Ready waiting sequences, each with its prefix-cache match (blocks per group)."""
+        out = []
         now = self.clock() if self.clock is not None else None
         token_s = prefill_token_s(self.step_cost, self.config.max_num_batched_tokens)
         for seq in self.waiting:
             # (Preempted while its last token is in flight: that token is unknown yet.)
             if not seq.ready or seq.num_pending_tokens:
                 continue
-            hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
-            # Keep at least one token to compute: its logits give the next token.
-            matched = bm.match_prefix(hashes)[: (seq.num_tokens - 1) // self.block_size]
-            matched = matched if seq.use_prefix_cache else []  # prompt logprobs: none
-            if seq.spans:  # a match may not end inside an image (scheduler/spans.py)
-                reusable = span_safe_prefix(seq.spans, len(matched) * self.block_size)
-                matched = matched[: reusable // self.block_size]
-            num_cached = len(matched) * self.block_size
+            matched = self._match(seq)
+            num_cached = matched.num_blocks * self.block_size
             tower = any(
                 needs_tower(img, num_cached, seq.num_tokens, num_cached, self._is_cached(img))
                 for img in seq.images
@@ -70,6 +66,15 @@ class WaitingAdmission:
             slack = slack_s(seq, self.config.slo, now, prefill_s)
             out.append((Candidate(seq, quick, aged, slack), matched))
         return out
+
+    def _match(self, seq: Sequence) -> PrefixHit:
+        """`seq`'s prefix-cache match now (blocks per group)."""
+        hashes = extend_block_hashes(seq, seq.num_tokens, self.block_size)
+        # Keep at least one token to compute: its logits give the next token. Prompt
+        # logprobs: no match. A match may not end inside an image (scheduler/spans.py).
+        max_blocks = (seq.num_tokens - 1) // self.block_size if seq.use_prefix_cache else 0
+        safe = functools.partial(span_safe_prefix, seq.spans) if seq.spans else None
+        return self.block_manager.find_prefix(hashes, max_blocks, safe)
 
     def _admit(self, room: Room, quick_only: bool = False) -> list[ScheduledSeq]:
         """Start waiting sequences in the policy's order while `room` and the pool allow;
@@ -82,15 +87,16 @@ class WaitingAdmission:
         # Blocks that admitted sequences have yet to take are spoken for: the rest of
         # their prompt and (lumpy) their expected growth.
         # (A speculating sequence may hold more than its tokens need: that is not a credit.)
-        reserved = sum(
-            max(0, bm.blocks_for(self._reserve(s)) - len(s.block_table)) for s in self.running
-        )
+        # (A sliding group's blocks count at their peak: the window and its biggest step.)
+        reserved = quick_blocks = 0
+        hybrid = bm.null_block is not None
+        for s in self.running:
+            target = bm.footprint(self._reserve(s), self._step_tokens(s) if hybrid else None)
+            held = bm.held_blocks(s)
+            reserved += max(0, target - held)
+            if s.request_id in self._quick_ids:
+                quick_blocks += max(held, target)
         available = bm.num_free_blocks - reserved
-        quick_blocks = sum(
-            max(len(s.block_table), bm.blocks_for(self._reserve(s)))
-            for s in self.running
-            if s.request_id in self._quick_ids
-        )
         slo = self.config.slo
         if not quick_only and (slo.ttft_s is not None or slo.image_ttft_s is not None):
             # With targets the headroom follows what quick requests hold (once a step);
@@ -105,11 +111,12 @@ class WaitingAdmission:
             seq = cand.seq
             if room.tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            matched = matches[id(seq)]
-            cost = bm.cost_of(matched, self._reserve(seq))
+            # A start before it in this loop may have evicted a free block of its match.
+            matched = self._match(seq) if scheduled else matches[id(seq)]
+            num_cached = matched.num_blocks * self.block_size
+            cost = bm.cost_of(matched, self._reserve(seq), self._step_tokens(seq, num_cached))
             if blocked is not None and not policy.may_pass(*blocked, cand, cost, quick_blocks):
                 continue
-            num_cached = len(matched) * self.block_size
             chunk = self._chunk(seq, num_cached, room, not cand.quick)
             fits = chunk is not None and policy.can_admit(cand, cost, available, quick_blocks)
             if fits and head is not None and not (quick_only and not cand.quick):
@@ -151,7 +158,8 @@ class WaitingAdmission:
         if self.admission.may_pass(head.cand, head.blocks_needed, cand, cost, quick_blocks):
             return True
         seq, limit = cand.seq, self._max_num_tokens.get(cand.seq.request_id)
-        final = max(cost, self.block_manager.blocks_for(limit) if limit else 0)
+        step = self._step_tokens(seq, num_cached)
+        final = max(cost, self.block_manager.footprint(limit, step) if limit else 0)
         # One step of margin: its first chunk may get less than a whole step's room.
         steps = self._steps_left(seq, seq.num_tokens - num_cached, capped=not cand.quick) + 1
         return head.admits(final, steps)
@@ -162,9 +170,10 @@ class WaitingAdmission:
         """`cand`'s reservation against the running sequences' known ends."""
         bm, releases = self.block_manager, []
         for s in self.running:
-            held = max(len(s.block_table), bm.blocks_for(self._reserve(s)))
+            step = self._step_tokens(s) if bm.null_block is not None else None
+            held = max(bm.held_blocks(s), bm.footprint(self._reserve(s), step))
             limit = self._max_num_tokens.get(s.request_id)
-            final = max(held, bm.blocks_for(limit) if limit else 0)
+            final = max(held, bm.footprint(limit, step) if limit else 0)
             # Leading blocks another live sequence holds (a shared prefix) stay taken.
             shared = next(
                 (i for i, b in enumerate(s.block_table) if bm.blocks[b].ref_count < 2),
@@ -193,7 +202,7 @@ class WaitingAdmission:
         return max(0, prefill_steps - 1) + max(1, limit - seq.num_tokens)
 
     def _start(
-        self, seq: Sequence, matched: list[int], num_cached: int, num_new: int, quick: bool
+        self, seq: Sequence, matched: PrefixHit, num_cached: int, num_new: int, quick: bool
     ) -> None:
         """Move `seq` from waiting to running with its prefix-cache blocks and its first
         chunk's blocks."""
@@ -210,6 +219,14 @@ class WaitingAdmission:
         self._admitted_at[seq.request_id] = num_cached
         if quick:
             self._quick_ids.add(seq.request_id)
+
+    def _step_tokens(self, seq: Sequence, num_computed: int | None = None) -> int:
+        """The most tokens one step computes for `seq` from `num_computed` on (default:
+        its own): the rest of its prefill, at most the step budget, or a decode and its
+        drafts. Hybrid KV: what a sliding group holds beyond its window."""
+        done = seq.num_computed_tokens if num_computed is None else num_computed
+        rest = min(seq.num_tokens - done, self.config.max_num_batched_tokens)
+        return max(rest, 1 + self.max_drafts)
 
     def _reserve(self, seq: Sequence) -> int:
         return self.admission.reserve_tokens(seq, self._max_num_tokens.get(seq.request_id))
