@@ -1,0 +1,209 @@
+"""Cold vs warm: is a freshly started server as fast for its first requests as later?
+
+Issue 29's target: the first 40 requests after `/health` turns 200 have TPOT p50 within
+10% of the next 40. Each pass starts `vlmserve serve` on the offline text workload's 100M
+Llama in bfloat16 (as `benchmarks/serving/vs_vllm.py` writes it), waits for `/health`,
+sends --requests streamed chat requests at a fixed rate (one every 1/rate s, greedy,
+--prompt-words words each, --max-tokens tokens), and compares the TPOT p50 (and TTFT) of
+the first half against the second. Passes alternate between the default start-up warm-up
+and `--no-warmup` (ABBA over --rounds), each on a fresh server; medians over the rounds.
+
+    .venv/bin/python -m benchmarks.serving.cold_vs_warm              # 80 requests, 2 rounds
+    .venv/bin/python -m benchmarks.serving.cold_vs_warm --quick      # short: 1 round, smaller
+Writes benchmarks/results/cold_vs_warm.json (the command, the CPU and its flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import torch
+
+import vlmserve
+from benchmarks.lib.common import environment, table, write_result
+from benchmarks.lib.vs_vllm_workloads import text_args, write_text_workload
+from benchmarks.serving.serve_load import one_request, percentiles
+from vlmserve.worker.models.random_checkpoint import WORDS
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 600.0
+MODES = ("warmup", "no_warmup")
+
+
+@contextlib.contextmanager
+def running_server(model: str, args: argparse.Namespace, warmup: bool, log: Path) -> Iterator[str]:
+    """`vlmserve serve` on a free loopback port, healthy; its URL. Stopped on exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "vlmserve.cli", "serve", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
+           "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--served-model-name", "bench", "--warmup" if warmup else "--no-warmup"]  # fmt: skip
+    # the server's own OpenMP policy, as when a user starts it (vlmserve/__init__.py)
+    env = {k: v for k, v in os.environ.items() if k not in vlmserve.OPENMP_DEFAULTS}
+    env["PYTHONPATH"] = str(REPO)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start; log: {log}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)  # its own session: any children too
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def payloads(args: argparse.Namespace, seed: int) -> list[tuple[list[dict], int]]:
+    """(messages, max_tokens) per request: --prompt-words random words (one token each
+    with the workload's word-level tokenizer), new words each pass (no prefix hits)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(args.requests):
+        text = " ".join(rng.choices(WORDS[:40], k=args.prompt_words))
+        out.append(([{"role": "user", "content": text}], args.max_tokens))
+    return out
+
+
+async def _send_all(url: str, items: list, rate: float) -> list:
+    limits = httpx.Limits(max_connections=len(items))
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        tasks = []
+        for messages, max_tokens in items:
+            tasks.append(asyncio.create_task(one_request(client, "chat", messages, max_tokens)))
+            await asyncio.sleep(1 / rate)  # a fixed rate
+        return list(await asyncio.gather(*tasks))
+
+
+def one_pass(model: str, args: argparse.Namespace, mode: str, seed: int, log: Path) -> dict:
+    start = time.perf_counter()
+    with running_server(model, args, mode == "warmup", log) as url:
+        healthy_s = time.perf_counter() - start
+        results = asyncio.run(_send_all(url, payloads(args, seed), args.rate))
+    half = len(results) // 2
+    halves = {"first": results[:half], "next": results[half:]}
+    point: dict = {"mode": mode, "seed": seed, "healthy_after_s": healthy_s,
+                   "failed": sum(not r.ok for r in results)}  # fmt: skip
+    for name, rs in halves.items():
+        ok = [r for r in rs if r.ok]
+        point[f"{name}_tpot_s"] = percentiles([r.tpot_s for r in ok if r.tpot_s is not None])
+        point[f"{name}_ttft_s"] = percentiles([r.ttft_s for r in ok if r.ttft_s is not None])
+    first, nxt = point["first_tpot_s"]["p50"], point["next_tpot_s"]["p50"]
+    point["tpot_p50_first_over_next"] = first / nxt if first and nxt else None
+    point["warmup_log"] = [line for line in log.read_text().splitlines() if "warm-up" in line]
+    return point
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--requests", type=int, default=80, help="per pass; halves compared")
+    p.add_argument("--rate", type=float, default=2.0, help="requests per second, fixed spacing")
+    p.add_argument("--prompt-words", type=int, default=400)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2, help="passes per mode, alternating ABBA")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--quick", action="store_true", help="1 round, 128-word prompts, 32 tokens (same rate)"
+    )
+    p.add_argument("--workdir", type=Path, default=None, help="checkpoint and logs (default: tmp)")
+    p.add_argument("--name", default=None, help="result file (cold_vs_warm / _quick)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.prompt_words, args.max_tokens = 1, 128, 32
+    if args.requests < 2 or args.rate <= 0 or args.rounds < 1:
+        p.error("--requests >= 2, --rate > 0 and --rounds >= 1")
+    args.name = args.name or ("cold_vs_warm_quick" if args.quick else "cold_vs_warm")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        root = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        root.mkdir(parents=True, exist_ok=True)
+        spec = write_text_workload(root / "text", text_args(quick=True))
+        load_before = os.getloadavg()
+        print(f"load average {load_before}")
+        passes = []
+        for i in range(args.rounds):
+            order = MODES if i % 2 == 0 else MODES[::-1]  # ABBA
+            for mode in order:
+                log = root / f"serve_{mode}_{i}.log"
+                point = one_pass(spec["model"], args, mode, seed=i, log=log)
+                passes.append(point)
+                first, nxt = point["first_tpot_s"]["p50"], point["next_tpot_s"]["p50"]
+                print(f"round {i} {mode}: healthy after {point['healthy_after_s']:.1f} s, "
+                      f"TPOT p50 first {_ms(first)} / next {_ms(nxt)} ms, "
+                      f"failed {point['failed']}")  # fmt: skip
+    summary = []
+    for mode in MODES:
+        mine = [p for p in passes if p["mode"] == mode]
+        ratios = [p["tpot_p50_first_over_next"] for p in mine if p["tpot_p50_first_over_next"]]
+        summary.append({
+            "mode": mode,
+            "healthy_after_s": statistics.median(p["healthy_after_s"] for p in mine),
+            "first_tpot_p50_ms": _median_ms(mine, "first_tpot_s", "p50"),
+            "next_tpot_p50_ms": _median_ms(mine, "next_tpot_s", "p50"),
+            "first_over_next": statistics.median(ratios) if ratios else None,
+            "first_ttft_p99_ms": _median_ms(mine, "first_ttft_s", "p99"),
+            "next_ttft_p99_ms": _median_ms(mine, "next_ttft_s", "p99"),
+            "within_10pct": bool(ratios) and statistics.median(ratios) <= 1.10,
+        })  # fmt: skip
+    print(table(summary, ["mode", "healthy_after_s", "first_tpot_p50_ms", "next_tpot_p50_ms",
+                          "first_over_next", "first_ttft_p99_ms", "next_ttft_p99_ms",
+                          "within_10pct"]))  # fmt: skip
+    result = {
+        "environment": environment(torch.device("cpu")),
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("workdir", "name")},
+        "summary": summary, "passes": passes,
+    }  # fmt: skip
+    print(f"wrote {write_result(args.name, result)}")
+    return result
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _median_ms(points: list[dict], key: str, q: str) -> float | None:
+    values = [p[key][q] for p in points if p[key][q] is not None]
+    return statistics.median(values) * 1e3 if values else None
+
+
+if __name__ == "__main__":
+    main()
