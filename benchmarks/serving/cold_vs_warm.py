@@ -9,7 +9,7 @@ the first half against the second. Passes alternate between the default start-up
 and `--no-warmup` (ABBA over --rounds), each on a fresh server; medians over the rounds.
 
     .venv/bin/python -m benchmarks.serving.cold_vs_warm              # 80 requests, 2 rounds
-    .venv/bin/python -m benchmarks.serving.cold_vs_warm --quick      # short: 1 round, smaller
+    .venv/bin/python -m benchmarks.serving.cold_vs_warm --quick      # short, for a loaded machine
 Writes benchmarks/results/cold_vs_warm.json (the command, the CPU and its flags).
 """
 
@@ -137,13 +137,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument(
-        "--quick", action="store_true", help="1 round, 128-word prompts, 32 tokens (same rate)"
+        "--quick",
+        action="store_true",
+        help="a loaded machine: 1 round of 40 requests at 0.5/s, 64-word prompts, 16 tokens",
     )
     p.add_argument("--workdir", type=Path, default=None, help="checkpoint and logs (default: tmp)")
     p.add_argument("--name", default=None, help="result file (cold_vs_warm / _quick)")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.prompt_words, args.max_tokens = 1, 128, 32
+        args.rounds, args.requests, args.rate = 1, 40, 0.5
+        args.prompt_words, args.max_tokens = 64, 16
     if args.requests < 2 or args.rate <= 0 or args.rounds < 1:
         p.error("--requests >= 2, --rate > 0 and --rounds >= 1")
     args.name = args.name or ("cold_vs_warm_quick" if args.quick else "cold_vs_warm")
