@@ -9,7 +9,8 @@ order, while time is left of `max_seconds` (a phase started is finished):
 - on a CPU, each distinct packed linear of the decoder (oneDNN) at every row count a
   decode step can have, 1 to max_num_seqs: oneDNN builds a primitive per row count the
   first time (1-3 ms a shape on a Zen 5), and the decode batch size changes step by step
-  as requests come and go; plain GEMMs on zeros, about a second, no engine steps;
+  as requests come and go; plain GEMMs on zeros, no engine steps, a quarter of the time
+  bound at most (1.7 s of one thread for the 100M Llama at 64 sequences);
 - one prefill chunk of the full step budget (max_num_batched_tokens, at most 2,048 tokens
   and the context);
 - decode batches of 1, 2, 4, ... up to max_num_seqs sequences (each bucket's prefill of
@@ -93,7 +94,7 @@ def warm_up(engine: Engine, max_seconds: float = DEFAULT_MAX_SECONDS) -> WarmupR
     assert not engine.has_unfinished(), "warm up an idle engine"
     report, start = WarmupReport(), time.perf_counter()
     steps_before = engine.num_steps
-    for name, work in _phases(engine):
+    for name, work in _phases(engine, max_seconds):
         if time.perf_counter() - start > max_seconds:
             report.skipped.append(name)
             continue
@@ -107,30 +108,35 @@ def warm_up(engine: Engine, max_seconds: float = DEFAULT_MAX_SECONDS) -> WarmupR
     return report
 
 
-def warm_linears(decoder: torch.nn.Module, max_rows: int) -> int:
-    """Each distinct packed linear under `decoder` once at every row count 1..max_rows (on
-    zeros; the outputs dropped); returns how many distinct layers."""
+def warm_linears(decoder: torch.nn.Module, max_rows: int, max_seconds: float) -> int:
+    """Each distinct packed linear under `decoder` once at row counts 1, 2, ... max_rows
+    (on zeros; the outputs dropped) until `max_seconds` have passed; returns the most rows
+    reached."""
     layers: dict[tuple, PackedLinear] = {}
     for module in decoder.modules():
         if isinstance(module, PackedLinear):
             key = (module.in_features, module.out_features, module.bias is None)
             layers.setdefault(key, module)
     dtype = decoder.embed_tokens.weight.dtype
+    deadline = time.perf_counter() + max_seconds
+    rows = 0
     with torch.inference_mode():
-        for rows in range(1, max_rows + 1):
+        while rows < max_rows and time.perf_counter() < deadline:
+            rows += 1
             for layer in layers.values():
                 layer(torch.zeros(rows, layer.in_features, dtype=dtype))
-    return len(layers)
+    return rows
 
 
-def _phases(engine: Engine) -> Iterator[tuple[str, Callable[[], object]]]:
+def _phases(engine: Engine, max_seconds: float) -> Iterator[tuple[str, Callable[[], object]]]:
     """(name, its work) per phase, built lazily (in phase order)."""
     sched = engine.config.scheduler
     decoder = getattr(getattr(engine.runner, "model", None), "decoder", None)
     if decoder is not None and engine.config.model.device == "cpu":
+        # a quarter of the bound at most (a large max_num_seqs: the smaller batches first)
         yield (
             f"linears x1-{sched.max_num_seqs}",
-            functools.partial(warm_linears, decoder, sched.max_num_seqs),
+            functools.partial(warm_linears, decoder, sched.max_num_seqs, max_seconds / 4),
         )
     for name, requests in _request_phases(engine):
         yield name, functools.partial(engine.generate, requests)
