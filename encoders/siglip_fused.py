@@ -2,8 +2,7 @@
 
 It computes the same float32 function as timm's `Block.forward` (the reference path,
 `SiglipTower(fused=False)`); what is left on CPU is the GEMMs, at ~93% of the core's
-float32 peak, and SDPA (`benchmarks/ops/vision_tower.py`). In bfloat16 on a CPU the
-attention goes to the C++ prefill kernel instead of SDPA (`tile_attention`). Against timm's forward:
+float32 peak, and SDPA (`benchmarks/ops/vision_tower.py`). Against timm's forward:
 - rows are flat, `[tiles * patches, hidden]`: every linear is one 2-D GEMM;
 - q, k and v are strided views of the fused qkv GEMM's output, passed to SDPA as they
   are, and SDPA's output is read back through a transpose that costs no copy;
@@ -43,49 +42,29 @@ def fused_block(block: Block, x: torch.Tensor, num_tiles: int, act: Activation) 
     num_rows, hidden = x.shape
     num_patches = num_rows // num_tiles
     qkv = attn.qkv(block.norm1(x))  # [rows, 3 * hidden], columns (q|k|v, head, head_dim)
-    if use_attention_kernel(qkv):
-        out = tile_attention(qkv, num_tiles, attn.num_heads, attn.scale)
-    else:
-        # 3 x [tiles, heads, patches, head_dim] strided views; SDPA reads the strides
-        shape = (num_tiles, num_patches, 3, attn.num_heads, attn.head_dim)
-        q, k, v = qkv.view(shape).permute(2, 0, 3, 1, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)
-        # CPU SDPA writes [tiles, patches, heads, head_dim] memory: this reshape is a view
-        out = out.transpose(1, 2).reshape(num_rows, hidden)
+    if tile_kernel(x, attn.head_dim):
+        out = cpu_attention.tile_attention(qkv, num_tiles, attn.num_heads, attn.scale)
+        x = linear_add(attn.proj, out, x)
+        return linear_add(block.mlp.fc2, linear_act(block.mlp.fc1, block.norm2(x), act), x)
+    # 3 x [tiles, heads, patches, head_dim] strided views; SDPA reads the strides
+    shape = (num_tiles, num_patches, 3, attn.num_heads, attn.head_dim)
+    q, k, v = qkv.view(shape).permute(2, 0, 3, 1, 4).unbind(0)
+    out = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)
+    # CPU SDPA writes [tiles, patches, heads, head_dim] memory: this reshape is a view there
+    out = out.transpose(1, 2).reshape(num_rows, hidden)
     x = linear_add(attn.proj, out, x)
     return linear_add(block.mlp.fc2, linear_act(block.mlp.fc1, block.norm2(x), act), x)
 
 
-def use_attention_kernel(qkv: torch.Tensor) -> bool:
-    """bfloat16 on a CPU where the C++ prefill attention kernel runs: torch's CPU SDPA
-    (flash) reaches about half its speed in bfloat16 (2x at 4 tiles x 729 patches, head
-    size 64; benchmarks/ops/bf16_profile.py has the tower's share of an image prefill).
-    Float32 keeps SDPA, whose summation order the float32 tests were checked against."""
+def tile_kernel(x: torch.Tensor, head_dim: int) -> bool:
+    """bfloat16 on a CPU with AVX-512 BF16: attention on the prefill kernel's dot products
+    (about twice torch's SDPA there, `benchmarks/ops/vision_tower.py`); SDPA otherwise."""
     return (
-        qkv.dtype == torch.bfloat16
-        and qkv.device.type == "cpu"
-        and cpu_attention.prefill_available() is None
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and head_dim % 16 == 0
+        and cpu_attention.bf16_dot_available()
     )
-
-
-def tile_attention(qkv: torch.Tensor, num_tiles: int, num_heads: int, scale: float) -> torch.Tensor:
-    """Bidirectional attention within each tile through the C++ prefill kernel (float32
-    math, kernels/csrc/prefill_attention_cpu.cpp): each tile one sequence of one block of
-    `num_patches` slots, every query seeing its whole tile (`key_ends`). qkv: [rows, 3 *
-    hidden] tile-major; returns [rows, hidden]."""
-    num_rows = qkv.shape[0]
-    num_patches, head_dim = num_rows // num_tiles, qkv.shape[1] // (3 * num_heads)
-    per_head = qkv.view(num_rows, 3, num_heads, head_dim)
-    # the kernel's cache layout, [2 (k, v), heads, slots, head_dim]: one copy of K and V
-    cache = per_head[:, 1:].permute(1, 2, 0, 3).contiguous()
-    tiles = torch.arange(num_tiles, dtype=torch.int32)
-    patches = torch.full((num_tiles,), num_patches, dtype=torch.int32)
-    out = torch.empty(num_rows, num_heads, head_dim, dtype=qkv.dtype)
-    torch.ops.vlmserve_prefill.prefill_attention(
-        out, per_head[:, 0], cache, tiles[:, None].contiguous(), tiles * num_patches, patches,
-        patches, num_patches, scale, 0, torch.full((num_rows,), num_patches, dtype=torch.int32),
-    )  # fmt: skip
-    return out.view(num_rows, num_heads * head_dim)
 
 
 def default_tiles_per_chunk(device: torch.device, num_tiles: int) -> int:

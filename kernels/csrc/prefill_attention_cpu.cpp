@@ -31,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_dot.h"
 #include "paged_inputs.h"
 #include "vec.h"
 
@@ -210,7 +211,70 @@ struct Scratch {
   std::vector<float> qt, st, o, m, l, correction, ktile, vtile;
   std::vector<int32_t> positions, neg_lows;
   std::vector<const float*> keys, vals, shifted;
+  std::vector<uint32_t> qp, pp, vp;  // bfloat16 pairs (the dot-product path)
+  std::vector<const uint16_t*> key_bits, val_bits;
+  std::vector<uint16_t> zero_row;
 };
+
+// The keys one item's rows see, [lo, hi] per row (w.positions = hi, w.neg_lows = -lo;
+// padding rows copy the last row), and their extremes over the rows.
+struct Bounds {
+  int64_t min_hi, max_hi, min_lo, max_lo;
+};
+
+template <typename scalar_t, typename cache_t>
+Bounds row_bounds(const Problem<scalar_t, cache_t>& pb, const Item& item, int64_t rows,
+                  int64_t rows_used, Scratch& w) {
+  const int64_t query_len = pb.qlens[item.seq], ctx = pb.clens[item.seq];
+  const int64_t first_token = pb.starts[item.seq] + item.first_query;
+  // Query token i sits at position ctx - query_len + first_query + i and sees keys <= it.
+  const int64_t first_pos = ctx - query_len + item.first_query;
+  Bounds b{ctx, 0, ctx, 0};
+  w.positions.resize(rows);
+  w.neg_lows.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = std::min(r, rows_used - 1) / pb.group;
+    const int64_t pos = first_pos + i;
+    const int64_t hi = pb.key_ends ? pb.key_ends[first_token + i] - 1 : pos;
+    const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
+    w.positions[r] = static_cast<int32_t>(hi);
+    w.neg_lows[r] = static_cast<int32_t>(-lo);
+    b.min_hi = std::min(b.min_hi, hi), b.max_hi = std::max(b.max_hi, hi);
+    b.min_lo = std::min(b.min_lo, lo), b.max_lo = std::max(b.max_lo, lo);
+  }
+  return b;
+}
+
+template <typename scalar_t, typename cache_t>
+inline int64_t slot_of(const Problem<scalar_t, cache_t>& pb, const int32_t* table, int64_t p) {
+  return static_cast<int64_t>(table[p / pb.block_size]) * pb.block_size + p % pb.block_size;
+}
+
+// out[token][head] = o[r] / l[r] for the item's rows (o rows `width` long).
+template <typename scalar_t, typename cache_t>
+void write_rows(const Problem<scalar_t, cache_t>& pb, const Item& item, int64_t rows_used,
+                int64_t width, const Scratch& w) {
+  const int64_t first_token = pb.starts[item.seq] + item.first_query;
+  for (int64_t r = 0; r < rows_used; ++r) {
+    const int64_t i = r / pb.group, head = item.kv_head * pb.group + r % pb.group;
+    scalar_t* dst = pb.out + (first_token + i) * pb.o_stride + head * pb.dim;
+    const float inv = 1.f / w.l[r];
+    for (int64_t d = 0; d < pb.dim; ++d)
+      dst[d] = static_cast<scalar_t>(w.o[r * width + d] * inv);
+  }
+}
+
+// The online softmax over one tile of scores (masked only where the tile needs it).
+inline void softmax_step(Scratch& w, const Bounds& b, int64_t first, int64_t count,
+                         int64_t vecs) {
+  // The tile reaches past some row's last key or starts before some row's window.
+  if (first + count - 1 > b.min_hi || first < b.max_lo)
+    softmax_tile<true>(w.st.data(), count, vecs, first, w.positions.data(), w.neg_lows.data(),
+                       w.m.data(), w.l.data(), w.correction.data());
+  else
+    softmax_tile<false>(w.st.data(), count, vecs, first, w.positions.data(), w.neg_lows.data(),
+                        w.m.data(), w.l.data(), w.correction.data());
+}
 
 // Rows r of one item: query token i = r / group, head kv_head * group + r % group. A float32
 // cache with head dims a multiple of the lanes is read in place; other cache dtypes and head
@@ -229,31 +293,16 @@ void attend_item(const Problem<scalar_t, cache_t>& pb, const Item& item, Scratch
   w.m.assign(rows, kNegInf);
   w.l.assign(rows, 0.f);
   w.correction.resize(rows);
-  w.positions.resize(rows);
-  w.neg_lows.resize(rows);
-  const int64_t query_len = pb.qlens[item.seq], ctx = pb.clens[item.seq];
+  const Bounds b = row_bounds(pb, item, rows, rows_used, w);
   const int64_t first_token = pb.starts[item.seq] + item.first_query;
-  // Query token i sits at position ctx - query_len + first_query + i and sees keys <= it.
-  const int64_t first_pos = ctx - query_len + item.first_query;
-  int64_t min_hi = ctx, max_hi = 0, min_lo = ctx, max_lo = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = std::min(r, rows_used - 1) / group;  // padding rows copy the last one
-    const int64_t pos = first_pos + i;
-    const int64_t hi = pb.key_ends ? pb.key_ends[first_token + i] - 1 : pos;
-    const int64_t lo = pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0;
-    w.positions[r] = static_cast<int32_t>(hi);
-    w.neg_lows[r] = static_cast<int32_t>(-lo);
-    min_hi = std::min(min_hi, hi), max_hi = std::max(max_hi, hi);
-    min_lo = std::min(min_lo, lo), max_lo = std::max(max_lo, lo);
-    if (r >= rows_used) continue;
+  for (int64_t r = 0; r < rows_used; ++r) {
     const int64_t head = item.kv_head * group + r % group;
-    const scalar_t* src = pb.q + (first_token + i) * pb.q_stride + head * dim;
+    const scalar_t* src = pb.q + (first_token + r / group) * pb.q_stride + head * dim;
     for (int64_t d = 0; d < dim; ++d) w.qt[d * rows + r] = static_cast<float>(src[d]) * pb.scale2;
   }
   const cache_t* k_head = pb.k_base + item.kv_head * pb.num_slots * dim;
   const cache_t* v_head = pb.v_base + item.kv_head * pb.num_slots * dim;
   const int32_t* table = pb.tables + item.seq * pb.max_blocks;
-  const int64_t last_pos = max_hi;
   w.keys.resize(kTileKeys);
   w.vals.resize(kTileKeys);
   w.shifted.resize(kTileKeys);
@@ -261,12 +310,10 @@ void attend_item(const Problem<scalar_t, cache_t>& pb, const Item& item, Scratch
     w.ktile.assign(kTileKeys * width, 0.f);
     w.vtile.assign(kTileKeys * width, 0.f);
   }
-  for (int64_t first = min_lo; first <= last_pos; first += kTileKeys) {
-    const int64_t count = std::min(kTileKeys, last_pos + 1 - first);
+  for (int64_t first = b.min_lo; first <= b.max_hi; first += kTileKeys) {
+    const int64_t count = std::min(kTileKeys, b.max_hi + 1 - first);
     for (int64_t j = 0; j < count; ++j) {
-      const int64_t p = first + j;
-      const int64_t slot = static_cast<int64_t>(table[p / pb.block_size]) * pb.block_size +
-                           p % pb.block_size;
+      const int64_t slot = slot_of(pb, table, first + j);
       const cache_t* kr = k_head + slot * dim;
       const cache_t* vr = v_head + slot * dim;
       if constexpr (kInPlace) {
@@ -284,22 +331,175 @@ void attend_item(const Problem<scalar_t, cache_t>& pb, const Item& item, Scratch
       w.vals[j] = vt;
     }
     scores(w.keys.data(), count, w.qt.data(), vecs, w.st.data(), dim);
-    // The tile reaches past some row's last key or starts before some row's window.
-    if (first + count - 1 > min_hi || first < max_lo)
-      softmax_tile<true>(w.st.data(), count, vecs, first, w.positions.data(),
-                         w.neg_lows.data(), w.m.data(), w.l.data(), w.correction.data());
-    else
-      softmax_tile<false>(w.st.data(), count, vecs, first, w.positions.data(),
-                          w.neg_lows.data(), w.m.data(), w.l.data(), w.correction.data());
+    softmax_step(w, b, first, count, vecs);
     values(w.vals.data(), count, w.st.data(), rows, w.correction.data(), w.o.data(), width,
            w.shifted.data());
   }
-  for (int64_t r = 0; r < rows_used; ++r) {
-    const int64_t i = r / group, head = item.kv_head * group + r % group;
-    scalar_t* dst = pb.out + (first_token + i) * pb.o_stride + head * dim;
-    const float inv = 1.f / w.l[r];
-    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(w.o[r * width + d] * inv);
+  write_rows(pb, item, rows_used, width, w);
+}
+
+#if VLMSERVE_BF16_DOT
+namespace bf = vlmserve_bf16;
+
+// scores_tile with bfloat16 pairs: qp[e][r] holds row r's head dims 2e and 2e + 1, a key's
+// pair is broadcast straight from the cache row; the scores are scaled as they are stored.
+template <int JB, int NV>
+inline void scores_tile_dot(const uint16_t* const* keys, const uint32_t* qp, int64_t ldq,
+                            float* st, int64_t lds, int64_t pairs, vfloat scale) {
+  vfloat acc[JB][NV];
+#pragma GCC unroll 8
+  for (int j = 0; j < JB; ++j)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) acc[j][v] = vec::zero();
+  for (int64_t e = 0; e < pairs; ++e) {
+    bf::vpair q[NV];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) q[v] = bf::load(qp + e * ldq + kLanes * v);
+#pragma GCC unroll 8
+    for (int j = 0; j < JB; ++j) {
+      const bf::vpair k = bf::broadcast(keys[j] + 2 * e);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) acc[j][v] = bf::dot(acc[j][v], k, q[v]);
+    }
   }
+#pragma GCC unroll 8
+  for (int j = 0; j < JB; ++j)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) vec::store(st + j * lds + kLanes * v, vec::mul(acc[j][v], scale));
+}
+
+inline void scores_dot(const uint16_t* const* keys, int64_t count, const uint32_t* qp,
+                       int64_t vecs, float* st, int64_t pairs, float scale) {
+  const int64_t ld = kLanes * vecs;
+  const vfloat sc = vec::set1(scale);
+  for (int64_t j = 0; j < count; j += kKeysPerStep) {
+    vec::with_size<kKeysPerStep>(std::min<int64_t>(kKeysPerStep, count - j), [&](auto jb) {
+      for (int64_t v = 0; v < vecs; v += kMaxRowVecs) {
+        vec::with_size<kMaxRowVecs>(std::min<int64_t>(kMaxRowVecs, vecs - v), [&](auto nv) {
+          scores_tile_dot<decltype(jb)::value, decltype(nv)::value>(
+              keys + j, qp + kLanes * v, ld, st + j * ld + kLanes * v, ld, pairs, sc);
+        });
+      }
+    });
+  }
+}
+
+// values_tile with bfloat16 pairs of consecutive keys: pp[k][r] the probabilities of keys
+// 2k and 2k + 1 for row r, vp[k][d] their values at dim d.
+template <int RB, int DV>
+inline void values_tile_dot(const uint32_t* vp, int64_t ldv, int64_t npairs, const uint32_t* pp,
+                            int64_t ldp, const float* correction, float* o, int64_t ldo) {
+  vfloat acc[RB][DV];
+#pragma GCC unroll 8
+  for (int i = 0; i < RB; ++i) {
+    const vfloat c = vec::set1(correction[i]);
+#pragma GCC unroll 8
+    for (int w = 0; w < DV; ++w) acc[i][w] = vec::mul(vec::load(o + i * ldo + kLanes * w), c);
+  }
+  for (int64_t k = 0; k < npairs; ++k) {
+    bf::vpair v[DV];
+#pragma GCC unroll 8
+    for (int w = 0; w < DV; ++w) v[w] = bf::load(vp + k * ldv + kLanes * w);
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; ++i) {
+      const bf::vpair p = bf::set1(pp[k * ldp + i]);
+#pragma GCC unroll 8
+      for (int w = 0; w < DV; ++w) acc[i][w] = bf::dot(acc[i][w], p, v[w]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 8
+    for (int w = 0; w < DV; ++w) vec::store(o + i * ldo + kLanes * w, acc[i][w]);
+}
+
+inline void values_dot(const uint32_t* vp, int64_t npairs, const uint32_t* pp, int64_t rows,
+                       const float* correction, float* o, int64_t dim) {
+  const int64_t dim_vecs = dim / kLanes;
+  for (int64_t w = 0; w < dim_vecs; w += kMaxDimVecs) {
+    vec::with_size<kMaxDimVecs>(std::min<int64_t>(kMaxDimVecs, dim_vecs - w), [&](auto dv) {
+      for (int64_t r = 0; r < rows; r += kRowsPerStep) {
+        vec::with_size<kRowsPerStep>(std::min<int64_t>(kRowsPerStep, rows - r), [&](auto rb) {
+          values_tile_dot<decltype(rb)::value, decltype(dv)::value>(
+              vp + kLanes * w, dim, npairs, pp + r, rows, correction + r, o + r * dim + kLanes * w,
+              dim);
+        });
+      }
+    });
+  }
+}
+
+// attend_item for a bfloat16 q and cache with head dims a multiple of the lanes, on AVX-512
+// BF16 dot products: the scores from bfloat16 q and k (exact products, float32 sums), the
+// softmax in float32 as above, and the probabilities rounded to bfloat16 for P V (as
+// FlashAttention does in bfloat16), float32 accumulation throughout.
+void attend_item_dot(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& item,
+                     Scratch& w) {
+  const int64_t dim = pb.dim, group = pb.group, pairs = dim / 2;
+  const int64_t rows_used = item.num_queries * group;
+  const int64_t vecs = (rows_used + kLanes - 1) / kLanes, rows = kLanes * vecs;
+  w.qp.assign(pairs * rows, 0u);
+  w.o.assign(rows * dim, 0.f);
+  w.st.resize(kTileKeys * rows);
+  w.pp.resize(kTileKeys / 2 * rows);
+  w.vp.resize(kTileKeys / 2 * dim);
+  w.m.assign(rows, kNegInf);
+  w.l.assign(rows, 0.f);
+  w.correction.resize(rows);
+  w.zero_row.assign(dim, 0);
+  w.key_bits.resize(kTileKeys);
+  w.val_bits.resize(kTileKeys);
+  const Bounds b = row_bounds(pb, item, rows, rows_used, w);
+  const int64_t first_token = pb.starts[item.seq] + item.first_query;
+  for (int64_t r = 0; r < rows_used; ++r) {
+    const int64_t head = item.kv_head * group + r % group;
+    const auto* src = reinterpret_cast<const uint16_t*>(pb.q + (first_token + r / group) *
+                                                                   pb.q_stride + head * dim);
+    for (int64_t e = 0; e < pairs; ++e)
+      w.qp[e * rows + r] = src[2 * e] | static_cast<uint32_t>(src[2 * e + 1]) << 16;
+  }
+  const auto* k_head = reinterpret_cast<const uint16_t*>(pb.k_base) + item.kv_head * pb.num_slots * dim;
+  const auto* v_head = reinterpret_cast<const uint16_t*>(pb.v_base) + item.kv_head * pb.num_slots * dim;
+  const int32_t* table = pb.tables + item.seq * pb.max_blocks;
+  for (int64_t first = b.min_lo; first <= b.max_hi; first += kTileKeys) {
+    const int64_t count = std::min(kTileKeys, b.max_hi + 1 - first);
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t slot = slot_of(pb, table, first + j);
+      w.key_bits[j] = k_head + slot * dim;
+      w.val_bits[j] = v_head + slot * dim;
+    }
+    scores_dot(w.key_bits.data(), count, w.qp.data(), vecs, w.st.data(), pairs, pb.scale2);
+    softmax_step(w, b, first, count, vecs);
+    // P and V in pairs of consecutive keys, a zero key after an odd count.
+    const int64_t npairs = (count + 1) / 2;
+    for (int64_t k = 0; k < npairs; ++k) {
+      const bool both = 2 * k + 1 < count;
+      const float* p0 = w.st.data() + 2 * k * rows;
+      for (int64_t v = 0; v < vecs; ++v) {
+        const vfloat second = both ? vec::load(p0 + rows + kLanes * v) : vec::zero();
+        bf::store(w.pp.data() + k * rows + kLanes * v,
+                  bf::round_interleave(vec::load(p0 + kLanes * v), second));
+      }
+      const uint16_t* v0 = w.val_bits[2 * k];
+      const uint16_t* v1 = both ? w.val_bits[2 * k + 1] : w.zero_row.data();
+      for (int64_t d = 0; d < dim; d += kLanes)
+        bf::store(w.vp.data() + k * dim + d, bf::interleave(v0 + d, v1 + d));
+    }
+    values_dot(w.vp.data(), npairs, w.pp.data(), rows, w.correction.data(), w.o.data(), dim);
+  }
+  write_rows(pb, item, rows_used, dim, w);
+}
+#endif
+
+// One item, on the bfloat16 dot products where they apply.
+template <typename scalar_t, typename cache_t>
+void attend_one(const Problem<scalar_t, cache_t>& pb, const Item& item, Scratch& w) {
+#if VLMSERVE_BF16_DOT
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
+    if (pb.dim % kLanes == 0) return attend_item_dot(pb, item, w);
+  }
+#endif
+  attend_item(pb, item, w);
 }
 
 template <typename scalar_t, typename cache_t>
@@ -335,7 +535,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t n = 0; n < num_items; ++n) attend_item(pb, items[n], scratch);
+    for (int64_t n = 0; n < num_items; ++n) attend_one(pb, items[n], scratch);
   }
 }
 #endif
@@ -366,9 +566,13 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
 
 // The float lanes the kernel was built for; 0: it cannot run on this CPU.
 int64_t vector_lanes() { return vlmserve_vec::kLanes; }
+// Whether bfloat16 q and cache run on AVX-512 BF16 dot products (head dims a multiple of the
+// lanes), not widened to float32.
+bool bf16_dot() { return vlmserve_bf16::kBf16Dot; }
 
 TORCH_LIBRARY(vlmserve_prefill, m) {
   m.def("vector_lanes() -> int", &vector_lanes);
+  m.def("bf16_dot() -> bool", &bf16_dot);
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor query_starts, Tensor query_lens, Tensor context_lens, int block_size, "

@@ -14,8 +14,7 @@ import torch
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from encoders.siglip import SiglipConfig, SiglipTower, load_siglip_tower
-from encoders.siglip_fused import default_tiles_per_chunk, tile_attention, use_attention_kernel
-from kernels import cpu_attention
+from encoders.siglip_fused import default_tiles_per_chunk
 from kernels.packed_linear import PackedLinear
 
 needs_onednn = pytest.mark.skipif(
@@ -125,26 +124,3 @@ def test_default_chunking_is_per_tile_on_one_cpu_thread_only():
         assert default_tiles_per_chunk(torch.device("meta"), 7) == 7  # a GPU: every tile
     finally:
         torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("num_tiles, num_patches", [(3, 49), (1, 100), (2, 7)])
-def test_tile_attention_kernel_matches_sdpa_per_tile_in_bf16(num_tiles, num_patches):
-    """The bfloat16 tower's attention (the C++ prefill kernel, float32 math, one output
-    rounding) against float64 SDPA of the same rounded q, k, v within each tile alone:
-    every query sees its own tile's keys and no other tile's."""
-    if cpu_attention.prefill_available() is not None:
-        pytest.skip("the CPU prefill kernel did not build")
-    heads, head_dim = 4, 64
-    gen = torch.Generator().manual_seed(num_patches)
-    rows = num_tiles * num_patches
-    qkv = torch.randn(rows, 3 * heads * head_dim, generator=gen).to(torch.bfloat16)
-    assert use_attention_kernel(qkv)
-    out = tile_attention(qkv, num_tiles, heads, head_dim**-0.5)
-    q, k, v = (
-        qkv.double().view(num_tiles, num_patches, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
-    )  # 3 x [tiles, heads, patches, head_dim]
-    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5)
-    exact = exact.transpose(1, 2).reshape(rows, heads * head_dim)
-    # one bfloat16 rounding of outputs of size ~1 (2^-8 relative) plus float32 noise
-    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=2e-3)
-    assert not use_attention_kernel(qkv.float())  # float32 keeps SDPA

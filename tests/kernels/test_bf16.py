@@ -217,7 +217,6 @@ def run_both(shapes, q_dtype, cache_dtype):
     "q_dtype, cache_dtype, rtol, atol",
     [
         (torch.float32, BF16, 1e-4, 1e-5),  # a bf16 cache under float32 weights: exact reads
-        (BF16, BF16, 2 * HALF_ULP, 1e-3),  # bf16 everywhere: one output rounding
         (BF16, torch.float32, 2 * HALF_ULP, 1e-3),  # a float32 cache under bf16 weights
     ],
 )
@@ -227,3 +226,38 @@ def test_attention_kernels_read_a_bf16_cache_in_float32(q_dtype, cache_dtype, rt
         exact = reference(q, k, v, 64**-0.5)  # float64 of the bf16-rounded q, k, v
         got = out[start : start + len(q)].double()
         torch.testing.assert_close(got, exact, rtol=rtol, atol=atol)
+
+
+@needs_attention
+def test_attention_kernels_in_bf16_throughout():
+    """q and cache in bfloat16: the prefill kernel may run on AVX-512 BF16 dot products,
+    which round each probability to bfloat16 before P V (as FlashAttention does). Bound:
+    one output rounding, plus one rounding of every probability, i.e. half an ulp of
+    sum_j p_j |v_j| (the reference's probabilities over |v|), and float32 sums."""
+    seqs, starts, out = run_both(SHAPES, BF16, BF16)
+    for (q, k, v), start in zip(seqs, starts, strict=True):
+        exact = reference(q, k, v, 64**-0.5)
+        weighted = reference(q, k, v.abs(), 64**-0.5)  # sum_j p_j |v_j|
+        got = out[start : start + len(q)].double()
+        bound = 2 * HALF_ULP * exact.abs() + HALF_ULP * weighted + 1e-5
+        assert ((got - exact).abs() <= bound).all(), (got - exact).abs().max()
+        # and not looser than that: a wrong key or a lost pair would be far outside
+        assert (got - exact).abs().max() < 0.02
+
+
+def test_tile_attention_is_full_attention_within_each_tile():
+    """The vision tower's bfloat16 attention on the prefill kernel: every tile's patches
+    see each other in full and nothing of another tile, against float64 attention per tile
+    on the same bf16 values (bound as above)."""
+    if not cpu_attention.bf16_dot_available():
+        pytest.skip("the prefill kernel has no AVX-512 BF16 dot products on this CPU")
+    torch.manual_seed(6)
+    tiles, patches, heads, dim = 3, 37, 4, 32
+    qkv = torch.randn(tiles * patches, 3 * heads * dim).to(BF16)
+    got = cpu_attention.tile_attention(qkv, tiles, heads, dim**-0.5).double()
+    q, k, v = qkv.double().view(tiles, patches, 3, heads, dim).permute(2, 0, 3, 1, 4)
+    probs = (q @ k.transpose(-1, -2) * dim**-0.5).softmax(-1)  # [tiles, heads, p, p]
+    exact = (probs @ v).transpose(1, 2).reshape(tiles * patches, heads * dim)
+    weighted = (probs @ v.abs()).transpose(1, 2).reshape(tiles * patches, heads * dim)
+    bound = 2 * HALF_ULP * exact.abs() + HALF_ULP * weighted + 1e-5
+    assert ((got - exact).abs() <= bound).all(), (got - exact).abs().max()

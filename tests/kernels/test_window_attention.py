@@ -75,19 +75,32 @@ LAYOUT = [
 def test_window_and_spans_match_the_reference(backend, dim, window):
     if backend == "triton" and dim == 8:
         pytest.skip("Triton's tiles need a head dim of at least 16")
+    run_layout(backend, dim, window, torch.float32, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [16, 7, None])
+@pytest.mark.parametrize("dim", [8, 32])
+def test_window_and_spans_in_bf16_on_the_cpu_kernels(dim, window):
+    """bfloat16 q and cache: head dim 32 takes the prefill kernel's AVX-512 BF16
+    dot-product path where the CPU has it (8 the widening one); the poisoned slots must
+    stay unread there too. Bound: the output's rounding and each probability's (bf16)."""
+    run_layout("cpu", dim, window, torch.bfloat16, atol=1e-2, rtol=2.0**-7)
+
+
+def run_layout(backend: str, dim: int, window, dtype: torch.dtype, atol: float, rtol: float):
     torch.manual_seed(dim + (window or 0))
     attn = BACKENDS[backend]()
     block = 16 if backend == "triton" else BLOCK  # Triton reads a block as one tile
     device = torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
     shape = attn.kv_cache_shape(NUM_BLOCKS, block, KV_HEADS, dim)
-    cache = torch.randn(shape)
+    cache = torch.randn(shape).to(dtype)
     # Blocks at random pages; block 0 stays out: padded rows of a batch read its slot 0.
     free = (torch.randperm(NUM_BLOCKS - 1) + 1).tolist()
     tables, seqs, poison = [], [], []
     for cached, new, spans in LAYOUT:
         ctx = cached + new
         table = [free.pop() for _ in range((ctx + block - 1) // block)]
-        k, v = torch.randn(2, ctx, KV_HEADS, dim)
+        k, v = torch.randn(2, ctx, KV_HEADS, dim).to(dtype)
         for which, x in ((0, k), (1, v)):  # the whole context is in the cache
             write(cache, which, table, range(ctx), x, block)
         lo = 0 if window is None else max(0, cached - window + 1)  # first query's window
@@ -101,8 +114,9 @@ def test_window_and_spans_match_the_reference(backend, dim, window):
         seqs.append((cached, new, spans, k, v))
     for table, pos, value in poison:
         for which in (0, 1):
-            write(cache, which, table, [pos], torch.full((1, KV_HEADS, dim), value), block)
-    q = torch.randn(sum(new for _, new, _, _, _ in seqs), HEADS, dim)
+            write(cache, which, table, [pos], torch.full((1, KV_HEADS, dim), value, dtype=dtype),
+                  block)  # fmt: skip
+    q = torch.randn(sum(new for _, new, _, _, _ in seqs), HEADS, dim).to(dtype)
     k_new = torch.cat([k[c:] for c, _, _, k, _ in seqs])
     v_new = torch.cat([v[c:] for c, _, _, _, v in seqs])
     slots = [
@@ -121,10 +135,10 @@ def test_window_and_spans_match_the_reference(backend, dim, window):
     for cached, new, spans, k, v in seqs:
         mask = reference_mask(list(range(cached, cached + new)), cached + new, window, spans)
         ref = F.scaled_dot_product_attention(
-            q[row : row + new].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=0.3, enable_gqa=True,
+            q[row : row + new].float().transpose(0, 1), k.float().transpose(0, 1),
+            v.float().transpose(0, 1), attn_mask=mask, scale=0.3, enable_gqa=True,
         ).transpose(0, 1)  # fmt: skip
-        torch.testing.assert_close(out[row : row + new], ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(out[row : row + new].float(), ref, atol=atol, rtol=rtol)
         row += new
 
 

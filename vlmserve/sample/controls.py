@@ -14,16 +14,28 @@ with its definitions (`v1/sample/sampler.py`, `ops/penalties.py`):
 Row j of a group with drafts sees the drafts before it as output (the tokens it would
 follow). The result is a new float32 tensor: the caller's logits stay raw, since logprobs
 are computed from them. min_p is a filter on the weights (`ops.filter_min_p_`), not here.
+
+No step reads a request's whole history: the penalties' output counts and repetition factors
+are kept per request, incrementally (`penalty_table.py`), and gathered for the step's rows in
+one op; bad words and min_tokens read only the output's length and its last few tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from vlmserve.sample.params import SamplerState
+from vlmserve.sample.params import SamplerState, SamplingParams
+from vlmserve.sample.penalty_table import table_for
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    return bool(params.frequency_penalty or params.presence_penalty) or (
+        params.repetition_penalty != 1.0
+    )
 
 
 @dataclass
@@ -34,21 +46,30 @@ class _Rows:
     rep: list[float] = field(default_factory=list)
     freq: list[float] = field(default_factory=list)
     pres: list[float] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # penalty-table row (0: no penalties)
     banned: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
     bias: tuple[list[int], list[int], list[float]] = field(default_factory=lambda: ([], [], []))
-    # Per penalised row: its output tokens, and (repetition) the prompt's distinct ids as
-    # a host tensor made once per request: no per-step Python over a long prompt.
-    output: list[tuple[int, list[int]]] = field(default_factory=list)
-    prompt: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # (controlled row, draft id): the drafts before a penalised draft row, added to its
+    # gathered counts (never to the table: a rejected draft leaves nothing behind).
+    drafts: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
 
-    def add(self, state: SamplerState, row: int, history: list[int], vocab: int) -> None:
+    def add(
+        self, state: SamplerState, row: int, drafts: Sequence[int], slot: int, vocab: int
+    ) -> None:
+        """Row `row` of `state`, which follows its output and then `drafts`; `slot`: its
+        penalty-table row."""
         params, index = state.params, len(self.rows)
         self.rows.append(row)
         self.rep.append(params.repetition_penalty)
         self.freq.append(params.frequency_penalty)
         self.pres.append(params.presence_penalty)
-        banned = set(banned_words(state.bad_words_ids, history))
-        if len(history) < params.min_tokens:
+        self.slots.append(slot)
+        output = state.output_token_ids
+        banned = set()
+        if state.bad_words_ids:
+            tail = _tail(output, drafts, max(len(w) for w in state.bad_words_ids) - 1)
+            banned.update(banned_words(state.bad_words_ids, tail))
+        if len(output) + len(drafts) < params.min_tokens:
             banned.update(state.stop_token_ids)
         for token in sorted(t for t in banned if 0 <= t < vocab):
             self.banned[0].append(index)
@@ -58,21 +79,29 @@ class _Rows:
                 self.bias[0].append(index)
                 self.bias[1].append(token)
                 self.bias[2].append(value)
-        if params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1:
-            self.output.append((index, [t for t in history if 0 <= t < vocab]))
-        if params.repetition_penalty != 1.0:
-            if state.prompt_unique_ids is None:  # once per request, not per step
-                ids = sorted(t for t in set(state.prompt_token_ids) if 0 <= t < vocab)
-                state.prompt_unique_ids = torch.tensor(ids, dtype=torch.long)
-            self.prompt.append((index, state.prompt_unique_ids))
+        if slot:
+            for token in drafts:
+                if 0 <= token < vocab:
+                    self.drafts[0].append(index)
+                    self.drafts[1].append(token)
+
+
+def _tail(output: list[int], drafts: Sequence[int], length: int) -> list[int]:
+    """The last `length` tokens of output + drafts, without copying the output."""
+    if length <= 0:
+        return []
+    return [*output[-length:], *drafts][-length:]
 
 
 def banned_words(bad_words_ids: Sequence[Sequence[int]], history: Sequence[int]) -> list[int]:
-    """The last token of each bad word whose other tokens end `history`."""
+    """The last token of each bad word whose other tokens end `history` (its tail is
+    enough: the longest word's length - 1 tokens)."""
     out = []
     for word in bad_words_ids:
         prefix = list(word[:-1])
-        if not prefix or list(history[len(history) - len(prefix) :]) == prefix:
+        if not prefix or (
+            len(history) >= len(prefix) and list(history[len(history) - len(prefix) :]) == prefix
+        ):
             out.append(word[-1])
     return out
 
@@ -85,68 +114,63 @@ def _float(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
 
 
-def _pairs(parts: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index, token id) tensors from per-row id lists or host tensors."""
-    ids = [
-        p if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=torch.long) for _, p in parts
-    ]
-    rows = [
-        torch.full((len(t),), i, dtype=torch.long) for (i, _), t in zip(parts, ids, strict=True)
-    ]
-    return torch.cat(rows).to(device, non_blocking=True), torch.cat(ids).to(
-        device, non_blocking=True
-    )
-
-
-def _penalise(x: torch.Tensor, host: _Rows) -> None:
-    """The three penalties in place on x [rows, vocab] float32. Repetition touches only
-    the (row, token) pairs seen (a pair listed twice gets the same value twice)."""
+def _penalise(x: torch.Tensor, host: _Rows, counts: torch.Tensor, scale: torch.Tensor) -> None:
+    """The three penalties in place on x [rows, vocab] float32, from the rows' gathered
+    output counts and repetition factors ([rows, vocab] float32 copies; the factors only
+    when a row has a repetition penalty). A row without penalties (rep 1, freq and pres 0)
+    is unchanged: x / 1, x * 1 and x - 0 are x. No torch.where: on the CPU it is 30x
+    slower than the plain elementwise ops used here (15 ms against 0.5 ms at 64 x 32k)."""
     device = x.device
-    out_rows, out_ids = _pairs(host.output, device)
-    if any(r != 1.0 for r in host.rep):
-        rows, ids = out_rows, out_ids
-        if host.prompt:
-            prompt_rows, prompt_ids = _pairs(host.prompt, device)
-            rows, ids = torch.cat([rows, prompt_rows]), torch.cat([ids, prompt_ids])
-        rep = _float(host.rep, device)[rows]
-        flat = rows * x.shape[1] + ids  # x is contiguous: 1-D indexing is the cheap kind
-        values = x.view(-1)[flat]
-        x.view(-1)[flat] = torch.where(values > 0, values / rep, values * rep)
-    if any(host.freq) or any(host.pres):
-        counts = torch.zeros_like(x)
-        counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=x.dtype),
-                          accumulate=True)  # fmt: skip
-        if any(host.freq):
-            x.sub_(_float(host.freq, device)[:, None] * counts)
-        if any(host.pres):
-            x.sub_(_float(host.pres, device)[:, None] * (counts > 0))
+    if host.drafts[0]:  # the drafts before a row count as its output
+        index = (_long(host.drafts[0], device), _long(host.drafts[1], device))
+        ones = torch.ones(len(host.drafts[0]), dtype=counts.dtype, device=device)
+        counts.index_put_(index, ones, accumulate=True)
+        if scale.numel():
+            reps = _float([host.rep[i] for i in host.drafts[0]], device)
+            scale.index_put_(index, reps)
+    if scale.numel():
+        # A positive logit / r, a negative one * r: of x's two clamped parts one is 0, so
+        # the sum is exactly x / r or x * r (inf and -inf included).
+        negative = x.clamp(max=0.0).mul_(scale)
+        x.clamp_(min=0.0).div_(scale).add_(negative)
+    if any(host.freq):
+        x.sub_(_float(host.freq, device)[:, None] * counts)
+    if any(host.pres):
+        present = counts.clamp_(max=1.0)  # 1 where the id is in the output, else 0
+        x.sub_(_float(host.pres, device)[:, None] * present)
 
 
 def apply_controls(logits: torch.Tensor, groups: Sequence) -> torch.Tensor:
     """`logits` ([rows, vocab]) with every group's controls applied to its rows: the
     same tensor when no group has any, else a new float32 one. groups: `RowGroup`s
     (state, first_row, draft_token_ids)."""
-    vocab = logits.shape[-1]
-    host = _Rows()
-    for group in groups:
-        state = group.state
-        if not state.params.has_logit_controls:
-            continue
-        history = list(state.output_token_ids)
-        for j in range(1 + len(group.draft_token_ids)):
-            host.add(state, group.first_row + j, history + list(group.draft_token_ids[:j]), vocab)
-    if not host.rows:
+    controlled = [g for g in groups if g.state.params.has_logit_controls]
+    if not controlled:
         return logits
-    device = logits.device
+    vocab, device = logits.shape[-1], logits.device
+    penalised = [g.state for g in controlled if has_penalties(g.state.params)]
+    table = table_for(device, vocab) if penalised else None
+    with table.lock if table is not None else nullcontext():
+        slots = dict(zip(map(id, penalised), table.sync(penalised), strict=True)) if table else {}
+        host = _Rows()
+        for group in controlled:
+            state, drafts = group.state, group.draft_token_ids
+            slot = slots.get(id(state), 0)
+            for j in range(1 + len(drafts)):
+                host.add(state, group.first_row + j, drafts[:j], slot, vocab)
+        if table is not None:
+            counts, scale = table.gather(host.slots, any(r != 1.0 for r in host.rep))
     out = logits.float().clone()
-    rows = _long(host.rows, device)
-    x = out.index_select(0, rows)  # [controlled rows, vocab]
+    every = host.rows == list(range(out.shape[0]))
+    rows = None if every else _long(host.rows, device)
+    x = out if every else out.index_select(0, rows)  # [controlled rows, vocab]
     if host.banned[0]:
         x[_long(host.banned[0], device), _long(host.banned[1], device)] = float("-inf")
     if host.bias[0]:
         index = (_long(host.bias[0], device), _long(host.bias[1], device))
         x.index_put_(index, _float(host.bias[2], device), accumulate=True)
-    if host.output or host.prompt:
-        _penalise(x, host)
-    out.index_copy_(0, rows, x)
+    if table is not None:
+        _penalise(x, host, counts, scale)
+    if not every:
+        out.index_copy_(0, rows, x)
     return out

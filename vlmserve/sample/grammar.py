@@ -1,5 +1,5 @@
 """Structured outputs with xgrammar (the library vLLM and SGLang use): compiling a
-request's constraint off the engine thread, its matcher, and the token bitmask of a step.
+request's constraint off the engine thread, and its matcher.
 
 - Compile: `Grammars.submit` hands the spec to a small thread pool and returns a future;
   the request waits in the queue like one whose image is decoding (`RequestGrammar.ready`
@@ -7,17 +7,9 @@ request's constraint off the engine thread, its matcher, and the token bitmask o
   are cached by spec (an LRU of futures: concurrent requests with one schema share one
   compile). An invalid spec, or one still compiling after `compile_timeout_s`, fails its
   request with a 400.
-- Each step, `constrain_logits` fills one bitmask for the constrained rows (one batched
-  fill on xgrammar's threads) and sets the refused tokens' logits to -inf in place, where
-  the logits are, before the batched sampler. Unconstrained rows are never touched.
-- A speculating row's drafts are walked through the matcher first: row k gets the mask
-  after drafts[:k], so a draft the grammar refuses has probability 0 and is rejected by
-  verification (losslessly: the kept tokens are those plain constrained decoding draws);
-  the matcher is rolled back, then `advance_grammars` feeds it the tokens really emitted.
+- Each step (`vlmserve.sample.masks`) fills one bitmask for the constrained rows beside
+  the forward pass, applies it where the logits are, and advances the matchers.
 What must stay true: a matcher sees exactly the tokens its request emitted, in order.
-The matchers are touched only by the thread that samples (steps run one at a time, in
-order), so with async scheduling step i+1 fills its mask after step i's token is in.
-Preemption recomputes KV but keeps the tokens, so the matcher keeps its state.
 """
 
 from __future__ import annotations
@@ -30,9 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
 
-import torch
 import xgrammar as xgr
 
 from encoders.errors import RequestError
@@ -149,6 +139,9 @@ class RequestGrammar:
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
         self.matcher: xgr.GrammarMatcher | None = None
+        # Mirrors matcher.is_terminated() (tests check it), read without a call per step.
+        self.terminated = False
+        self.stop_token_ids: frozenset[int] = frozenset()
 
     def fork(self) -> RequestGrammar:
         """Another request's constraint on the same compile (n > 1 children): the compile
@@ -169,142 +162,30 @@ class RequestGrammar:
                     "(simplify the schema or grammar)"
                 )
             return False
-        self.matcher = xgr.GrammarMatcher(self.future.result())  # raises GrammarError
+        matcher = xgr.GrammarMatcher(self.future.result())  # raises GrammarError
+        self.stop_token_ids = frozenset(matcher.stop_token_ids)
+        self.matcher = matcher
         return True
 
     @property
     def live(self) -> bool:
         """Still constraining: compiled and not terminated (it accepted a stop token)."""
-        return self.matcher is not None and not self.matcher.is_terminated()
+        return self.matcher is not None and not self.terminated
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Advance over emitted tokens; tokens after termination (the async step's extra
         token of a finished request) are ignored."""
         assert self.matcher is not None, "a request steps only once its grammar is ready"
         for token in tokens:
-            if self.matcher.is_terminated():
+            if self.terminated:
                 return
             if not self.matcher.accept_token(token):
                 raise GrammarError(f"token {token} does not continue the constrained output")
+            self.accepted(token)
 
-
-class StepMasks(NamedTuple):
-    """A step's filled bitmask ([num_rows, ceil(vocab / 32)] int32, host) and, per
-    constrained group (by index), the logits rows filled for it."""
-
-    bitmask: torch.Tensor
-    filled: list[tuple[int, list[int]]]
-
-
-def fill_masks(groups: Sequence[object], num_rows: int, vocab: int) -> StepMasks | None:
-    """Fill the bitmask rows of every constrained group of a step (None: there are none).
-    Reads only the matchers, so it may run beside the forward pass (`start_fill`)."""
-    bitmask = xgr.allocate_token_bitmask(num_rows, vocab)
-    plain: list[xgr.GrammarMatcher] = []
-    plain_rows: list[int] = []
-    filled: list[tuple[int, list[int]]] = []  # (group index, its filled rows)
-    for i, group in enumerate(groups):
-        grammar = group.state.grammar
-        if grammar is None or not grammar.live:
-            continue
-        if not group.draft_token_ids:
-            plain.append(grammar.matcher)
-            plain_rows.append(group.first_row)
-            filled.append((i, [group.first_row]))
-        else:
-            filled.append((i, _fill_with_drafts(grammar.matcher, bitmask, group)))
-    if not filled:
-        return None
-    if plain:  # one call: xgrammar fills the rows on its own threads
-        _batch().batch_fill_next_token_bitmask(plain, bitmask, plain_rows)
-    return StepMasks(bitmask, filled)
-
-
-def start_fill(groups: Sequence[object], num_rows: int, vocab: int) -> Future[StepMasks | None]:
-    """`fill_masks` on the fill thread: it runs while the forward pass computes the logits
-    (xgrammar drops the GIL), as SGLang and vLLM overlap it."""
-    return _FILL.submit(fill_masks, groups, num_rows, vocab)
-
-
-_FILL = ThreadPoolExecutor(1, "vlmserve-grammar-fill")
-
-
-def apply_masks(logits: torch.Tensor, masks: StepMasks | None) -> dict[int, Exception]:
-    """Set to -inf, in place, the logits of tokens each constrained row's grammar refuses.
-    Returns the groups (by index) that cannot go on: no token of the vocabulary continues
-    them. Unconstrained rows are never touched."""
-    if masks is None:
-        return {}
-    rows = [row for _, group_rows in masks.filled for row in group_rows]
-    # The sampling rows come first; rows after them (prompt logprobs) are not masked.
-    logits = logits[: masks.bitmask.shape[0]]
-    allowed_any = masks.bitmask.index_select(0, torch.tensor(rows)).ne(0).any(-1).tolist()
-    xgr.apply_token_bitmask_inplace(
-        logits, masks.bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1],
-        indices=rows,
-    )  # fmt: skip
-    dead: dict[int, Exception] = {}
-    flags = iter(allowed_any)
-    for i, group_rows in masks.filled:
-        if not all([next(flags) for _ in group_rows]):
-            dead[i] = GrammarError(
-                "no token of this model's vocabulary continues the constrained output "
-                "(its tokenizer cannot write what the constraint requires)"
-            )
-    return dead
-
-
-def constrain_logits(logits: torch.Tensor, groups: Sequence[object]) -> dict[int, Exception]:
-    """Fill and apply at once (`apply_masks(logits, fill_masks(...))`). groups: the step's
-    `RowGroup`s (state.grammar is a RequestGrammar or None)."""
-    return apply_masks(logits, fill_masks(groups, *logits.shape))
-
-
-def _batch() -> xgr.BatchGrammarMatcher:
-    # One per process: it is a pool of threads that fill rows.
-    global _BATCH
-    if _BATCH is None:
-        _BATCH = xgr.BatchGrammarMatcher()
-    return _BATCH
-
-
-_BATCH: xgr.BatchGrammarMatcher | None = None
-
-
-def _fill_with_drafts(matcher: xgr.GrammarMatcher, bitmask: torch.Tensor, group) -> list[int]:
-    """Fill row k with the mask after drafts[:k], up to the first draft the grammar
-    refuses (that draft then has probability 0 and is rejected; later rows are unused),
-    then roll the matcher back. Returns the rows filled."""
-    rows = []
-    num_accepted = 0
-    for k in range(len(group.draft_token_ids) + 1):
-        if matcher.is_terminated():
-            break
-        matcher.fill_next_token_bitmask(bitmask, group.first_row + k)
-        rows.append(group.first_row + k)
-        if k == len(group.draft_token_ids) or not matcher.accept_token(group.draft_token_ids[k]):
-            break
-        num_accepted += 1
-    if num_accepted:
-        matcher.rollback(num_accepted)
-    return rows
-
-
-def advance_grammars(
-    groups: Sequence[object], emitted: list[list[int] | Exception], dead: dict[int, Exception]
-) -> list[list[int] | Exception]:
-    """Feed each constrained group's matcher the tokens it emitted (per group, as
-    `sample_plan` computes them); a group that cannot go on gets its error instead."""
-    out = list(emitted)
-    for i, group in enumerate(groups):
-        grammar = group.state.grammar
-        if i in dead:  # its row was all -inf: the sampler's error says less
-            out[i] = dead[i]
-            continue
-        if grammar is None or isinstance(out[i], Exception):
-            continue
-        try:
-            grammar.accept(out[i])
-        except GrammarError as e:
-            out[i] = e
-    return out
+    def accepted(self, token: int) -> None:
+        """Book a token the matcher accepted: a stop token terminates it (xgrammar's own
+        rule, without `terminate_without_stop_token`), kept here so that a step asks the
+        matcher nothing per row (each call into xgrammar drops and retakes the GIL)."""
+        if token in self.stop_token_ids:
+            self.terminated = True

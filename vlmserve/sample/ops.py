@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import sampling_cpu
+
 # Inverse-CDF blocks: float32 sums never run over more than this many columns, and the
 # running sums across blocks and inside the chosen block are float64.
 BLOCK_SIZE = 256
@@ -35,7 +37,10 @@ def temperature_weights(
     temperature: [rows] float32, each at least GREEDY_TEMPERATURE."""
     logits = logits.float()
     top = logits.amax(-1, keepdim=True)  # [rows, 1]; NaN when the row holds one
-    weights = (logits - top).div_(temperature[:, None]).exp_()
+    if sampling_cpu.can_run(logits):  # bitwise the same, without exp(-inf)'s slow path
+        weights = sampling_cpu.temperature_weights(logits, top, temperature)
+    else:
+        weights = sampling_cpu.temperature_weights_eager(logits, top, temperature)
     return weights, ~torch.isfinite(top.squeeze(-1))
 
 

@@ -138,13 +138,15 @@ class SamplerState:
     params: SamplingParams
     rng: random.Random = field(init=False)
     # What the logit controls read (`controls.py`), set by the engine: the prompt, the
-    # tokens emitted so far (appended by `sample_plan`, on the thread that samples), the
-    # ids min_tokens holds back, and bad_words as token id sequences.
+    # tokens emitted so far (only appended to, by `sample_plan` on the sampling thread),
+    # the ids min_tokens holds back, and bad_words as token id sequences.
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     stop_token_ids: tuple[int, ...] = ()
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
-    prompt_unique_ids: object = None  # the prompt's distinct ids as a host tensor (controls)
+    # Its row of the penalties' state (`penalty_table.PenaltySlot`), made on its first
+    # penalised step; the row is freed when this state is collected.
+    penalties: object = None
     # Per sampled step, the logprobs of the tokens it emitted (`logprobs.py`), in step
     # order: the sampling thread appends, the engine thread pops (deque ops are atomic).
     logprobs: collections.deque = field(default_factory=collections.deque)

@@ -17,7 +17,7 @@ keeps the drafts up to the first rejection. A request's tokens do not depend on 
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +27,9 @@ from search.costmodel.presets import Precision, get_accelerator, gpu_preset, mea
 from vlmserve.sample.logprobs import book_emitted
 from vlmserve.sample.params import SamplerState
 from vlmserve.sample.sampler import GroupResult, RowGroup, sample_rows
+
+if TYPE_CHECKING:  # imports xgrammar: only once a constrained request arrives
+    from vlmserve.sample.masks import FillJob
 
 
 def verify_greedy(targets: list[int], drafts: tuple[int, ...]) -> list[int]:
@@ -79,13 +82,13 @@ def plan_groups(scheduled: list[ScheduledSeq], samplers: list[SamplerState]) -> 
 
 def start_masks(
     scheduled: list[ScheduledSeq], samplers: list[SamplerState], vocab: int
-) -> Future | None:
+) -> FillJob | None:
     """Start filling the step's grammar masks beside its forward pass (None when no row is
     constrained); `sample_plan` applies them. xgrammar is imported only once a
     constrained request arrives."""
     if all(state.grammar is None for state in samplers):
         return None
-    from vlmserve.sample.grammar import start_fill
+    from vlmserve.sample.masks import start_fill
 
     groups = plan_groups(scheduled, samplers)
     return start_fill(groups, sum(1 + len(g.draft_token_ids) for g in groups), vocab)
@@ -95,7 +98,7 @@ def sample_plan(
     scheduled: list[ScheduledSeq],
     logits: torch.Tensor,
     samplers: list[SamplerState],
-    masks: Future | None = None,
+    masks: FillJob | None = None,
 ) -> list[list[int] | Exception]:
     """The tokens each scheduled item emits ([] for a prefill chunk that does not sample),
     or the exception its sampling raised: that fails the request alone, and the others
@@ -107,7 +110,7 @@ def sample_plan(
     constrained = any(group.state.grammar is not None for group in groups)
     try:
         if constrained:
-            from vlmserve.sample.grammar import apply_masks, fill_masks
+            from vlmserve.sample.masks import apply_masks, fill_masks
 
             filled = masks.result() if masks is not None else fill_masks(groups, *logits.shape)
             dead = apply_masks(logits, filled)  # refused tokens -> -inf, in place
@@ -117,7 +120,7 @@ def sample_plan(
         return [e if item.sample else [] for item in scheduled]
     emitted = [_emitted(group, result) for group, result in zip(groups, results, strict=True)]
     if constrained:
-        from vlmserve.sample.grammar import advance_grammars
+        from vlmserve.sample.masks import advance_grammars
 
         emitted = advance_grammars(groups, emitted, dead)
     book_emitted(logits, groups, emitted)  # histories for the controls, logprobs

@@ -33,7 +33,7 @@ from vlmserve.server.protocol import (
     error_body,
     make_usage,
 )
-from vlmserve.server.sampling_fields import TokenTexts, chat_logprobs
+from vlmserve.server.sampling_fields import TokenTexts, chat_logprobs, vllm_logprobs
 from vlmserve.server.tools import (
     ToolPlan,
     ToolStream,
@@ -209,10 +209,18 @@ class ChatHandler(Handler):
                 "finish_reason": finish_reason_of(tools, c.last.finish_reason, has_calls),
                 "logprobs": self._logprobs(body, c.logprobs),
             })  # fmt: skip
+        if body.prompt_logprobs is not None:  # choice 0 computed them (n > 1: the same)
+            prompt = next((c.prompt_logprobs for c in ordered if c.prompt_logprobs), ())
+            out["prompt_logprobs"] = self._prompt_logprobs(prompt)
         return JSONResponse(out)
 
     def _logprobs(self, body: ChatCompletionRequest, records) -> dict | None:
         return chat_logprobs(list(records), self.texts) if body.logprobs else None
+
+    def _prompt_logprobs(self, records) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: one entry per prompt token, None for the first (nothing
+        predicts it); image placeholder positions score the placeholder's id, as vLLM."""
+        return [None if r is None else vllm_logprobs(r, self.texts) for r in records]
 
     def _close_stream(self, choices: Choices, state: _StreamState) -> None:
         if not state.done:  # the client went away: free its blocks within one step
@@ -231,9 +239,16 @@ class ChatHandler(Handler):
     ) -> AsyncIterator[str]:
         model, created = self.settings.model_name, int(time.time())
         calls: dict[int, ToolStream] = {}  # per choice, with tools
+        # prompt_logprobs ride on the first chunk, at its top level (the first snapshot
+        # carries them); should that one lack them, on the first chunk after that does.
+        prompt_pending = body.prompt_logprobs is not None
         for c in choices.ordered():
             role = {"role": "assistant", "content": ""}
-            yield _sse(chunk_body(request_id, model, created, role, index=c.index))
+            chunk = chunk_body(request_id, model, created, role, index=c.index)
+            if prompt_pending and isinstance(first, Snapshot) and first.prompt_logprobs:
+                chunk["prompt_logprobs"] = self._prompt_logprobs(first.prompt_logprobs)
+                prompt_pending = False
+            yield _sse(chunk)
         async for item in stream_items(choices, first):
             if isinstance(item, Failed):
                 state.done = True  # terminal already: nothing to abort
@@ -244,11 +259,15 @@ class ChatHandler(Handler):
             delta: dict | None = {"content": item.delta}
             if tools is not None:
                 delta = calls.setdefault(choice.index, ToolStream(tools)).delta(item.delta)
+            prompt = prompt_pending and bool(item.prompt_logprobs)
             # The engine holds back what a stop string could still cut.
-            if (item.delta and delta) or (body.logprobs and item.logprobs):
+            if (item.delta and delta) or (body.logprobs and item.logprobs) or prompt:
                 chunk = chunk_body(request_id, model, created, delta or {"content": ""},
                                    index=choice.index)  # fmt: skip
                 chunk["choices"][0]["logprobs"] = self._logprobs(body, item.logprobs)
+                if prompt:
+                    chunk["prompt_logprobs"] = self._prompt_logprobs(item.prompt_logprobs)
+                    prompt_pending = False
                 yield _sse(chunk)
             if item.finished:
                 reason = item.finish_reason

@@ -190,9 +190,12 @@ class CompletionHandler(Handler):
             "finish_reason": choice.last.finish_reason,
         }  # fmt: skip
         if body.prompt_logprobs is not None:  # vLLM's shape: per position {id: {...}}
-            records = choices.prompt_logprobs(choice.prompt_index)
-            out["prompt_logprobs"] = [None] + [vllm_logprobs(r, self.texts) for r in records]
+            out["prompt_logprobs"] = self._prompt_logprobs(choices, choice)
         return out
+
+    def _prompt_logprobs(self, choices: Choices, choice: Choice) -> list[dict | None]:
+        records = choices.prompt_logprobs(choice.prompt_index)
+        return [None] + [vllm_logprobs(r, self.texts) for r in records]
 
     def _logprobs(
         self, body: CompletionRequest, choice: Choice, choices: Choices, records: list
@@ -222,18 +225,21 @@ class CompletionHandler(Handler):
                 break
             choice = choices.take(item)
             text, records = item.delta, list(item.logprobs)
-            logprobs = None
+            logprobs, extra = None, {}
             if choice.index not in offsets:  # the choice's first chunk: the echo first
                 echo = self._echo(body, choice)
                 text, offsets[choice.index] = echo + text, len(echo)
                 if body.logprobs is not None:
                     logprobs = self._logprobs(body, choice, choices, records)
+                if body.prompt_logprobs is not None:  # as in the JSON answer's choice
+                    extra = {"prompt_logprobs": self._prompt_logprobs(choices, choice)}
             elif body.logprobs is not None:
                 logprobs = completion_logprobs(records, self.texts, offsets[choice.index])
             offsets[choice.index] += sum(len(self.texts(r.token_id)) for r in records)
-            if text or records or item.finished:
+            if text or records or item.finished or extra:
                 part = {"index": choice.index, "text": text, "logprobs": logprobs,
-                        "finish_reason": item.finish_reason if item.finished else None}  # fmt: skip
+                        "finish_reason": item.finish_reason if item.finished else None,
+                        **extra}  # fmt: skip
                 yield _sse(envelope | {"choices": [part]})
         else:
             state.done = True

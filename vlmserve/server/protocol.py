@@ -85,6 +85,8 @@ class ChatCompletionRequest(SamplingFields, _Open):
     top_k: int | None = Field(default=None, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Each prompt token's logprob and this many alternatives (vLLM's shape, at the top level).
+    prompt_logprobs: int | None = Field(default=None, strict=True)
 
     def to_sampling(self, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
         """SamplingParams for this request; ValueError (400) for what we cannot serve."""
@@ -97,6 +99,11 @@ class ChatCompletionRequest(SamplingFields, _Open):
             raise ValueError(f"not supported by this server: {', '.join(unsupported)}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(
+                f"prompt_logprobs={self.prompt_logprobs} must be in [0, 20] (vLLM's -1, "
+                "the whole vocabulary, is not supported)"
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise ValueError("stop takes at most 4 non-empty strings")
@@ -111,6 +118,7 @@ class ChatCompletionRequest(SamplingFields, _Open):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            prompt_logprobs=self.prompt_logprobs,
             **self.control_kwargs(),
             structured=structured_of(self.model_extra or {}),
         )

@@ -21,7 +21,8 @@ from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
-from vlmserve.sample.grammar import Grammars, constrain_logits
+from vlmserve.sample.grammar import GrammarError, Grammars
+from vlmserve.sample.masks import advance_grammars, constrain_logits
 from vlmserve.sample.params import SamplerState, SamplingParams
 from vlmserve.sample.sampler import RowGroup
 from vlmserve.sample.structured import StructuredConfig, StructuredOutput
@@ -133,6 +134,41 @@ def test_drafts_are_masked_per_position_and_rolled_back(grammars):
     assert torch.isfinite(logits[2, c]) and not torch.isfinite(logits[2, x])  # "x" is refused
     assert torch.isfinite(logits[3]).all()  # past the refused draft: unused, untouched
     assert grammar.matcher.accept_token(a)  # rolled back to the start
+
+
+def test_batched_advance_tracks_each_matcher_to_its_end(grammars):
+    # The rows that emitted one token advance in one call, and termination is booked
+    # without asking the matcher: it must agree with the matcher. A stop token ends the
+    # grammar, a token after the end (async scheduling's extra one) is ignored, a refused
+    # token fails its row alone, and a speculating row's tokens go in one by one.
+    tokenizer = AutoTokenizer.from_pretrained(grammars._tokenizer.name_or_path)
+    a, b, c = (tokenizer.convert_tokens_to_ids(t) for t in "abc")
+    eos = tokenizer.eos_token_id
+    states = []
+    for pattern in ("ab", "a+", "ab", "ab"):
+        grammar = grammars.request(StructuredOutput.regex(pattern))
+        grammar.future.result()
+        assert grammar.ready() and not grammar.terminated
+        state = SamplerState(SamplingParams())
+        state.grammar = grammar
+        states.append(state)
+    free = SamplerState(SamplingParams())  # unconstrained: its tokens are fed to no one
+    groups = [RowGroup(state, row) for row, state in enumerate([*states, free])]
+    steps = [  # per step, what each row emitted (row 3 speculates at step 1)
+        [[a], [a], [a], [a], [c]],
+        [[b], [a], [c], [b, eos], [c]],
+        [[eos], [eos], [a], [a], [c]],
+        [[a], [a], [a], [a], [c]],
+    ]
+    outs = []
+    for emitted in steps:
+        outs.append(advance_grammars(groups, emitted, {}))
+        for state in states:
+            assert state.grammar.terminated == state.grammar.matcher.is_terminated()
+    assert isinstance(outs[1][2], GrammarError)  # "c" does not continue "a" in "ab"
+    assert all(not isinstance(out, Exception) for i, out in enumerate(outs[1]) if i != 2)
+    assert [out for i, out in enumerate(outs[3]) if i != 2] == [[a], [a], [a], [c]]  # ignored
+    assert [state.grammar.terminated for state in states] == [True, True, False, True]
 
 
 def test_compiles_are_cached_and_errors_name_the_problem(grammars):

@@ -2,11 +2,14 @@
 `openai` client), against transformers' float32 logits of the same checkpoint: top
 logprobs equal its log_softmax to 1e-5, greedy decoding with penalties and logit_bias
 equals a reference loop over its logits, n choices equal separately seeded requests, and
-n = 4 on a 2,000-token prompt holds little more KV than n = 1 (`peak_used_blocks`)."""
+n = 4 on a 2,000-token prompt holds little more KV than n = 1 (`peak_used_blocks`);
+chat's prompt_logprobs (text and image prompts) equal its log_softmax to 1e-5."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 from collections.abc import Iterator
 
 import httpx
@@ -151,7 +154,76 @@ def test_completion_logprobs_and_echoed_prompt_logprobs(server, client, hf):
     assert entries[0] is None and len(entries) == len(ids)
     last = entries[-1][str(ids[-1])]
     assert abs(last["logprob"] - float(want[-1])) < 1e-5 and last["decoded_token"]
+    stream = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1}
+    )  # the choice's first chunk carries them
+    assert list(stream)[0].choices[0].model_extra["prompt_logprobs"] == entries
     assert answer.choices[0].text.startswith(tokenizer.decode(ids))
+
+
+def check_prompt_entries(entries: list, ids: list[int], reference: torch.Tensor, k: int) -> None:
+    """vLLM's prompt_logprobs: None, then per position {id: {logprob, rank, decoded_token}}
+    holding the prompt token and the k most likely, equal to `reference` (log_softmax,
+    [len(ids), vocab]) to 1e-5."""
+    assert entries[0] is None and len(entries) == len(ids)
+    for i in range(1, len(ids)):
+        row, entry = reference[i - 1], entries[i]
+        mine = entry[str(ids[i])]
+        assert abs(mine["logprob"] - float(row[ids[i]])) < 1e-5, i
+        assert mine["rank"] == 1 + int((row > row[ids[i]]).sum()) and "decoded_token" in mine
+        top = sorted((e["rank"], e["logprob"]) for e in entry.values() if e["rank"] <= k)
+        torch.testing.assert_close(
+            torch.tensor([lp for _, lp in top[:k]]), row.topk(k).values, atol=1e-5, rtol=0
+        )
+
+
+def test_chat_prompt_logprobs_text_and_image_equal_a_float32_log_softmax(
+    server, client, hf, llava_ov_path, random_image
+):
+    """One entry per prompt token (vLLM's shape, at the top level), the image placeholder
+    positions included; streamed in the first chunk; bad values a 400 (a non-integer 422)."""
+    from transformers import AutoProcessor
+
+    model, _ = hf
+    image = random_image(4, 60, 40)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    processor = AutoProcessor.from_pretrained(llava_ov_path)
+    text_only = [{"role": "user", "content": PROMPT}]
+    ids = tokenize(server, messages=text_only)
+    cases = [(text_only, {"input_ids": torch.tensor([ids])})]
+    template = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    prompt = processor.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], images=[image], return_tensors="pt", add_special_tokens=False)
+    parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]
+    cases.append(([{"role": "user", "content": parts}], dict(inputs)))
+    for messages, hf_inputs in cases:
+        with torch.no_grad():
+            reference = torch.log_softmax(model(**hf_inputs).logits[0].float(), -1)
+        ids = hf_inputs["input_ids"][0].tolist()
+        kw = dict(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                  extra_body={"ignore_eos": True, "prompt_logprobs": 2})  # fmt: skip
+        answer = client.chat.completions.create(**kw)
+        entries = answer.model_extra["prompt_logprobs"]
+        check_prompt_entries(entries, ids, reference, 2)
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        assert [c.model_extra.get("prompt_logprobs") is not None for c in chunks][:2] == [
+            True, False,
+        ]  # fmt: skip
+        streamed = chunks[0].model_extra["prompt_logprobs"]
+        check_prompt_entries(streamed, ids, reference, 2)
+        assert "prompt_logprobs" not in client.chat.completions.create(**{
+            **kw, "extra_body": {"ignore_eos": True}}).model_extra  # fmt: skip
+    placeholder = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    positions = [i for i, t in enumerate(ids) if t == placeholder]
+    assert len(positions) > 10  # each scores the placeholder's id, as vLLM's
+    assert all(str(placeholder) in entries[i] for i in positions)
+    for value, status in [(21, 400), (-1, 400), ("two", 422), (True, 422)]:
+        body = {"messages": text_only, "max_tokens": 1, "prompt_logprobs": value}
+        response = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == status, (value, response.text)
+        assert "prompt_logprobs" in response.json()["error"]["message"], response.text
 
 
 def test_penalties_and_logit_bias_equal_the_reference_on_transformers_logits(server, client, hf):

@@ -26,7 +26,7 @@ from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
-from vlmserve.worker.models.random_checkpoint import to_bfloat16_checkpoint
+from vlmserve.worker.models.random_checkpoint import make_vlm_checkpoint, to_bfloat16_checkpoint
 
 MAX_ABS_LOGIT_DIFF = 0.02  # the bound on |ours - transformers| over every position
 NUM_TOKENS = 16
@@ -108,6 +108,10 @@ def hf_logits(path, family: str, images, text: str, tokens: list[int]) -> torch.
 def bf16_paths(llama_path, llava_ov_path, idefics3_path, tmp_path_factory):
     root = tmp_path_factory.mktemp("bf16")
     sources = {"llama": llama_path, "llava_onevision": llava_ov_path, "idefics3": idefics3_path}
+    # head dims of 16 (tower and decoder): the sizes the AVX-512 BF16 attention path takes
+    sources["llava_onevision_d16"] = make_vlm_checkpoint(
+        root / "d16_source", "llava_onevision", vision_hidden=64, vision_heads=4
+    )
     return {name: to_bfloat16_checkpoint(src, root / name) for name, src in sources.items()}
 
 
@@ -127,14 +131,19 @@ def check_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("family", "sizes"),
-    [("llama", []), ("llava_onevision", [(90, 50)]), ("idefics3", [(70, 45)])],
+    ("name", "sizes"),
+    [
+        ("llama", []),
+        ("llava_onevision", [(90, 50)]),
+        ("llava_onevision_d16", [(90, 50)]),
+        ("idefics3", [(70, 45)]),
+    ],
 )
 @pytest.mark.parametrize("eager", [False, True], ids=["fused-packed", "eager"])
-def test_bf16_engine_logits_match_transformers_in_bf16(family, sizes, eager, bf16_paths,
+def test_bf16_engine_logits_match_transformers_in_bf16(name, sizes, eager, bf16_paths,
                                                       random_image):  # fmt: skip
     images = [random_image(i, w, h) for i, (w, h) in enumerate(sizes)]
-    path = bf16_paths[family]
+    path, family = bf16_paths[name], name.removesuffix("_d16")
     tokens, ours = engine_logits(
         path, family, images, TEXT, NUM_TOKENS, "bfloat16",
         pack_weights=not eager, fused_ops=not eager,

@@ -1,0 +1,79 @@
+"""The sampler's C++ CPU kernels (kernels/csrc/sampling_cpu.cpp) and their plain-torch
+references: the structured-output token mask, and the temperature weights' shift.
+
+- `apply_token_bitmask_`: a bitmask row holds one bit a token (xgrammar's layout: int32
+  words, bit t % 32 of word t / 32 set when token t is allowed); the refused tokens'
+  logits become -inf in place, on the listed rows only, and each listed row reports
+  whether it allows any token. `vlmserve.sample.masks` keeps xgrammar's own kernels
+  (Triton on a GPU) where this one does not run.
+- `temperature_weights`: exp((logits - max) / T) bitwise as the plain ops compute it, but
+  torch's exp never sees a -inf (a masked token): it leaves its vector path for every
+  vector holding one, which makes a masked row's exp 3-4x a plain one.
+Both run for float32 CPU tensors where the kernels build.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_build
+
+
+def available() -> str | None:
+    """None when the kernels are built and loaded; otherwise why not."""
+    return cpu_build.load("sampling_cpu")
+
+
+def can_run(logits: torch.Tensor) -> bool:
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.stride(1) == 1
+        and available() is None
+    )
+
+
+def apply_token_bitmask_(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
+) -> list[bool]:
+    """The kernel: logits [num_rows, vocab] float32 (CPU), bitmask [>= num_rows,
+    >= ceil(vocab / 32)] int32; per row of `rows`, whether it allows any token."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    return torch.ops.vlmserve_sampling.apply_token_bitmask(logits, bitmask, index).tolist()
+
+
+_BITS = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
+
+
+def apply_token_bitmask_eager(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
+) -> list[bool]:
+    """The reference: each word's 32 bits unpacked, refused tokens set with masked_fill."""
+    vocab = logits.shape[-1]
+    index = torch.tensor(rows, dtype=torch.int64)
+    words = bitmask.index_select(0, index)  # [n, num_words] int32
+    # [n, num_words, 32] -> [n, vocab]: token t is word t // 32, bit t % 32
+    allowed = (words.unsqueeze(-1) & _BITS).ne(0).flatten(1)[:, :vocab]
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return allowed.any(-1).tolist()
+
+
+def temperature_weights(
+    logits: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor
+) -> torch.Tensor:
+    """exp((logits - top) / temperature) as a new tensor, bitwise what
+    `temperature_weights_eager` computes. logits: [rows, vocab] float32 (CPU, `can_run`);
+    top: [rows, 1] float32; temperature: [rows] float32."""
+    ops = torch.ops.vlmserve_sampling
+    shifted, has_neg_inf = ops.shift_scale(logits, top.contiguous(), temperature.contiguous())
+    weights = shifted.exp_()  # no lane is -inf: torch's vector path throughout
+    ops.zero_neg_inf_(weights, logits, has_neg_inf)  # exp(-inf) = 0
+    return weights
+
+
+def temperature_weights_eager(
+    logits: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor
+) -> torch.Tensor:
+    """The reference (and the path everywhere the kernel does not run)."""
+    return (logits - top).div_(temperature[:, None]).exp_()
