@@ -8,6 +8,13 @@ sends --requests streamed chat requests at a fixed rate (one every 1/rate s, gre
 the first half against the second. Passes alternate between the default start-up warm-up
 and `--no-warmup` (ABBA over --rounds), each on a fresh server; medians over the rounds.
 
+On a loaded machine the served halves differ by more than the 10% asked for whatever the
+server does, so `--cpu-check` also measures the engine's cold cost where load cannot hide
+it: in a fresh process per mode (oneDNN's primitive cache is per process), on one thread,
+the same 40-request step sequence (staggered arrivals, prompts of 64-212 tokens) twice
+with new prompts of the same lengths, and the process CPU time of the first pass over the
+second's (1.00: nothing left cold).
+
     .venv/bin/python -m benchmarks.serving.cold_vs_warm              # 80 requests, 2 rounds
     .venv/bin/python -m benchmarks.serving.cold_vs_warm --quick      # short, for a loaded machine
 Writes benchmarks/results/cold_vs_warm.json (the command, the CPU and its flags).
@@ -141,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="a loaded machine: 1 round of 40 requests at 0.5/s, 64-word prompts, 16 tokens",
     )
+    p.add_argument(
+        "--cpu-check",
+        action="store_true",
+        help="also the engine's cold CPU cost per mode, in-process on one thread (module doc)",
+    )
+    p.add_argument("--skip-serve", action="store_true", help="the --cpu-check part only")
     p.add_argument("--workdir", type=Path, default=None, help="checkpoint and logs (default: tmp)")
     p.add_argument("--name", default=None, help="result file (cold_vs_warm / _quick)")
     args = p.parse_args(argv)
@@ -153,7 +166,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def cpu_worker(model: str, warmup: bool) -> None:
+    """One mode of --cpu-check (run in a process of its own): prints a JSON line."""
+    import json
+
+    from scheduler.config import CacheConfig, SchedulerConfig
+    from vlmserve.config import EngineConfig, ModelConfig
+    from vlmserve.engine.core import Engine
+    from vlmserve.inputs.processing import Request
+    from vlmserve.sample.params import SamplingParams
+
+    config = EngineConfig(
+        ModelConfig(model, dtype="bfloat16"), CacheConfig(block_size=16),
+        SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64), warmup=warmup,
+    )  # fmt: skip
+    engine = Engine(config)
+
+    def one_pass(seed: int) -> float:
+        rng = random.Random(seed)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        requests = [
+            Request(prompt_token_ids=[rng.randrange(10, 32000) for _ in range(64 + i % 5 * 37)],
+                    sampling=params)
+            for i in range(40)
+        ]  # fmt: skip
+        start, num_steps = time.process_time(), 0
+        while requests or engine.has_unfinished():
+            if requests and num_steps % 2 == 0:  # one arrival every other step
+                engine.add_request(requests.pop(0))
+            engine.step()
+            num_steps += 1
+        return time.process_time() - start
+
+    first, second = one_pass(1), one_pass(2)
+    warm = engine.warmup.summary() if engine.warmup else None
+    print(json.dumps({"first_cpu_s": first, "second_cpu_s": second, "warmup": warm}))
+
+
+def cpu_check(model: str) -> list[dict]:
+    import json
+
+    rows = []
+    env = {k: v for k, v in os.environ.items() if k not in vlmserve.OPENMP_DEFAULTS}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for mode in MODES:
+        cmd = [sys.executable, "-m", "benchmarks.serving.cold_vs_warm", "--cpu-worker", mode,
+               model]  # fmt: skip
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=True)
+        point = json.loads(done.stdout.strip().splitlines()[-1])
+        point.update(mode=mode, first_over_second=point["first_cpu_s"] / point["second_cpu_s"])
+        rows.append(point)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--cpu-worker"]:
+        cpu_worker(argv[2], argv[1] == "warmup")
+        return {}
     args = parse_args(argv)
     with contextlib.ExitStack() as stack:
         root = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -162,7 +232,10 @@ def main(argv: list[str] | None = None) -> dict:
         load_before = os.getloadavg()
         print(f"load average {load_before}")
         passes = []
-        for i in range(args.rounds):
+        cpu = cpu_check(spec["model"]) if args.cpu_check else []
+        if cpu:
+            print(table(cpu, ["mode", "first_cpu_s", "second_cpu_s", "first_over_second"]))
+        for i in range(0 if args.skip_serve else args.rounds):
             order = MODES if i % 2 == 0 else MODES[::-1]  # ABBA
             for mode in order:
                 log = root / f"serve_{mode}_{i}.log"
@@ -175,6 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = []
     for mode in MODES:
         mine = [p for p in passes if p["mode"] == mode]
+        if not mine:  # --skip-serve
+            continue
         ratios = [p["tpot_p50_first_over_next"] for p in mine if p["tpot_p50_first_over_next"]]
         summary.append({
             "mode": mode,
@@ -193,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         "environment": environment(torch.device("cpu")),
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "settings": {k: v for k, v in vars(args).items() if k not in ("workdir", "name")},
-        "summary": summary, "passes": passes,
+        "summary": summary, "passes": passes, "engine_cpu_first_vs_second": cpu,
     }  # fmt: skip
     print(f"wrote {write_result(args.name, result)}")
     return result
