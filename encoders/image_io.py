@@ -36,6 +36,7 @@ from encoders.errors import ImageDecodeError, ImageTooLargeError
 from encoders.image_spec import ImageLayout, ImageSpec
 from encoders.tiling.anyres import AnyresLayout
 from encoders.tiling.internvl import InternVLLayout
+from encoders.tiling.pan_and_scan import PanAndScanLayout
 
 __all__ = [
     "ALLOWED_FORMATS", "CorruptImageError", "ImageHeader", "TruncatedImageError",
@@ -343,6 +344,14 @@ def tile_image(
         _cut_tiles(np.asarray(_resize(image, (width1, height1), resample)), grid_tiles, layout.grid)
         if layout.has_thumbnail:
             tiles[-1] = np.asarray(_resize(image, (size, size), resample))
+        return tiles
+    if isinstance(layout, PanAndScanLayout):
+        # Gemma 3: the whole image, then each crop cut from the decoded image (a crop, not
+        # a resize box: PIL's box would read pixels past the crop's edge), each squashed
+        # to one tile, as transformers' Gemma3 image processor does.
+        tiles[0] = np.asarray(_resize(image, (size, size), resample))
+        for tile, box in zip(tiles[1:], layout.crops, strict=True):
+            tile[...] = np.asarray(_resize(image.crop(box), (size, size), resample))
         return tiles
     height1, width1 = layout.resized
     image = _resize(image, (width1, height1), resample)  # longest edge -> spec.longest_edge

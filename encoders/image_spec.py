@@ -16,11 +16,12 @@ from encoders.connectors import max_patches_from_aspect_ratio
 from encoders.tiling.anyres import AnyresLayout, anyres_layout
 from encoders.tiling.idefics3 import Idefics3Layout, idefics3_layout
 from encoders.tiling.internvl import InternVLLayout, internvl_layout
+from encoders.tiling.pan_and_scan import PanAndScanLayout, gemma3_prompt_text, pan_and_scan_layout
 
 __all__ = ["ImageLayout", "ImageSpec", "placeholder_text"]
 
-ImageLayout = AnyresLayout | Idefics3Layout | InternVLLayout
-SpecFamily = Literal["llava_onevision", "idefics3", "internvl"]
+ImageLayout = AnyresLayout | Idefics3Layout | InternVLLayout | PanAndScanLayout
+SpecFamily = Literal["llava_onevision", "idefics3", "internvl", "gemma3"]
 
 # Idefics3 / SmolVLM prompt tokens (fixed strings in the HF processors)
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
@@ -46,11 +47,19 @@ class ImageSpec:
     longest_edge: int = 0
     do_image_splitting: bool = True
     image_seq_len: int = 0
-    # InternVL dynamic tiling (the embedded default model)
+    # InternVL dynamic tiling (the embedded default model); Gemma 3 (its image_seq_length)
     tokens_per_tile: int = 0
     min_num_tiles: int = 1
     max_num_tiles: int = 12
     use_thumbnail: bool = True
+    # Gemma 3: pan-and-scan (the processor's images_kwargs) and its prompt's marker tokens
+    pan_and_scan: bool = False
+    pan_and_scan_min_crop_size: int = 256
+    pan_and_scan_max_num_crops: int = 4
+    pan_and_scan_min_ratio: float = 1.2
+    boi_token: str = ""
+    eoi_token: str = ""
+    image_soft_token: str = ""
     # Decoding: JPEG draft mode (DCT-domain downscale) changes pixels, and so some
     # outputs (benchmarks/engine/jpeg_draft_divergence.py): opt-in.
     jpeg_draft: bool = False
@@ -64,6 +73,16 @@ class ImageSpec:
             raise ValueError("Idefics3 needs longest_edge and image_seq_len")
         if self.family == "internvl" and self.tokens_per_tile < 1:
             raise ValueError("InternVL needs tokens_per_tile")
+        if self.family == "gemma3":
+            if self.tokens_per_tile < 1 or not (
+                self.boi_token and self.eoi_token and self.image_soft_token
+            ):
+                raise ValueError("Gemma 3 needs tokens_per_tile and its three image tokens")
+            if self.pan_and_scan_min_crop_size < 1 or self.pan_and_scan_max_num_crops < 1:
+                raise ValueError(
+                    f"pan-and-scan min crop size {self.pan_and_scan_min_crop_size} and max "
+                    f"crops {self.pan_and_scan_max_num_crops} must be positive"
+                )
 
     def layout(self, width: int, height: int, multi_image: bool = False) -> ImageLayout:
         """Tiles and exact token count of a width x height image (header size suffices)."""
@@ -79,6 +98,12 @@ class ImageSpec:
                 min_num_tiles=self.min_num_tiles, max_num_tiles=self.max_num_tiles,
                 use_thumbnail=self.use_thumbnail,
             )  # fmt: skip
+        if self.family == "gemma3":
+            return pan_and_scan_layout(
+                width, height, tokens_per_image=self.tokens_per_tile, enabled=self.pan_and_scan,
+                min_crop_size=self.pan_and_scan_min_crop_size,
+                max_crops=self.pan_and_scan_max_num_crops, min_ratio=self.pan_and_scan_min_ratio,
+            )  # fmt: skip
         return idefics3_layout(
             width, height, longest_edge=self.longest_edge, tile_size=self.tile_size,
             tokens_per_tile=self.image_seq_len, do_image_splitting=self.do_image_splitting,
@@ -91,7 +116,19 @@ class ImageSpec:
             if layout.multi_image:  # padded at full size first: no draft
                 return layout.width, layout.height
             return max(layout.resized[1], self.tile_size), max(layout.resized[0], self.tile_size)
+        if isinstance(layout, PanAndScanLayout):  # crops are cut at full size: no draft
+            return (layout.width, layout.height) if layout.crops else (self.tile_size,) * 2
         return layout.resized[1], layout.resized[0]  # InternVL: the grid is >= the thumbnail
+
+    def prompt_text(self, layout: ImageLayout, image_token: str) -> str:
+        """What the prompt's `image_token` marker of one image expands to, exactly as the
+        HF processor writes it."""
+        if isinstance(layout, PanAndScanLayout):
+            return gemma3_prompt_text(
+                len(layout.crops), self.tokens_per_tile, boi_token=self.boi_token,
+                eoi_token=self.eoi_token, image_token=self.image_soft_token,
+            )  # fmt: skip
+        return placeholder_text(layout, image_token)
 
     @property
     def key(self) -> bytes:
@@ -99,9 +136,12 @@ class ImageSpec:
         return hashlib.blake2b(repr(sorted(asdict(self).items())).encode(), digest_size=16).digest()
 
     @classmethod
-    def from_hf(cls, processor: object, jpeg_draft: bool = False) -> ImageSpec | None:
+    def from_hf(
+        cls, processor: object, jpeg_draft: bool = False, pan_and_scan: bool = False
+    ) -> ImageSpec | None:
         """From a loaded HF processor; None when its settings are outside what we
-        reproduce (then the HF image processor stays on the serving path)."""
+        reproduce (then the HF image processor stays on the serving path). `pan_and_scan`:
+        Gemma 3's `do_pan_and_scan` (the engine's setting, as passed to the processor)."""
         ip = getattr(processor, "image_processor", None)
         name = type(processor).__name__
         if ip is None or not all(
@@ -134,7 +174,32 @@ class ImageSpec:
                 do_image_splitting=bool(ip.do_image_splitting),
                 image_seq_len=int(processor.image_seq_len), **common,
             )  # fmt: skip
+        if name == "Gemma3Processor":
+            return _gemma3_spec(processor, ip, pan_and_scan, common)
         return None
+
+
+def _gemma3_spec(
+    processor: object, ip: object, pan_and_scan: bool, common: dict
+) -> ImageSpec | None:
+    """Gemma 3's spec. The processor's `images_kwargs` (its class defaults) are passed to
+    its image processor on every call, so they, not the image processor's saved values,
+    decide pan-and-scan; `do_pan_and_scan` is the caller's."""
+    size = ip.size
+    height, width = size.get("height"), size.get("width")
+    tokenizer = processor.tokenizer
+    if not height or height != width:
+        return None
+    settings = getattr(processor, "images_kwargs", {})
+    return ImageSpec(
+        "gemma3", tile_size=int(height), tokens_per_tile=int(processor.image_seq_length),
+        pan_and_scan=pan_and_scan,
+        pan_and_scan_min_crop_size=int(settings.get("pan_and_scan_min_crop_size", 256)),
+        pan_and_scan_max_num_crops=int(settings.get("pan_and_scan_max_num_crops", 4)),
+        pan_and_scan_min_ratio=float(settings.get("pan_and_scan_min_ratio_to_activate", 1.2)),
+        boi_token=tokenizer.boi_token, eoi_token=tokenizer.eoi_token,
+        image_soft_token=tokenizer.image_token, **common,
+    )  # fmt: skip
 
 
 def placeholder_text(layout: ImageLayout, image_token: str) -> str:

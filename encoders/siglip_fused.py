@@ -42,7 +42,7 @@ def fused_block(block: Block, x: torch.Tensor, num_tiles: int, act: Activation) 
     num_rows, hidden = x.shape
     num_patches = num_rows // num_tiles
     qkv = attn.qkv(block.norm1(x))  # [rows, 3 * hidden], columns (q|k|v, head, head_dim)
-    if tile_kernel(x, attn.head_dim):
+    if tile_kernel(x, attn.head_dim, num_patches):
         out = cpu_attention.tile_attention(qkv, num_tiles, attn.num_heads, attn.scale)
         x = linear_add(attn.proj, out, x)
         return linear_add(block.mlp.fc2, linear_act(block.mlp.fc1, block.norm2(x), act), x)
@@ -56,15 +56,21 @@ def fused_block(block: Block, x: torch.Tensor, num_tiles: int, act: Activation) 
     return linear_add(block.mlp.fc2, linear_act(block.mlp.fc1, block.norm2(x), act), x)
 
 
-def tile_kernel(x: torch.Tensor, head_dim: int) -> bool:
-    """bfloat16 on a CPU with AVX-512 BF16: attention on the prefill kernel's dot products
-    (about twice torch's SDPA there, `benchmarks/ops/vision_tower.py`); SDPA otherwise."""
-    return (
-        x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and head_dim % 16 == 0
-        and cpu_attention.bf16_dot_available()
-    )
+# float32 towers of at least this many patches a tile take the prefill kernel too: there it
+# is ahead of torch's SDPA (about 1.7x at 4,096 patches, Gemma 3's 896 px tiles; level at
+# 729, `/tmp`-free figures in benchmarks/ops/vision_tower.py's results).
+FLOAT32_MIN_PATCHES = 1024
+
+
+def tile_kernel(x: torch.Tensor, head_dim: int, num_patches: int) -> bool:
+    """Whether a block's attention runs on the C++ prefill kernel instead of torch's SDPA:
+    bfloat16 (even head dims) on a CPU with AVX-512 BF16 dot products, about 2-3x SDPA
+    there; float32 on large tiles. SDPA otherwise."""
+    if x.device.type != "cpu" or cpu_attention.prefill_available() is not None:
+        return False
+    if x.dtype == torch.bfloat16:
+        return head_dim % 2 == 0 and cpu_attention.bf16_dot_available()
+    return x.dtype == torch.float32 and num_patches >= FLOAT32_MIN_PATCHES
 
 
 def default_tiles_per_chunk(device: torch.device, num_tiles: int) -> int:

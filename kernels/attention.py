@@ -51,11 +51,15 @@ class AttentionBatch:
 
 @dataclass
 class LayeredMetadata:
-    """A step's metadata per attention kind, for models that mix them (Gemma 3): global
-    layers read `full`, sliding-window layers `sliding` (built with the window)."""
+    """A step's metadata per KV cache group, for models whose layers differ (Gemma 3's
+    global and sliding-window layers, each group with its own block tables and slots):
+    layer l reads `groups[layer_group[l]]`."""
 
-    full: object
-    sliding: object
+    groups: list[object]
+    layer_group: tuple[int, ...]
+
+    def for_layer(self, layer: int) -> object:
+        return self.groups[self.layer_group[layer]]
 
 
 def allowed_keys(
@@ -156,6 +160,8 @@ def _group(
         q_valid[row, :q_len] = True
         slots = _slots(batch.block_tables[i], ctx_len, batch.block_size)
         ctx_slots[row, : ctx_len - first] = slots[first:]
+        # Padding reads (masked) a slot of its own: never another's block or the null one.
+        ctx_slots[row, ctx_len - first :] = slots[first]
         # Query j sits at absolute position ctx_len - q_len + j and sees positions <= it.
         q_pos = torch.arange(q_len) + (ctx_len - q_len)
         allowed = allowed_keys(q_pos, ctx_len, batch.sliding_window, batch.seq_spans(i))

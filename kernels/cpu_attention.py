@@ -68,10 +68,9 @@ def bf16_dot_available() -> bool:
 
 def tile_attention(qkv: torch.Tensor, num_tiles: int, num_heads: int, scale: float) -> torch.Tensor:
     """Full attention within each tile of a vision tower: qkv [tiles * patches, 3 * hidden]
-    (columns q|k|v, head, head_dim), bfloat16; returns [tiles * patches, hidden] (columns
-    head, head_dim). Each tile is one sequence whose tokens form one bidirectional span,
-    its K/V one block of a cache built for the call. Needs `bf16_dot_available()` and head
-    dims a multiple of 16."""
+    (columns q|k|v, head, head_dim), float32 or bfloat16; returns [tiles * patches, hidden]
+    (columns head, head_dim). Each tile is one sequence whose tokens form one bidirectional
+    span, its K/V one block of a cache built for the call. Needs `prefill_available()`."""
     rows, width = qkv.shape
     patches, head_dim = rows // num_tiles, width // (3 * num_heads)
     view = qkv.view(rows, 3, num_heads, head_dim)

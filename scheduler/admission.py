@@ -16,11 +16,17 @@ preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
   no images; and a prefill that fits one step), then the rest, each by arrival. A
   request that does not fit is skipped, so a later one may start, until it has waited
   `max_wait_steps`: then it goes first and nobody behind it starts until it fits.
-- headroom: a share of the pool (`lump_headroom`) that only quick requests may take. A
-  non-quick request starts only if, after it, the part of that share quick sequences do
-  not already hold is still free. Quick requests may pass an aged lump that does not fit
-  while they stay inside the share: that leaves the lump's own condition unchanged, so
-  the aging bound still holds (a lump too big to leave the share free gets a smaller one).
+- headroom: a share of the pool that only quick requests may take. A non-quick request
+  starts only if, after it, the part of that share quick sequences do not already hold is
+  still free: `lump_headroom` of the pool without TTFT targets (quick-first order has
+  nothing else to keep text moving through a burst of lumps). With targets, the deadline
+  order and the head reservation do that, and the headroom is what quick requests have
+  lately held, at most that share: a high-water mark of the KV running quick sequences
+  hold and have reserved, decaying by `QUICK_DEMAND_DECAY` an admission pass (30% kept
+  idle for text that holds 8% of the pool costs images a fifth of it when it binds).
+  Quick requests may pass an aged lump that does not fit while they stay inside the
+  share: that leaves the lump's own condition unchanged, so the aging bound still holds
+  (a lump too big to leave the share free gets a smaller one).
 - prefill cap: while a quick request is running or ready to start, at most
   `lump_prefill_tokens` prefill tokens a step go to non-quick sequences, so a step that
   carries a lump stays short for it (the planner applies it). With no quick request in
@@ -38,18 +44,36 @@ preempted. `LumpyAdmission` (article §17, "cache pressure arrives in lumps"):
   (late: past the target, or, with a step-cost model, with less slack than its prefill
   alone takes). The aging bound holds: with targets its clock starts at the deadline, and
   an aged request goes first whatever its slack.
+- head reservation (with TTFT targets; EASY backfilling, Lifka 1995, on the KV pool): the
+  first request in the slack order that does not start while it can still make its
+  target becomes the head. The running sequences' known lengths (max_tokens) say at which
+  step enough blocks for it will be free (the shadow step) and how many will be free then
+  beyond its need (the extra). A later request may start only if that cannot delay the
+  head: it fits in the extra (which it then uses up, as does each request that can still
+  make its target and does not start: those ahead of it come first), or it is done and
+  its blocks are back before the shadow step, or it is quick and stays inside the
+  headroom (as past an aged lump). Once the head has less than half its target left (the
+  urgency at which quick requests bring the caps back) nobody passes it. So text passes a
+  waiting image only where the image could not use the room anyway, and not at all when
+  it is close to missing; once the pool binds, requests go in slack (≈ arrival) order.
 - victim: the running sequence whose preemption throws away the least computed KV not
   kept by the prefix cache (`recompute_cost`), newest first among equals (§19).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Sequence as SeqList
 from dataclasses import dataclass
 from typing import Protocol
 
 from scheduler.sequence import Sequence
+
+# Per admission pass (a step with requests waiting): a high-water mark of the quick
+# requests' KV halves in ~350 passes (seconds at 10-30 ms a step), so a burst of text keeps
+# its room for a while after it and a quiet spell hands the room to lumps.
+QUICK_DEMAND_DECAY = 1 - 1 / 512
 
 
 @dataclass(frozen=True)
@@ -87,6 +111,19 @@ class AdmissionPolicy(Protocol):
     ) -> bool:
         """Whether `cand` may start; `blocks_available` already excludes reservations,
         `quick_blocks` are held or reserved by running sequences admitted as quick."""
+        ...
+
+    def required_blocks(self, cand: Candidate, blocks_needed: int, quick_blocks: int) -> int:
+        """The fewest available blocks with which `can_admit` lets `cand` start."""
+        ...
+
+    def reserves_for(self, cand: Candidate) -> bool:
+        """Whether `cand`, not starting, becomes the head later ones must not delay
+        (`HeadReservation`)."""
+        ...
+
+    def observe_quick_demand(self, num_blocks: int) -> None:
+        """Blocks running quick sequences hold or have reserved, this admission pass."""
         ...
 
     def may_pass(
@@ -153,7 +190,16 @@ class FcfsAdmission:
     def can_admit(
         self, cand: Candidate, blocks_needed: int, blocks_available: int, quick_blocks: int
     ) -> bool:
-        return blocks_available - blocks_needed >= self.watermark_blocks
+        return blocks_available >= self.required_blocks(cand, blocks_needed, quick_blocks)
+
+    def required_blocks(self, cand: Candidate, blocks_needed: int, quick_blocks: int) -> int:
+        return blocks_needed + self.watermark_blocks
+
+    def reserves_for(self, cand: Candidate) -> bool:
+        return False  # nobody passes anyway
+
+    def observe_quick_demand(self, num_blocks: int) -> None:
+        pass  # no headroom
 
     def may_pass(
         self, blocked: Candidate, blocked_needs: int, cand: Candidate, cand_needs: int,
@@ -188,21 +234,35 @@ class LumpyAdmission(FcfsAdmission):
         self.usable_blocks = num_blocks - self.watermark_blocks
         self.max_reservable_tokens = self.usable_blocks * block_size
         self.headroom_blocks = int(num_blocks * headroom)
+        # Until quick requests have been seen, the whole configured headroom.
+        self.quick_demand_blocks = float(self.headroom_blocks)
         self.lump_prefill_tokens = lump_prefill_tokens
+
+    def observe_quick_demand(self, num_blocks: int) -> None:
+        """Blocks running quick sequences hold or have reserved now (each admission
+        pass): the headroom follows their decaying high-water mark."""
+        self.quick_demand_blocks = max(
+            float(num_blocks), self.quick_demand_blocks * QUICK_DEMAND_DECAY
+        )
 
     def lump_headroom(self, blocks_needed: int) -> int:
         """Blocks a non-quick request needing `blocks_needed` must leave for quick ones:
-        the headroom, shrunk so that a lump that fits the pool can still start."""
-        return min(self.headroom_blocks, max(0, self.usable_blocks - blocks_needed))
+        the headroom (the quick requests' recent high-water mark, at most the configured
+        share), shrunk so that a lump that fits the pool can still start."""
+        headroom = min(self.headroom_blocks, math.ceil(self.quick_demand_blocks))
+        return min(headroom, max(0, self.usable_blocks - blocks_needed))
 
-    def can_admit(
-        self, cand: Candidate, blocks_needed: int, blocks_available: int, quick_blocks: int
-    ) -> bool:
-        left = blocks_available - blocks_needed - self.watermark_blocks
+    def required_blocks(self, cand: Candidate, blocks_needed: int, quick_blocks: int) -> int:
+        need = blocks_needed + self.watermark_blocks
         if cand.quick:
-            return left >= 0
+            return need
         # Quick sequences already inside the headroom use it: only the rest stays free.
-        return left >= max(0, self.lump_headroom(blocks_needed) - quick_blocks)
+        return need + max(0, self.lump_headroom(blocks_needed) - quick_blocks)
+
+    def reserves_for(self, cand: Candidate) -> bool:
+        # Only with targets, and only for a request that can still make its own: a late
+        # one is served after those that can (the slack order), or first once aged.
+        return cand.slack_s is not None and cand.slack_s >= 0 and not cand.aged
 
     def may_pass(
         self, blocked: Candidate, blocked_needs: int, cand: Candidate, cand_needs: int,
@@ -237,3 +297,58 @@ class LumpyAdmission(FcfsAdmission):
         self, others: SeqList[Sequence], current: Sequence, cost: Callable[[Sequence], int]
     ) -> Sequence:
         return min([*others, current], key=lambda s: (cost(s), -s.arrival))
+
+
+@dataclass
+class HeadReservation:
+    """The head's reservation (EASY backfilling on the KV pool, see the module docstring):
+    `shadow_steps` steps from now (this one counted) enough blocks are back for it, with
+    `extra_blocks` beyond its need; inf / 0 where the running sequences' lengths are not
+    all known. Steps are the clock: a running sequence adds one token a step."""
+
+    cand: Candidate
+    blocks_needed: int
+    shadow_steps: float
+    extra_blocks: int
+
+    def admits(self, final_blocks: int, lifetime_steps: float) -> bool:
+        """Whether a request that will hold at most `final_blocks` and be done within
+        `lifetime_steps` (this one counted) may start now without delaying the head; one
+        admitted by the extra uses it up."""
+        if final_blocks <= self.extra_blocks:
+            self.extra_blocks -= final_blocks
+            return True
+        # Its blocks are free for the plan of step lifetime + 1, the head's at shadow + 1.
+        return lifetime_steps <= self.shadow_steps
+
+    def queue_behind(self, num_blocks: int) -> None:
+        """A later request that can still make its target did not start either: the
+        extra is its first (conservative backfilling for those behind the head, so the
+        second image of a burst is not left to wait for what text took)."""
+        self.extra_blocks = max(0, self.extra_blocks - num_blocks)
+
+
+def head_reservation(
+    cand: Candidate,
+    blocks_needed: int,
+    required: int,
+    available: int,
+    releases: list[tuple[float, int, int]],
+) -> HeadReservation:
+    """The head's reservation given the `required` available blocks it needs, the
+    `available` ones now, and per running sequence (steps until it finishes, blocks it
+    frees then, blocks it will still take from the pool before: growth past its
+    reservation). The shadow is the earliest step the head could start (growth not
+    counted: a backfill must be gone even then); the extra is the fewest blocks free
+    beyond the head's need at that step (all growth counted)."""
+    free, shadow = available, 0.0
+    growth = sum(g for _, _, g in releases)
+    for steps, freed, _ in sorted(releases):
+        if free >= required:
+            break
+        if math.isinf(steps):  # an unknown length: no shadow to backfill against
+            return HeadReservation(cand, blocks_needed, 0.0, 0)
+        free, shadow = free + freed, steps
+    if free < required:  # not even with the pool empty (the watermark, the headroom)
+        return HeadReservation(cand, blocks_needed, 0.0, 0)
+    return HeadReservation(cand, blocks_needed, shadow, max(0, free - growth - required))

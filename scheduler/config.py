@@ -1,7 +1,9 @@
-"""Configs of the CPU-side policy: the KV cache geometry and the step planner."""
+"""Configs of the CPU-side policy: the KV cache geometry (KV cache groups of a hybrid
+model, their peak blocks per sequence) and the step planner."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,15 +65,74 @@ class CacheConfig:
             raise ValueError(f"watermark={self.watermark} must be in [0, 1)")
 
 
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table per sequence."""
+
+    sliding_window: int | None  # None: full attention
+    layers: tuple[int, ...]
+
+
+def kv_cache_groups(layer_windows: Sequence[int | None]) -> tuple[KVCacheGroup, ...]:
+    """Layers grouped by attention kind (their window), every group as many layers as the
+    rarest kind has, so a block (the KV of that many layers) fits any group. Full groups
+    first. One kind: one group of every layer (today's single table). A kind whose count
+    is no multiple of the group size gets one smaller last group; its blocks leave the
+    missing layers' share of the block unused."""
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        kinds.setdefault(window, []).append(layer)
+    if len(kinds) <= 1:
+        window = next(iter(kinds), None)
+        return (KVCacheGroup(window, tuple(range(len(layer_windows)))),)
+    size = min(len(layers) for layers in kinds.values())
+    groups = []
+    for window in sorted(kinds, key=lambda w: (w is not None, w or 0)):
+        layers = kinds[window]
+        groups += [
+            KVCacheGroup(window, tuple(layers[i : i + size])) for i in range(0, len(layers), size)
+        ]
+    return tuple(groups)
+
+
+def group_peak_blocks(
+    window: int | None, block_size: int, num_tokens: int, max_step_tokens: int | None
+) -> int:
+    """The most blocks one sequence of `num_tokens` tokens holds at once in a group: all of
+    them in a full group; in a sliding one the window before a step's first query (the
+    blocks before it are released) plus the step's own tokens, at most
+    ceil((window - 1 + step) / block_size) + 1 (+ 1: the window may start mid-block)."""
+    blocks = -(-num_tokens // block_size)
+    if window is None:
+        return blocks
+    step = num_tokens if max_step_tokens is None else min(max_step_tokens, num_tokens)
+    return min(blocks, -(-(window - 1 + step) // block_size) + 1)
+
+
+def seq_peak_blocks(
+    windows: Sequence[int | None], block_size: int, num_tokens: int, max_step_tokens: int | None
+) -> int:
+    """`group_peak_blocks` over every group: what a sequence costs the shared pool."""
+    return sum(group_peak_blocks(w, block_size, num_tokens, max_step_tokens) for w in windows)
+
+
 def kv_pool_num_blocks(
-    budget_bytes: int, block_bytes: int, block_size: int, max_num_seqs: int, max_model_len: int
+    budget_bytes: int,
+    block_bytes: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    blocks_per_seq: int | None = None,
 ) -> int:
     """Blocks of a KV pool sized by a byte budget: as many as `budget_bytes` holds, but no
     more than `max_num_seqs` sequences of `max_model_len` tokens fill at once (a bigger pool
-    only ever holds prefix-cache leftovers). At least one block."""
+    only ever holds prefix-cache leftovers). At least one block. `blocks_per_seq`: what one
+    such sequence holds at most (hybrid KV: over every group, `kv_blocks.seq_peak_blocks`;
+    default: a block per block_size tokens)."""
     assert block_bytes > 0 and block_size > 0, (block_bytes, block_size)
-    max_useful = max_num_seqs * -(-max_model_len // block_size)  # ceil: a partial last block
-    return max(1, min(budget_bytes // block_bytes, max_useful))
+    if blocks_per_seq is None:
+        blocks_per_seq = -(-max_model_len // block_size)  # ceil: a partial last block
+    return max(1, min(budget_bytes // block_bytes, max_num_seqs * blocks_per_seq))
 
 
 @dataclass(frozen=True)

@@ -68,4 +68,4 @@ def resolve(
             seq.token_ids.extend(tokens)
         if seq.status == "running":  # preempted meanwhile: its blocks went with it
             hashes = extend_block_hashes(seq, item.end, block_manager.block_size)
-            block_manager.register(hashes, seq.block_table)
+            block_manager.register_seq(hashes, seq)

@@ -71,13 +71,24 @@ class Scheduler(WaitingAdmission):
         spec_speedup: SpeedupFn | None = None,
         step_cost: StepCost | None = None,
         clock: Callable[[], float] | None = None,
+        kv_windows: tuple[int | None, ...] = (None,),
     ) -> None:
+        """`kv_windows`: each KV cache group's sliding window (None: full attention), as
+        `config.kv_cache_groups` groups the model's layers; one group by default."""
         self.config = config
         # Seconds a step of a given shape takes (TPOT guard) and the time now (slack
         # against TTFT targets): injected by the engine and the simulator.
         self.step_cost, self.clock = step_cost, clock
-        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, cache.block_size, cache.enable_prefix_caching, kv_windows,
+            config.max_num_batched_tokens,
+        )  # fmt: skip
         self.admission = admission or make_admission(config, cache, num_blocks)
+        bm = self.block_manager
+        if isinstance(self.admission, LumpyAdmission) and bm.null_block is not None:
+            # Hybrid KV: the longest sequence whose blocks over every group can be reserved.
+            usable = bm.num_usable_blocks - self.admission.watermark_blocks
+            self.admission.max_reservable_tokens = bm.max_tokens_within(usable)
         # Whether the encoder cache holds an image (by ImagePlaceholder.content_hash).
         self.encoder_cached = encoder_cached or (lambda _: False)
         self.waiting: deque[Sequence] = deque()
@@ -90,7 +101,9 @@ class Scheduler(WaitingAdmission):
         self._finished_ids: dict[str, None] = {}
         self.proposer: NgramProposer | None = None
         self.spec_policy: SpecPolicy | None = None
+        self.max_drafts = 0
         if speculative is not None and speculative.enabled:
+            self.max_drafts = speculative.num_speculative_tokens
             self.proposer = NgramProposer(speculative.min_n, speculative.max_n)
             # The engine fills in B* for its device; without one the ridge never gates.
             ridge = speculative.ridge_batch if speculative.ridge_batch is not None else math.inf
@@ -102,6 +115,9 @@ class Scheduler(WaitingAdmission):
         # Running sequences admitted as quick: they may use the lump headroom and their
         # prefill is not capped.
         self._quick_ids: set[str] = set()
+        # Waiting requests the last admission held back for KV (the pool or the head's
+        # reservation), not for room in the step: short steps would not start them sooner.
+        self._kv_blocked: set[str] = set()
         self._yielded = False  # the previous step held lumps back for a quick request
         self.lump_budget = step_room.make_lump_budget(config, self.admission.lump_prefill_tokens)
 
@@ -116,19 +132,19 @@ class Scheduler(WaitingAdmission):
         prefill off. Pure: the engine refuses with it at arrival (400), the simulator the
         same way."""
         bm = self.block_manager
-        needed = bm.blocks_for(num_prompt_tokens + max_tokens)
-        if needed > bm.num_blocks:
+        needed = bm.footprint(num_prompt_tokens + max_tokens)
+        if needed > bm.num_usable_blocks:
             return (
                 f"request needs {needed} KV blocks ({num_prompt_tokens} prompt + {max_tokens} "
-                f"output tokens), the KV pool holds {bm.num_blocks}"
+                f"output tokens), the KV pool holds {bm.num_usable_blocks}"
             )
-        lump = bm.blocks_for(num_prompt_tokens)
-        usable = bm.num_blocks - self.admission.watermark_blocks
+        lump = bm.footprint(num_prompt_tokens)
+        usable = bm.num_usable_blocks - self.admission.watermark_blocks
         if lump > usable:
             return (
                 f"prompt needs {lump} KV blocks at once ({num_prompt_tokens} tokens), the KV "
-                f"pool holds {bm.num_blocks} of which {usable} can be reserved (the rest is "
-                "the watermark)"
+                f"pool holds {bm.num_usable_blocks} of which {usable} can be reserved (the "
+                "rest is the watermark)"
             )
         sched = self.config
         if not sched.enable_chunked_prefill and num_prompt_tokens > sched.max_num_batched_tokens:
@@ -164,14 +180,19 @@ class Scheduler(WaitingAdmission):
     def stats(self) -> dict[str, float]:
         """Queue and KV-pool gauges, preemption counters (the engine's `stats()`)."""
         bm = self.block_manager
-        used = bm.num_blocks - bm.num_free_blocks
-        return {
+        used = bm.num_usable_blocks - bm.num_free_blocks
+        stats = {
             "waiting": float(len(self.waiting)), "running": float(len(self.running)),
-            "num_blocks": float(bm.num_blocks), "free_blocks": float(bm.num_free_blocks),
-            "used_blocks": float(used), "kv_usage": used / bm.num_blocks,
+            "num_blocks": float(bm.num_usable_blocks), "free_blocks": float(bm.num_free_blocks),
+            "used_blocks": float(used), "kv_usage": used / bm.num_usable_blocks,
             "num_preemptions": float(self.num_preemptions),
             "recomputed_tokens_total": float(self.num_recomputed_tokens),
         }  # fmt: skip
+        if bm.null_block is not None:  # hybrid KV: held per kind of group, now and at most
+            for kind, held in bm.in_use_by_kind().items():
+                stats[f"kv_blocks_in_use_{kind}"] = float(held)
+                stats[f"kv_blocks_peak_{kind}"] = float(bm.peak_by_kind[kind])
+        return stats
 
     @property
     def spec_metrics(self) -> SpecMetrics | None:
@@ -278,20 +299,26 @@ class Scheduler(WaitingAdmission):
             # slack order serves the request (an earlier deadline always goes first).
             if (slack := step_room.slack_s(seq, self.config.slo, now)) is None or slack < 0:
                 seq.num_waiting_steps += 1
+        if self.block_manager.null_block is not None:
+            self.block_manager.note_peak()  # hybrid KV: the step's blocks, before releases
         finished, self._finished_ids = tuple(self._finished_ids), {}
         return StepPlan(scheduled, tuple(seq.request_id for seq in preempted), finished)
 
     def _needs_caps(self, guarded: bool) -> bool:
-        """A quick request waits ready to start or runs without its first token yet, and
-        is urgent (`step_room.is_urgent`); or one decodes with no TPOT guard to keep its
-        steps short (`guarded`: there is one)."""
+        """A quick request waits ready to start (and was not held back for KV last step)
+        or runs without its first token yet, and is urgent (`step_room.is_urgent`); or one
+        decodes with no TPOT guard to keep its steps short (`guarded`: there is one)."""
         slo, now = self.config.slo, self.clock() if self.clock is not None else None
         for s in self.running:
             if s.request_id not in self._quick_ids:
                 continue
             if not guarded or (s.num_output_tokens == 0 and step_room.is_urgent(s, slo, now)):
                 return True
-        return any(c.quick and step_room.is_urgent(c.seq, slo, now) for c, _ in self._candidates())
+        return any(
+            c.quick and c.seq.request_id not in self._kv_blocked
+            and step_room.is_urgent(c.seq, slo, now)
+            for c, _ in self._candidates()
+        )  # fmt: skip
 
     def _is_lump(self, seq: Sequence) -> bool:
         """A running prefill not admitted as quick (its chunks share the lump cap)."""
@@ -316,6 +343,8 @@ class Scheduler(WaitingAdmission):
             ):
                 continue  # async: its last token is in flight, it finishes when that lands
             lump, start = self._is_lump(seq), seq.num_computed_tokens
+            # Blocks that fell out of a sliding group's window go back before it grows.
+            self.block_manager.release_skipped(seq)
             chunk = self._chunk(seq, start, room, lump)
             if chunk is None:
                 continue  # chunking off, or its next image waits for a step with tower room
@@ -367,7 +396,7 @@ class Scheduler(WaitingAdmission):
             seq.token_ids.extend(tokens)
             # Only accepted tokens are hashed: the hashes stop at num_computed_tokens.
             hashes = extend_block_hashes(seq, seq.num_computed_tokens, self.block_size)
-            self.block_manager.register(hashes, seq.block_table)
+            self.block_manager.register_seq(hashes, seq)
             if drafts:  # roll back the blocks grown only for rejected drafts
                 self.block_manager.shrink(seq, seq.num_computed_tokens)
 

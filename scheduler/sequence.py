@@ -42,6 +42,11 @@ class Sequence:
     # Leading entries of block_table the runner holds (StepPlan sends the rest as a delta);
     # the block manager lowers it when it drops blocks.
     num_synced_blocks: int = 0
+    # Hybrid KV (scheduler/kv_blocks.py): the block tables of KV cache groups 1.. (a
+    # sliding group's entries before its window are the null block) and, per table, the
+    # leading entries the runner holds. Empty for a model with one group.
+    group_block_tables: list[list[int]] = field(default_factory=list)
+    num_synced_group_blocks: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks so far (prefix cache); extended lazily.
     block_hashes: list[bytes] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_arrival))

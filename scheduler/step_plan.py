@@ -1,13 +1,13 @@
 """The StepPlan: the one record that crosses from the scheduler to the runner each step.
 
 Self-contained, like vLLM v1's `SchedulerOutput`: request ids, the tokens and positions to
-compute, the block-table change since the runner last saw the request, the image
-placeholders the chunk fills (the encoder work of the step, named by request id, image
-index and encoder-cache key), drafts, whether a row samples, and the requests that finished
-or lost their KV since the plan before. The runner keeps its own block tables and the
-encoder records of each request's images (encoders/stage.py makes them) and applies the
-plan to them; it never reads a `Sequence`. The scheduler keeps the live sequences and
-looks them up by request id when the step comes back.
+compute, the block-table change since the runner last saw the request (one per KV cache
+group), the image placeholders the chunk fills (the encoder work of the step, named by
+request id, image index and encoder-cache key), drafts, whether a row samples, and the
+requests that finished or lost their KV since the plan before. The runner keeps its own
+block tables and the encoder records of each request's images (encoders/stage.py makes
+them) and applies the plan to them; it never reads a `Sequence`. The scheduler keeps the
+live sequences and looks them up by request id when the step comes back.
 
 What must stay true: a plan holds plain data only (ints, strings, bytes, tuples, lists,
 frozen records of those); tests/scheduler/test_step_plan.py walks it.
@@ -60,6 +60,8 @@ class ScheduledSeq:
     draft_token_ids: tuple[int, ...] = ()
     block_table: BlockTableDelta = BlockTableDelta(0)
     images: tuple[ImageChunk, ...] = ()
+    # Hybrid KV: the deltas of KV cache groups 1.. (`block_table` is group 0's).
+    group_block_tables: tuple[BlockTableDelta, ...] = ()
 
     @property
     def end(self) -> int:
@@ -94,10 +96,23 @@ def schedule_item(
     synced = seq.num_synced_blocks
     delta = BlockTableDelta(synced, tuple(seq.block_table[synced:]))
     seq.num_synced_blocks = len(seq.block_table)
+    group_deltas: tuple[BlockTableDelta, ...] = ()
+    if seq.group_block_tables:  # hybrid KV
+        group_deltas = tuple(_group_deltas(seq))
     return ScheduledSeq(
         seq.request_id, start, num_new, sample, tuple(seq.token_ids[start:end]), drafts, delta,
-        image_chunks(seq, start, end),
+        image_chunks(seq, start, end) if seq.images else (), group_deltas,
     )  # fmt: skip
+
+
+def _group_deltas(seq: Sequence) -> list[BlockTableDelta]:
+    """The deltas of KV cache groups 1..; marks them synced."""
+    deltas = []
+    for group, table in enumerate(seq.group_block_tables):
+        synced = seq.num_synced_group_blocks[group]
+        deltas.append(BlockTableDelta(synced, tuple(table[synced:])))
+        seq.num_synced_group_blocks[group] = len(table)
+    return deltas
 
 
 def image_chunks(seq: Sequence, start: int, end: int) -> tuple[ImageChunk, ...]:

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from encoders.tiling.grid import internvl_grid
+from encoders.tiling.pan_and_scan import pan_and_scan_crops
 from search.costmodel import cost_model as cm
 from search.costmodel.presets import Accelerator, ModelShape, VisionEncoder
 
-TilingRule = Literal["dynamic", "fixed", "single"]
-TILING_RULES: tuple[TilingRule, ...] = ("dynamic", "fixed", "single")
+TilingRule = Literal["dynamic", "fixed", "single", "pan-and-scan"]
+TILING_RULES: tuple[TilingRule, ...] = ("dynamic", "fixed", "single", "pan-and-scan")
+# Gemma3Processor's pan-and-scan settings (its images_kwargs defaults, the released ones).
+PAN_AND_SCAN = dict(min_crop_size=256, max_crops=4, min_ratio=1.2)
 
 
 @dataclass(frozen=True)
@@ -46,13 +49,23 @@ def tile_image(
     width: int | None, height: int | None, rule: TilingRule, max_tiles: int, tile_size: int
 ) -> TileGrid:
     """The grid a tiling rule gives. ``fixed`` is Lab 4's slider: every image is max_tiles
-    tiles (thumbnail included) whatever its size; ``single`` resizes to one tile."""
+    tiles (thumbnail included) whatever its size; ``single`` resizes to one tile;
+    ``pan-and-scan`` is Gemma 3's (the engine's rule, `encoders.tiling.pan_and_scan`): the
+    whole image (the "thumbnail") plus its crops, when the image is elongated enough."""
     if max_tiles < 1:
         raise ValueError(f"max tiles must be >= 1, got {max_tiles}")
     if rule == "single":
         return TileGrid(1, 1, False)
     if rule == "fixed":
         return TileGrid(max_tiles, 1, False)
+    if rule == "pan-and-scan":
+        if width is None or height is None:
+            raise ValueError("pan-and-scan needs the image size (an image or width/height)")
+        crops = pan_and_scan_crops(width, height, **PAN_AND_SCAN)
+        if not crops:
+            return TileGrid(1, 1, False)
+        cols, rows = len({box[0] for box in crops}), len({box[1] for box in crops})
+        return TileGrid(cols, rows, thumbnail=True)
     if rule != "dynamic":
         raise ValueError(f"unknown tiling rule {rule!r}; choose one of {', '.join(TILING_RULES)}")
     if width is None or height is None:

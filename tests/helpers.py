@@ -74,5 +74,5 @@ def run_checked(engine: Engine, requests: list[Request]) -> list:
         engine.step()
         engine.scheduler.block_manager.check_integrity()
     bm = engine.scheduler.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "blocks leaked after the queue drained"
+    assert bm.num_free_blocks == bm.num_usable_blocks, "blocks leaked after the queue drained"
     return outputs

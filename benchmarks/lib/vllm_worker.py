@@ -57,7 +57,7 @@ def main(spec_path: str, result_path: str) -> None:
 
     spec = json.loads(open(spec_path).read())
     engine = spec["engine"]
-    image = spec["workload"] == "image"
+    image = spec["workload"] in ("image", "gemma3")
     start = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -67,7 +67,9 @@ def main(spec_path: str, result_path: str) -> None:
         max_num_batched_tokens=engine["max_num_batched_tokens"],
         max_num_seqs=engine["max_num_seqs"],
         skip_tokenizer_init=not image,
-        limit_mm_per_prompt={"image": 1, "video": 0} if image else None,
+        limit_mm_per_prompt=spec.get("limit_mm_per_prompt", {"image": 1, "video": 0})
+        if image
+        else None,
         # transformers' PIL image processor: the pixels vlmserve reproduces bit for bit (its
         # default torchvision one differs by a grey level or two)
         mm_processor_kwargs={"use_fast": False} if image else None,

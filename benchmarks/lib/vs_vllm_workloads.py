@@ -7,6 +7,9 @@ checkpoint folder and a spec (engine settings, warm-up and measured requests).
   384 / patch 14, anyres grids up to 6 x 6 with `anyres_max_9`, the text workload's decoder
   sizes in the family's Qwen2 class), one distinct 1024 x 768 JPEG per request and a short
   question.
+- gemma3: a Gemma-3-shaped random checkpoint (the text workload's decoder sizes with Gemma 3's
+  layers: 5 sliding-window layers to 1 global, QK-norm, sandwich norms; its SigLIP tower at
+  896 px / patch 14 pooled to 256 tokens), the image workload's JPEGs and questions.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from benchmarks.engine.offline_throughput import workload as offline_workload
 from encoders.tiling.anyres import anyres_layout
 from vlmserve.worker.models.random_checkpoint import (
     WORDS,
+    make_gemma3_checkpoint,
     make_text_checkpoint,
     make_vlm_checkpoint,
 )
@@ -36,6 +40,13 @@ TILE, PATCH, MAX_GRID, ASPECT_RATIO = 384, 14, 6, "anyres_max_9"
 VISION_HIDDEN, VISION_HEADS, VISION_INTERMEDIATE = 768, 12, 3072
 BLOCK_SIZE = 16  # vlmserve's KV block (offline_throughput.make_engine)
 PROMPT = "<|im_start|> user <image> {question} <|im_end|> <|im_start|> assistant"
+# Gemma 3: its tower at the released 896 px / patch 14, 256 tokens per image; the window
+# short enough that an image request's decode crosses it.
+GEMMA3_TILE, GEMMA3_PATCH, GEMMA3_TOKENS, GEMMA3_WINDOW = 896, 14, 256, 256
+GEMMA3_NEWLINES = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+GEMMA3_PROMPT = (
+    "<bos> <start_of_turn> user <start_of_image> {question} <end_of_turn> <start_of_turn> model"
+)
 # The serving part sends chat messages: the text checkpoint's template passes them through.
 TEXT_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
@@ -101,15 +112,21 @@ def write_text_workload(root: Path, args: argparse.Namespace) -> dict:
 
 
 def write_image_workload(
-    root: Path, args: argparse.Namespace, num_requests: int, max_tokens: int, vision_layers: int
+    root: Path,
+    args: argparse.Namespace,
+    num_requests: int,
+    max_tokens: int,
+    vision_layers: int,
+    checkpoint: bool = True,
 ) -> dict:
+    """`checkpoint=False`: the requests only (their JPEGs written), no LLaVA checkpoint."""
     model = root / "model"
     sizes = [args.hidden, args.layers, args.heads, args.kv_heads, args.vocab, args.intermediate]
     params = {
         "image": [*sizes, vision_layers, TILE, PATCH, MAX_GRID, ASPECT_RATIO],
         "covered_vocab": True,
     }
-    if _stale(root, params):
+    if checkpoint and _stale(root, params):
         make_vlm_checkpoint(
             model,
             "llava_onevision",
@@ -155,15 +172,85 @@ def write_image_workload(
     return _save(root, spec)
 
 
-def cover_vocab(model: Path, vocab_size: int) -> None:
-    """Give every id of the model a word of its own (w<i> fillers after the tokenizer's
-    words; existing ids unchanged). Random weights emit any id, and ids past the tokenizer
-    decode to nothing: a stream of them has no text, so no first token to time."""
+def write_gemma3_workload(
+    root: Path, args: argparse.Namespace, num_requests: int, max_tokens: int, vision_layers: int
+) -> dict:
+    """The image workload on a Gemma-3-shaped checkpoint (same JPEGs, same questions)."""
+    model = root / "model"
+    sizes = [args.hidden, args.layers, args.heads, args.kv_heads, args.vocab, args.intermediate]
+    params = {
+        "gemma3": [*sizes, vision_layers, GEMMA3_TILE, GEMMA3_PATCH, GEMMA3_TOKENS, GEMMA3_WINDOW],
+        "covered_vocab": True,
+        "newlines": True,
+        "nested_tower": 2,
+    }
+    if _stale(root, params):
+        head_dim = args.hidden // args.heads
+        make_gemma3_checkpoint(
+            model, hidden=args.hidden, layers=args.layers, heads=args.heads,
+            kv_heads=args.kv_heads, vocab=args.vocab, intermediate_size=args.intermediate,
+            head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=GEMMA3_WINDOW,
+            max_position_embeddings=8192, image_size=GEMMA3_TILE, patch=GEMMA3_PATCH,
+            tokens_per_image=GEMMA3_TOKENS, vision_hidden=VISION_HIDDEN,
+            vision_layers=vision_layers, vision_heads=VISION_HEADS,
+            vision_intermediate=VISION_INTERMEDIATE,
+        )  # fmt: skip
+        # vLLM's Gemma 3 processor looks up the real tokenizer's newline-run tokens (it
+        # merges "\n" + "\n\n" after its image replacement): give them ids. The word-level
+        # pre-tokenizer splits on whitespace, so neither side ever emits them.
+        cover_vocab(model, args.vocab, extra=GEMMA3_NEWLINES)
+        nest_vision_tower(model / "model.safetensors")
+        _mark(root, params)
+    image_spec = write_image_workload(root / "llava", args, num_requests, max_tokens, 0, False)
+    requests, warmup = image_spec["requests"], image_spec["warmup"]
+    for request in requests + warmup:  # the same JPEG and question in Gemma 3's prompt
+        request["prompt"] = GEMMA3_PROMPT.format(question=request["question"])
+    prompt_lens = [len(r["prompt"].split()) - 1 + GEMMA3_TOKENS + 2 for r in requests]
+    spec = {
+        "model": str(model),
+        "workload": "gemma3",
+        "requests": requests,
+        "warmup": warmup,
+        "prompt_lens_estimate": prompt_lens,
+        "engine": _engine(args, 8192, prompt_lens, [max_tokens] * num_requests),
+        # Gemma 3 has no video modality: vLLM refuses a limit for one.
+        "limit_mm_per_prompt": {"image": 1},
+    }
+    return _save(root, spec)
+
+
+def kv_report(model: Path, context: int, cache_bytes: int) -> dict:
+    """KV bytes per sequence at `context` tokens for the checkpoint's layers (the cost model:
+    sliding layers hold their window, vLLM's hybrid manager) against all-global, and the
+    released Gemma 3 presets' for scale."""
+    from search.costmodel import cost_model as cm
+    from search.costmodel.presets import get_model, model_from_hf_config
+
+    out = {"context": context, "cache_bytes_per_element": cache_bytes}
+    for name, shape in [("checkpoint", model_from_hf_config(model / "config.json")),
+                        ("gemma-3-4b", get_model("gemma-3-4b")),
+                        ("gemma-3-27b", get_model("gemma-3-27b"))]:  # fmt: skip
+        hybrid = cm.kv_bytes_per_sequence(shape, context, cache_bytes)
+        full = cm.kv_bytes_all_global(shape, context, cache_bytes)
+        out[name] = {
+            "num_layers": shape.num_layers, "num_sliding_layers": shape.num_sliding_layers,
+            "sliding_window": shape.sliding_window, "hybrid_bytes": hybrid,
+            "all_global_bytes": full, "hybrid_over_all_global": hybrid / full,
+        }  # fmt: skip
+    return out
+
+
+def cover_vocab(model: Path, vocab_size: int, extra: tuple[str, ...] = ()) -> None:
+    """Give every id of the model a word of its own (`extra`, then w<i> fillers after the
+    tokenizer's words; existing ids unchanged). Random weights emit any id, and ids past the
+    tokenizer decode to nothing: a stream of them has no text, so no first token to time."""
     from tokenizers import Tokenizer, models
 
     path = model / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(path))
     vocab = tokenizer.get_vocab(with_added_tokens=True)
+    for word in extra:
+        vocab.setdefault(word, len(vocab))
     i = 0
     while len(vocab) < vocab_size:
         vocab.setdefault(f"w{i}", len(vocab))
@@ -183,8 +270,8 @@ def add_chat_template(model: Path, template: str) -> None:
 def nest_vision_tower(path: Path) -> None:
     """Rename `vision_tower.*` to `vision_tower.vision_model.*` (what `save_pretrained`
     writes is refused by vLLM: "There is no module or parameter named
-    'vision_tower.embeddings' in LlavaOnevisionForConditionalGeneration"). vlmserve loads
-    either layout."""
+    'vision_tower.embeddings' in LlavaOnevisionForConditionalGeneration", and the same in
+    Gemma3ForConditionalGeneration). vlmserve loads either layout."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(path)

@@ -2,11 +2,14 @@
 disk, each engine in its own process, in interleaved rounds (vLLM, vlmserve, vLLM, ...),
 greedy tokens compared. Two workloads: the offline-throughput text workload (token-id
 prompts) and an image workload (LLaVA-OneVision-shaped, one distinct 1024 x 768 JPEG per
-request, see `vs_vllm_workloads.py`). Only generation is timed (JPEG decoding included);
-model load and warm-up are reported apart. Medians over rounds, load average printed.
-Writes benchmarks/results/vs_vllm.json (vs_vllm_quick.json with --quick). `--dtype
-bfloat16` runs both engines in bfloat16 (the float32 checkpoint cast at load by each) and
-writes vs_vllm_bf16.json, with the CPU's native-bfloat16 flags in its `machine` record.
+request, see `vs_vllm_workloads.py`); `--workload gemma3` runs the image workload on a
+Gemma-3-shaped checkpoint (5:1 sliding-window layers, the tower at 896 px) and writes
+vs_vllm_gemma3.json with the KV bytes per sequence at 8k context against all-global. Only
+generation is timed (JPEG decoding included); model load and warm-up are reported apart.
+Medians over rounds, load average printed. Writes benchmarks/results/vs_vllm.json
+(vs_vllm_quick.json with --quick). `--dtype bfloat16` runs both engines in bfloat16 (the
+float32 checkpoint cast at load by each) and writes vs_vllm_bf16.json, with the CPU's
+native-bfloat16 flags in its `machine` record.
 
 Opt-in: never in CI nor the README's commands. The first run builds vLLM's own virtual
 environment (about 4 minutes, 3.5 GB) in ~/.cache/vlmserve/vllm-cpu-venv (--vllm-venv or
@@ -16,6 +19,7 @@ VLMSERVE_VLLM_VENV elsewhere) from a Python 3.11 (--python311 / VLMSERVE_VLLM_PY
     .venv/bin/python -m benchmarks.serving.vs_vllm --quick                # smoke-sized, 1 round
     .venv/bin/python -m benchmarks.serving.vs_vllm --workload text --rounds 3
     .venv/bin/python -m benchmarks.serving.vs_vllm --dtype bfloat16            # vs_vllm_bf16.json
+    .venv/bin/python -m benchmarks.serving.vs_vllm --workload gemma3           # vs_vllm_gemma3.json
     .venv/bin/python -m benchmarks.serving.vs_vllm --serve --workload text --serve-requests 32
 """
 
@@ -26,18 +30,24 @@ import hashlib
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import vlmserve
 from benchmarks.lib import vllm_cpu
 from benchmarks.lib.common import write_result
-from benchmarks.lib.vs_vllm_report import report, report_serving
+from benchmarks.lib.vs_vllm_report import (  # noqa: F401 - agreement etc.: this module's API
+    Agreement,
+    agreement,
+    matched_prefix,
+    report,
+    report_serving,
+    summarize,
+)
 from benchmarks.lib.vs_vllm_serve import run_serving
 
 System = Literal["vllm", "vlmserve"]
@@ -50,67 +60,16 @@ VLLM_REFUSALS = {
     "image": "ValueError: There is no module or parameter named 'vision_tower.embeddings' in "
     "LlavaOnevisionForConditionalGeneration (transformers' save_pretrained layout; the "
     "checkpoint is rewritten to vision_tower.vision_model.*)",
+    "gemma3": "ValueError: There is no module or parameter named 'vision_tower.embeddings' in "
+    "Gemma3ForConditionalGeneration (rewritten to vision_tower.vision_model.*); and "
+    "KeyError: '\\n' (its processor looks up the real tokenizer's newline-run tokens: the "
+    "word-level tokenizer is given ids for them)",
 }
-
-
-class Agreement(NamedTuple):
-    num_requests: int
-    num_identical: int  # outputs equal token for token
-    mean_matched_prefix: float  # tokens equal before the first difference, mean over requests
-    mean_output_len: float
-
-
-def matched_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> Agreement:
-    """How far two engines' greedy outputs for the same requests agree. Random-weight fp32
-    models can part on near-ties in the logits, after which the outputs differ."""
-    assert len(a) == len(b), f"{len(a)} outputs against {len(b)}"
-    prefixes = [matched_prefix(x, y) for x, y in zip(a, b, strict=True)]
-    identical = sum(x == y for x, y in zip(a, b, strict=True))
-    return Agreement(
-        len(a),
-        identical,
-        statistics.fmean(prefixes or [0]),
-        statistics.fmean([len(x) for x in a] or [0]),
-    )
 
 
 def round_order(rounds: int) -> list[tuple[int, System]]:
     """vLLM first in each round, so drift in the machine's load hits both alike."""
     return [(r, system) for r in range(rounds) for system in ("vllm", "vlmserve")]
-
-
-def summarize(runs: list[dict], num_output_tokens: int) -> dict:
-    """Medians per system over its successful rounds, and vlmserve / vLLM output tok/s."""
-    out: dict = {}
-    for system in ("vllm", "vlmserve"):
-        ok = [r for r in runs if r["system"] == system and "error" not in r]
-        if not ok:
-            out[system] = None
-            continue
-        seconds = statistics.median(r["seconds"] for r in ok)
-        out[system] = {
-            "median_seconds": seconds,
-            "median_output_tok_per_s": num_output_tokens / seconds,
-            "rounds": len(ok),
-            "load_s": statistics.median(r["load_s"] for r in ok),
-            "warmup_s": statistics.median(r["warmup_s"] for r in ok),
-        }
-    both = out["vllm"] and out["vlmserve"]
-    out["ratio_vlmserve_over_vllm"] = (
-        out["vlmserve"]["median_output_tok_per_s"] / out["vllm"]["median_output_tok_per_s"]
-        if both
-        else None
-    )
-    return out
 
 
 # -- the contenders --------------------------------------------------------------------
@@ -283,7 +242,7 @@ def run_workload(name: str, spec: dict, args: argparse.Namespace) -> dict:
         )._asdict()
         result["prompt_tokens_equal"] = a["num_prompt_tokens"] == b["num_prompt_tokens"]
         result["block_size"] = {"vllm": a["block_size"], "vlmserve": b["block_size"]}
-        if name == "image":
+        if name in ("image", "gemma3"):
             result["jpeg_pixels_identical"] = a["pixel_sha256"] == pixel_digests(spec)
     for system in ("vllm", "vlmserve"):
         outputs = [
@@ -304,7 +263,10 @@ def _first(spec: dict, n: int | None) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--workload", choices=("text", "image", "all"), default="all")
+    p.add_argument(
+        "--workload", choices=("text", "image", "all", "gemma3"), default="all",
+        help="all: text and image; gemma3: the image workload on a Gemma 3 shape (its own file)",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per workload")
     p.add_argument(
         "--quick",
@@ -373,7 +335,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--rounds {args.rounds} must be >= 1")
     if args.serve_repeats < 1:
         p.error(f"--serve-repeats {args.serve_repeats} must be >= 1")
+    if args.serve and args.workload == "gemma3":
+        p.error("--workload gemma3 is offline only (the serving part runs text and image)")
     base = "vs_vllm_serve" if args.serve else "vs_vllm"
+    base += "_gemma3" if args.workload == "gemma3" else ""
     base += "_bf16" if args.dtype == "bfloat16" else ""
     args.name = args.name or (base + "_quick" if args.quick else base)
     return args
@@ -404,6 +369,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         for name in names:  # every checkpoint and spec on disk before the first round
             if name == "text":
                 specs[name] = workloads.write_text_workload(root / name, text_args)
+            elif name == "gemma3":
+                specs[name] = workloads.write_gemma3_workload(
+                    root / name, text_args, args.image_requests, args.image_output,
+                    args.vision_layers,
+                )  # fmt: skip
             else:
                 specs[name] = workloads.write_image_workload(
                     root / name,
@@ -418,6 +388,10 @@ def main(argv: list[str] | None = None) -> dict | None:
                                             getattr(args, f"serve_rates_{name}"))  # fmt: skip
             else:
                 results[name] = run_workload(name, specs[name], args)
+            if name == "gemma3":  # what the hybrid KV manager holds per sequence
+                elem = 2 if args.dtype == "bfloat16" else 4
+                model = Path(specs[name]["model"])
+                results[name]["kv_bytes_per_sequence"] = workloads.kv_report(model, 8192, elem)
     result = {
         "dtype": args.dtype,
         "rounds": args.rounds,

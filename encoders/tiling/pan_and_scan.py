@@ -1,11 +1,13 @@
-"""Gemma 3 pan-and-scan as a layout: the crops and exact token count from (width, height).
+"""Gemma 3 as a tiling family: pan-and-scan crops, exact token count and prompt text from
+the image's (width, height) alone.
 
 The rule is transformers' `Gemma3ImageProcessor.pan_and_scan` line for line: an image whose
 long side is at least `min_ratio` times its short side is cut along the long side into
 2..`max_crops` equal crops (about one per unit of aspect ratio, each at least
 `min_crop_size` pixels), unless the crops would be smaller than that. The whole image
 comes first, then the crops; each is resized to one tile and gives `tokens_per_image`
-tokens, wrapped in its own `<start_of_image>` ... `<end_of_image>`.
+tokens, wrapped in its own `<start_of_image>` ... `<end_of_image>` (`gemma3_prompt_text`:
+`Gemma3Processor.replace_image_token`'s layout).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["PanAndScanLayout", "pan_and_scan_crops", "pan_and_scan_layout"]
+__all__ = ["PanAndScanLayout", "gemma3_prompt_text", "pan_and_scan_crops", "pan_and_scan_layout"]
+
+_CROPS_SENTENCE = "and here are some crops to help you see better"  # Gemma3Processor's words
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ def pan_and_scan_layout(
     max_crops: int = 4,
     min_ratio: float = 1.2,
 ) -> PanAndScanLayout:
+    if width < 1 or height < 1:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
     crops = ()
     if enabled:
         crops = pan_and_scan_crops(
@@ -67,3 +73,16 @@ def pan_and_scan_layout(
         )
     num_tiles = 1 + len(crops)
     return PanAndScanLayout(width, height, crops, num_tiles, num_tiles * tokens_per_image)
+
+
+def gemma3_prompt_text(
+    num_crops: int, tokens_per_image: int, *, boi_token: str, eoi_token: str, image_token: str
+) -> str:
+    """The text one image's `<start_of_image>` marker becomes (so tokenising the expanded
+    prompt gives the processor's ids): the whole image's tokens between the begin/end
+    markers, and with crops the processor's fixed sentence around each crop's own."""
+    full = f"\n\n{boi_token}{image_token * tokens_per_image}{eoi_token}\n\n"
+    if not num_crops:
+        return full
+    crops = " ".join([full] * num_crops)
+    return f"Here is the original image {full} {_CROPS_SENTENCE} {crops}"

@@ -15,7 +15,7 @@
 
 namespace vlmserve_bf16 {
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VLMSERVE_BF16_DOT 1
 constexpr bool kBf16Dot = true;
 
@@ -34,10 +34,13 @@ inline vpair broadcast(const uint16_t* p) {
   std::memcpy(&bits, p, sizeof(bits));
   return _mm512_set1_epi32(bits);
 }
-// Lane i: (a[i], b[i]) for 16 bfloat16 values each (raw bits).
-inline vpair interleave(const uint16_t* a, const uint16_t* b) {
-  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
-  const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+// Lane i: (a[i], b[i]) for the first n <= 16 bfloat16 values of each (raw bits), zero pairs
+// past n (nothing past a[n - 1] or b[n - 1] is read).
+inline vpair interleave(const uint16_t* a, const uint16_t* b, int64_t n = 16) {
+  const __mmask16 m = n >= 16 ? static_cast<__mmask16>(0xFFFF)
+                              : static_cast<__mmask16>((1u << n) - 1);
+  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, a));
+  const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, b));
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 // Lane i: (a[i], b[i]) rounded to bfloat16 (nearest even).

@@ -429,20 +429,21 @@ inline void values_dot(const uint32_t* vp, int64_t npairs, const uint32_t* pp, i
   }
 }
 
-// attend_item for a bfloat16 q and cache with head dims a multiple of the lanes, on AVX-512
-// BF16 dot products: the scores from bfloat16 q and k (exact products, float32 sums), the
+// attend_item for a bfloat16 q and cache with an even head dim, on AVX-512 BF16 dot
+// products (o and the value pairs padded to the vector width with zeros): the scores from bfloat16 q and k (exact products, float32 sums), the
 // softmax in float32 as above, and the probabilities rounded to bfloat16 for P V (as
 // FlashAttention does in bfloat16), float32 accumulation throughout.
 void attend_item_dot(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& item,
                      Scratch& w) {
   const int64_t dim = pb.dim, group = pb.group, pairs = dim / 2;
+  const int64_t width = (dim + kLanes - 1) / kLanes * kLanes;  // o's and vp's row length
   const int64_t rows_used = item.num_queries * group;
   const int64_t vecs = (rows_used + kLanes - 1) / kLanes, rows = kLanes * vecs;
   w.qp.assign(pairs * rows, 0u);
-  w.o.assign(rows * dim, 0.f);
+  w.o.assign(rows * width, 0.f);
   w.st.resize(kTileKeys * rows);
   w.pp.resize(kTileKeys / 2 * rows);
-  w.vp.resize(kTileKeys / 2 * dim);
+  w.vp.resize(kTileKeys / 2 * width);
   w.m.assign(rows, kNegInf);
   w.l.assign(rows, 0.f);
   w.correction.resize(rows);
@@ -482,12 +483,12 @@ void attend_item_dot(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
       }
       const uint16_t* v0 = w.val_bits[2 * k];
       const uint16_t* v1 = both ? w.val_bits[2 * k + 1] : w.zero_row.data();
-      for (int64_t d = 0; d < dim; d += kLanes)
-        bf::store(w.vp.data() + k * dim + d, bf::interleave(v0 + d, v1 + d));
+      for (int64_t d = 0; d < width; d += kLanes)
+        bf::store(w.vp.data() + k * width + d, bf::interleave(v0 + d, v1 + d, dim - d));
     }
-    values_dot(w.vp.data(), npairs, w.pp.data(), rows, w.correction.data(), w.o.data(), dim);
+    values_dot(w.vp.data(), npairs, w.pp.data(), rows, w.correction.data(), w.o.data(), width);
   }
-  write_rows(pb, item, rows_used, dim, w);
+  write_rows(pb, item, rows_used, width, w);
 }
 #endif
 
@@ -496,7 +497,7 @@ template <typename scalar_t, typename cache_t>
 void attend_one(const Problem<scalar_t, cache_t>& pb, const Item& item, Scratch& w) {
 #if VLMSERVE_BF16_DOT
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
-    if (pb.dim % kLanes == 0) return attend_item_dot(pb, item, w);
+    if (pb.dim % 2 == 0) return attend_item_dot(pb, item, w);
   }
 #endif
   attend_item(pb, item, w);
@@ -566,8 +567,8 @@ void prefill_attention(const at::Tensor& out, const at::Tensor& q, const at::Ten
 
 // The float lanes the kernel was built for; 0: it cannot run on this CPU.
 int64_t vector_lanes() { return vlmserve_vec::kLanes; }
-// Whether bfloat16 q and cache run on AVX-512 BF16 dot products (head dims a multiple of the
-// lanes), not widened to float32.
+// Whether bfloat16 q and cache run on AVX-512 BF16 dot products (even head dims), not
+// widened to float32.
 bool bf16_dot() { return vlmserve_bf16::kBf16Dot; }
 
 TORCH_LIBRARY(vlmserve_prefill, m) {

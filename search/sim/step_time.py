@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from scheduler.config import kv_cache_groups
 from search.costmodel import cost_model as cm
 from search.costmodel.presets import Accelerator, ModelShape, VisionEncoder
 from search.image_budget import ImageAssumptions, vit_flops
@@ -186,11 +187,28 @@ def step_time(work: StepWork, hw: StepHardware) -> StepTime:
     return StepTime(vit_s, compute_s, memory_s, total)
 
 
+def kv_windows(model: ModelShape) -> tuple[int | None, ...]:
+    """The sliding window of each KV cache group the engine's hybrid KV manager makes of
+    `model`'s layers (scheduler/kv_blocks.py; one group without sliding layers)."""
+    num_global = model.num_layers - model.num_sliding_layers
+    layers = [model.sliding_window] * model.num_sliding_layers + [None] * num_global
+    return tuple(g.sliding_window for g in kv_cache_groups(layers))
+
+
+def kv_layers_per_block(model: ModelShape) -> int:
+    """Layers whose KV one pool block holds: every layer, or a hybrid group's share."""
+    num_global = model.num_layers - model.num_sliding_layers
+    layers = [model.sliding_window] * model.num_sliding_layers + [None] * num_global
+    return max(len(g.layers) for g in kv_cache_groups(layers))
+
+
 def kv_pool_blocks(hw: StepHardware, block_size: int) -> int:
-    """KV blocks that fit beside the backbone, the tower and the workspace (§17's ledger)."""
+    """KV blocks that fit beside the backbone, the tower and the workspace (§17's ledger).
+    A hybrid model's block holds one KV cache group's layers (`kv_layers_per_block`)."""
     a = hw.assumptions
     resident = (hw.model.num_params + hw.encoder.num_params) * a.weight_bytes + a.workspace_bytes
-    per_block = cm.kv_bytes_per_token(hw.model, hw.cache_bytes) * block_size
+    share = kv_layers_per_block(hw.model) / hw.model.num_layers
+    per_block = cm.kv_bytes_per_token(hw.model, hw.cache_bytes) * block_size * share
     num_blocks = int((hw.accel.memory_bytes - resident) // per_block)
     if num_blocks < 1:
         raise ValueError(

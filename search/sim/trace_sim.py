@@ -39,6 +39,7 @@ from search.sim.step_time import (
     StepWork,
     chunk_attention_pairs,
     kv_pool_blocks,
+    kv_windows,
     step_time,
 )
 from search.sim.traces import TraceRequest
@@ -197,6 +198,8 @@ def build_scheduler(
         extra["encoder_cached"] = encoder_cache.contains
     if hw is not None and clock is not None and "step_cost" in params:
         extra["step_cost"], extra["clock"] = step_cost_of(hw), clock
+    if hw is not None and "kv_windows" in params:  # hybrid KV: each group's real cost
+        extra["kv_windows"] = kv_windows(hw.model)
     return Scheduler(sched, cache, num_blocks, **extra)
 
 
@@ -403,9 +406,10 @@ class _Sim:
 
     def sample_timeline(self) -> None:
         bm = self.scheduler.block_manager
-        used = bm.num_blocks - bm.num_free_blocks  # held by live sequences
+        usable = getattr(bm, "num_usable_blocks", bm.num_blocks)  # less a hybrid's null block
+        used = usable - bm.num_free_blocks  # held by live sequences
         queued = len(self.scheduler.waiting) + (0 if self.honours_ready else len(self.preparing))
-        self.timeline.append((self.now, used / bm.num_blocks, queued))
+        self.timeline.append((self.now, used / usable, queued))
 
 
 def _thin(points: list, limit: int) -> list:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw
-from transformers import Idefics3ImageProcessor, LlavaOnevisionImageProcessor
+from transformers import Gemma3ImageProcessor, Idefics3ImageProcessor, LlavaOnevisionImageProcessor
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
     LlavaOnevisionImageProcessorPil,
@@ -95,6 +96,53 @@ def test_pixels_match_the_transformers_processors(family, size) -> None:
     between_backends = (pil_backend - torchvision_backend).abs() * grey
     assert float(to_torchvision.max()) <= float(between_backends.max()) + 1e-3
     assert float((to_torchvision > 2 + 1e-3).float().mean()) < 0.01
+
+
+def gemma3_spec(tile: int, pan_and_scan: bool) -> ImageSpec:
+    ip = Gemma3ImageProcessor()
+    return ImageSpec("gemma3", tile, int(ip.resample), tuple(ip.image_mean), tuple(ip.image_std),
+                     tokens_per_tile=16, pan_and_scan=pan_and_scan, boi_token="<b>",
+                     eoi_token="<e>", image_soft_token="<i>")  # fmt: skip
+
+
+# Gemma3Processor's images_kwargs: what its image processor is called with.
+GEMMA3_PAN_AND_SCAN = dict(pan_and_scan_min_crop_size=256, pan_and_scan_max_num_crops=4,
+                           pan_and_scan_min_ratio_to_activate=1.2)  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+@pytest.mark.parametrize(
+    ("size", "pan_and_scan", "tile"),
+    [((1000, 400), True, TILE), ((333, 901), True, TILE), ((641, 333), True, TILE),
+     ((7, 300), True, TILE), ((90, 50), False, TILE), ((1000, 400), False, TILE),
+     ((1500, 700), True, 896), ((500, 375), False, 896)],
+)  # fmt: skip
+def test_gemma3_pixels_are_the_transformers_processors(fmt, size, pan_and_scan, tile) -> None:
+    """Gemma 3 (whole image, then its pan-and-scan crops, each squashed to one tile) from
+    the same file's bytes: the resized pixels are bit-identical to both backends of
+    transformers' Gemma3 image processor, and the normalised tensor to its default
+    (torchvision: AutoProcessor's) bit for bit; the PIL backend's float ops round the last
+    bit differently."""
+    data = encode(scene(*size, seed=5), fmt, **({"quality": 90} if fmt != "PNG" else {}))
+    spec = gemma3_spec(tile, pan_and_scan)
+    out = preprocess_bytes(data, spec, multi_image=False)
+    layout = spec.layout(*size)
+    assert out.tiles.shape == (layout.num_tiles, tile, tile, 3)
+    tiles = torch.from_numpy(out.tiles)
+    ours = normalize_tiles(tiles, spec, torch.device("cpu"))
+    kw = dict(size={"height": tile, "width": tile}, do_pan_and_scan=pan_and_scan,
+              return_tensors="pt", **GEMMA3_PAN_AND_SCAN)  # fmt: skip
+    grey = torch.tensor(spec.image_std)[:, None, None] * 255  # normalised unit -> grey levels
+    for processor in (Gemma3ImageProcessor(), Gemma3ImageProcessorPil()):
+        name = type(processor).__name__
+        resized = processor(Image.open(io.BytesIO(data)), do_rescale=False, do_normalize=False,
+                            **kw)["pixel_values"]  # fmt: skip
+        assert torch.equal(resized.float(), tiles.permute(0, 3, 1, 2).float()), name
+        hf = processor(Image.open(io.BytesIO(data)), **kw)
+        assert hf["num_crops"].tolist() == [len(layout.crops)]
+        if isinstance(processor, Gemma3ImageProcessor):
+            assert torch.equal(ours, hf["pixel_values"]), name
+        assert float(((ours - hf["pixel_values"]).abs() * grey).max()) < 1e-3, name
 
 
 def test_header_gives_the_oriented_size_without_decoding() -> None:

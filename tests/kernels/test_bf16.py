@@ -245,19 +245,39 @@ def test_attention_kernels_in_bf16_throughout():
         assert (got - exact).abs().max() < 0.02
 
 
-def test_tile_attention_is_full_attention_within_each_tile():
+@pytest.mark.parametrize("dim", [32, 72])  # 72: SigLIP-so400m's head dim (a masked tail)
+def test_tile_attention_is_full_attention_within_each_tile(dim):
     """The vision tower's bfloat16 attention on the prefill kernel: every tile's patches
     see each other in full and nothing of another tile, against float64 attention per tile
     on the same bf16 values (bound as above)."""
     if not cpu_attention.bf16_dot_available():
         pytest.skip("the prefill kernel has no AVX-512 BF16 dot products on this CPU")
     torch.manual_seed(6)
-    tiles, patches, heads, dim = 3, 37, 4, 32
+    tiles, patches, heads = 3, 37, 4
     qkv = torch.randn(tiles * patches, 3 * heads * dim).to(BF16)
     got = cpu_attention.tile_attention(qkv, tiles, heads, dim**-0.5).double()
-    q, k, v = qkv.double().view(tiles, patches, 3, heads, dim).permute(2, 0, 3, 1, 4)
-    probs = (q @ k.transpose(-1, -2) * dim**-0.5).softmax(-1)  # [tiles, heads, p, p]
-    exact = (probs @ v).transpose(1, 2).reshape(tiles * patches, heads * dim)
-    weighted = (probs @ v.abs()).transpose(1, 2).reshape(tiles * patches, heads * dim)
+    exact, weighted = tile_reference(qkv, tiles, heads, dim)
     bound = 2 * HALF_ULP * exact.abs() + HALF_ULP * weighted + 1e-5
     assert ((got - exact).abs() <= bound).all(), (got - exact).abs().max()
+
+
+def tile_reference(qkv: torch.Tensor, tiles: int, heads: int, dim: int):
+    """float64 attention within each tile: (P V, P |V|) as [tiles * patches, heads * dim]."""
+    patches = qkv.shape[0] // tiles
+    q, k, v = qkv.double().view(tiles, patches, 3, heads, dim).permute(2, 0, 3, 1, 4)
+    probs = (q @ k.transpose(-1, -2) * dim**-0.5).softmax(-1)  # [tiles, heads, p, p]
+    flat = lambda x: x.transpose(1, 2).reshape(tiles * patches, heads * dim)  # noqa: E731
+    return flat(probs @ v), flat(probs @ v.abs())
+
+
+def test_tile_attention_in_float32():
+    """The float32 tower's attention on the prefill kernel (large tiles): float32 math,
+    equal to float64 attention per tile to float32 rounding."""
+    if cpu_attention.prefill_available() is not None:
+        pytest.skip("the prefill kernel did not build here")
+    torch.manual_seed(7)
+    tiles, patches, heads, dim = 2, 70, 3, 24
+    qkv = torch.randn(tiles * patches, 3 * heads * dim)
+    got = cpu_attention.tile_attention(qkv, tiles, heads, dim**-0.5).double()
+    exact, _ = tile_reference(qkv, tiles, heads, dim)
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-6)

@@ -69,32 +69,45 @@ LAYOUT = [
 ]
 
 
+@pytest.mark.parametrize("null", [False, True], ids=["own-blocks", "null-block"])
 @pytest.mark.parametrize("window", [16, 7, None])
 @pytest.mark.parametrize("dim", [8, 32])
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_window_and_spans_match_the_reference(backend, dim, window):
+def test_window_and_spans_match_the_reference(backend, dim, window, null):
+    """`null`: the tables a hybrid KV pool sends (scheduler/kv_blocks.py): every entry
+    wholly before a sequence's first window is the null block (0, shared by all of them),
+    and the blocks those entries held went back to the pool (another sequence may write
+    them). Both are poisoned with NaN: no backend may read either."""
     if backend == "triton" and dim == 8:
         pytest.skip("Triton's tiles need a head dim of at least 16")
-    run_layout(backend, dim, window, torch.float32, atol=2e-5, rtol=1e-4)
+    if null and window is None:
+        pytest.skip("only a sliding window releases blocks")
+    run_layout(backend, dim, window, torch.float32, atol=2e-5, rtol=1e-4, null=null)
 
 
+@pytest.mark.parametrize("null", [False, True], ids=["own-blocks", "null-block"])
 @pytest.mark.parametrize("window", [16, 7, None])
 @pytest.mark.parametrize("dim", [8, 32])
-def test_window_and_spans_in_bf16_on_the_cpu_kernels(dim, window):
+def test_window_and_spans_in_bf16_on_the_cpu_kernels(dim, window, null):
     """bfloat16 q and cache: head dim 32 takes the prefill kernel's AVX-512 BF16
     dot-product path where the CPU has it (8 the widening one); the poisoned slots must
     stay unread there too. Bound: the output's rounding and each probability's (bf16)."""
-    run_layout("cpu", dim, window, torch.bfloat16, atol=1e-2, rtol=2.0**-7)
+    if null and window is None:
+        pytest.skip("only a sliding window releases blocks")
+    run_layout("cpu", dim, window, torch.bfloat16, atol=1e-2, rtol=2.0**-7, null=null)
 
 
-def run_layout(backend: str, dim: int, window, dtype: torch.dtype, atol: float, rtol: float):
+def run_layout(
+    backend: str, dim: int, window, dtype: torch.dtype, atol: float, rtol: float,
+    null: bool = False,
+):  # fmt: skip
     torch.manual_seed(dim + (window or 0))
     attn = BACKENDS[backend]()
     block = 16 if backend == "triton" else BLOCK  # Triton reads a block as one tile
     device = torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
     shape = attn.kv_cache_shape(NUM_BLOCKS, block, KV_HEADS, dim)
     cache = torch.randn(shape).to(dtype)
-    # Blocks at random pages; block 0 stays out: padded rows of a batch read its slot 0.
+    # Blocks at random pages; block 0 stays out (the null block of the `null` tables).
     free = (torch.randperm(NUM_BLOCKS - 1) + 1).tolist()
     tables, seqs, poison = [], [], []
     for cached, new, spans in LAYOUT:
@@ -104,6 +117,11 @@ def run_layout(backend: str, dim: int, window, dtype: torch.dtype, atol: float, 
         for which, x in ((0, k), (1, v)):  # the whole context is in the cache
             write(cache, which, table, range(ctx), x, block)
         lo = 0 if window is None else max(0, cached - window + 1)  # first query's window
+        nan = torch.full((block, KV_HEADS, dim), float("nan"), dtype=dtype)
+        for b in range(lo // block if null else 0):  # released: poisoned, the null block
+            for which in (0, 1):
+                write(cache, which, [table[b]], range(block), nan, block)
+            table[b] = 0
         for pos in range(lo // block * block, lo):  # the straddling block: read, masked
             poison.append((table, pos, 1e4))
         for pos in range(lo // block * block):  # whole blocks before it: never read

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 from sched_testing import make_request, make_scheduler, run_step
 
-from scheduler.admission import Candidate, FcfsAdmission, LumpyAdmission, reserved_tokens
-from scheduler.config import SchedulerConfig
+from scheduler.admission import (
+    Candidate,
+    FcfsAdmission,
+    LumpyAdmission,
+    head_reservation,
+    reserved_tokens,
+)
+from scheduler.config import CacheConfig, SchedulerConfig, SloConfig
+from scheduler.planner import Scheduler
 
 
 def test_reservation_is_prompt_plus_capped_growth_within_the_pool():
@@ -103,3 +113,119 @@ def test_lump_headroom_is_kept_for_quick_requests_and_shared_by_them():
 def test_config_names_the_bad_value(field, value):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})
+
+
+def test_head_reservation_finds_the_shadow_step_and_the_extra():
+    head = Candidate(make_request("img", 4), quick=False, aged=False, slack_s=1.0)
+    # Needs 30 available, 10 now; ends: in 5 steps 8 blocks, in 9 steps 15, in 20 steps 6.
+    releases = [(9.0, 15, 0), (5.0, 8, 0), (20.0, 6, 0)]
+    r = head_reservation(head, 25, 30, 10, releases)
+    assert (r.shadow_steps, r.extra_blocks) == (9.0, 3)  # 10 + 8 + 15 = 33 at step 9
+    assert r.admits(final_blocks=3, lifetime_steps=100)  # inside the extra: uses it up
+    assert r.extra_blocks == 0 and not r.admits(1, 10) and r.admits(50, 9)  # or done by 9
+    # Growth past reservations still to come shrinks the extra, not the shadow.
+    r = head_reservation(head, 25, 30, 10, [(5.0, 8, 0), (9.0, 15, 2)])
+    assert (r.shadow_steps, r.extra_blocks) == (9.0, 1)
+    # Fits now (waits for tower or token room): no shadow, the rest is the extra.
+    r = head_reservation(head, 25, 30, 34, releases)
+    assert (r.shadow_steps, r.extra_blocks) == (0.0, 4)
+    # A later request that can still make its target and does not start comes first.
+    r = head_reservation(head, 25, 30, 10, releases)
+    r.queue_behind(2)
+    assert r.extra_blocks == 1 and not r.admits(2, 100) and r.admits(1, 100)
+    # An unknown length before the shadow, or a pool that never frees enough: no backfill.
+    for releases in ([(5.0, 8, 0), (math.inf, 30, 0)], [(5.0, 8, 0)]):
+        r = head_reservation(head, 25, 30, 10, releases)
+        assert (r.shadow_steps, r.extra_blocks) == (0.0, 0) and not r.admits(1, 1)
+
+
+def _head_start(slo: SloConfig, text_every: int | None, seed: int = 0) -> tuple[int, int]:
+    """(the step a waiting image lump starts, text requests started before it). Three
+    running requests of known lengths reserve 41 of 48 blocks; the lump (26 blocks)
+    arrives next and needs two of them to finish; text requests with random output
+    lengths arrive every `text_every` steps."""
+    config = SchedulerConfig(max_num_batched_tokens=128, admission="lumpy", slo=slo)
+    now = [0.0]
+    scheduler = Scheduler(config, CacheConfig(block_size=4), 48, clock=lambda: now[0])
+    rng = random.Random(seed)
+    limits = {}
+    for name, output in (("r1", 12), ("r2", 25), ("r3", 40)):
+        limits[name] = 28 + output
+        scheduler.add(make_request(name, 28), limits[name])
+    run_step(scheduler, limits)
+    limits["img"] = 104
+    scheduler.add(make_request("img", 100, images=[(2, 80, 1)]), 104)
+    num_text = 0
+    for step in range(200):
+        if text_every and step % text_every == 0:
+            text = make_request(f"t{step}", 6)
+            limits[text.request_id] = 6 + rng.randint(1, 40)
+            scheduler.add(text, limits[text.request_id])
+        plan = run_step(scheduler, limits)
+        now[0] += 0.01
+        started = {item.request_id for item in plan.scheduled if item.num_computed_tokens == 0}
+        if "img" in started:
+            return step, num_text
+        num_text += sum(1 for rid in started if rid.startswith("t"))
+    raise AssertionError("the image never started")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_backfilled_text_never_delays_the_head_image(seed):
+    slo = SloConfig(ttft_s=100.0)  # every request can make it: the image is the head
+    alone, _ = _head_start(slo, text_every=None)
+    for every in (1, 2, 3):
+        start, num_text = _head_start(slo, every, seed)
+        assert start <= alone, (every, start, alone)
+        assert num_text > 0  # text did pass it, where it could not use the room anyway
+    # Without targets there is no head: the text stream takes the freed blocks first.
+    delayed, _ = _head_start(SloConfig(), text_every=1, seed=seed)
+    assert delayed > alone
+
+
+def test_headroom_follows_the_quick_requests_high_water_mark_up_to_the_cap():
+    policy = LumpyAdmission(
+        num_blocks=100, block_size=4, watermark=0.0, decode_reserve_tokens=0, headroom=0.3
+    )
+    assert policy.lump_headroom(10) == 30  # nothing seen yet: the whole configured share
+    for _ in range(3000):  # quick requests hold 5 blocks for a long while
+        policy.observe_quick_demand(5)
+    assert policy.lump_headroom(10) == 5  # decayed to what they hold
+    policy.observe_quick_demand(12)  # a rise counts at once
+    assert policy.lump_headroom(10) == 12
+    policy.observe_quick_demand(5)
+    assert policy.lump_headroom(10) == 12  # and is kept for a while
+    policy.observe_quick_demand(80)
+    assert policy.lump_headroom(10) == 30 and policy.lump_headroom(90) == 10  # capped
+    lump = Candidate(make_request("lump", 4), quick=False, aged=False)
+    for _ in range(3000):
+        policy.observe_quick_demand(5)
+    # A lump must now leave only the 5 blocks quick requests lately held (not 30).
+    assert policy.can_admit(lump, 90, 95, quick_blocks=0)
+    assert not policy.can_admit(lump, 90, 94, quick_blocks=0)
+
+
+def test_nobody_passes_a_head_with_less_than_half_its_target_left():
+    """A 1 s TTFT target and 10 ms steps. One running request holds 48 of 64 blocks for
+    150 steps, past the waiting image's deadline; a 2-step text request arrives every
+    step, which the extra (and the shadow) would admit. Until the image has used half its
+    target they pass it; from then on (step 50) none does: strict order behind it."""
+    config = SchedulerConfig(max_num_batched_tokens=128, admission="lumpy",
+                             slo=SloConfig(ttft_s=1.0))  # fmt: skip
+    now = [0.0]
+    scheduler = Scheduler(config, CacheConfig(block_size=4), 64, clock=lambda: now[0])
+    limits = {"r1": 190}
+    scheduler.add(make_request("r1", 40), 190)
+    run_step(scheduler, limits)
+    scheduler.add(make_request("img", 100, images=[(2, 80, 1)]), 104)
+    limits["img"] = 104
+    text_started = []
+    for step in range(90):
+        text = make_request(f"t{step}", 6)
+        limits[text.request_id] = 8
+        scheduler.add(text, 8)
+        plan = run_step(scheduler, limits)
+        now[0] += 0.01
+        if any(i.request_id == text.request_id for i in plan.scheduled):
+            text_started.append(step)
+    assert text_started[0] == 0 and 45 <= max(text_started) < 50, text_started

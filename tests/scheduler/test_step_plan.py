@@ -8,27 +8,34 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
 from sched_testing import make_request, make_scheduler
 
-from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig, group_peak_blocks
 from scheduler.planner import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.step_plan import StepPlan, image_chunks
 
 
 class RunnerCopy:
-    """The runner's side of the contract, as vlmserve/worker/runner.py keeps it."""
+    """The runner's side of the contract, as vlmserve/worker/runner.py keeps it (group 0's
+    table in `tables`, KV cache groups 1.. in `group_tables`)."""
 
     def __init__(self) -> None:
         self.tables: dict[str, list[int]] = {}
+        self.group_tables: dict[str, list[list[int]]] = {}
 
     def apply(self, plan: StepPlan) -> None:
         for request_id in plan.finished + plan.preempted:
             self.tables.pop(request_id, None)
+            self.group_tables.pop(request_id, None)
         for item in plan.scheduled:
-            table = self.tables.setdefault(item.request_id, [])
-            del table[item.block_table.num_kept :]
-            table.extend(item.block_table.new_block_ids)
+            deltas = (item.block_table, *item.group_block_tables)
+            tables = [self.tables.setdefault(item.request_id, [])]
+            tables += self.group_tables.setdefault(item.request_id, [[] for _ in deltas[1:]])
+            for table, delta in zip(tables, deltas, strict=True):
+                del table[delta.num_kept :]
+                table.extend(delta.new_block_ids)
 
 
 PLAIN = (int, float, str, bytes, bool, type(None))
@@ -106,6 +113,64 @@ def test_the_runner_copy_of_every_block_table_follows_the_deltas():
     assert not scheduler.has_unfinished()
     runner.apply(scheduler.schedule())  # the last finished ones reach the runner
     assert runner.tables == {} and sorted(finished) == sorted(set(finished))
+    assert all(count > 0 for count in seen.values()), seen  # each path was exercised
+
+
+@pytest.mark.parametrize("admission", ["fcfs", "lumpy"])
+def test_hybrid_tables_follow_the_deltas_and_drop_what_leaves_the_window(admission):
+    """A full group and two sliding groups (window 9) in one pool, under a random run with
+    prefix hits, speculation and preemptions: the runner's copies of every group's tables
+    follow the deltas; before a sequence's step its sliding tables hold the null block
+    exactly where blocks lie wholly before the window of its first query, and never more
+    than the window and one step; the pool's invariants hold after every step."""
+    rng = random.Random(1)
+    window, budget = 9, 16
+    spec = SpeculativeConfig(num_speculative_tokens=2, adaptive=False)
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, admission=admission, max_num_seqs=6),
+        CacheConfig(block_size=4), num_blocks=48, speculative=spec,
+        kv_windows=(None, window, window),
+    )  # fmt: skip
+    bm = scheduler.block_manager
+    runner, limits = RunnerCopy(), {}
+    seen = {"preempted": 0, "prefix_hits": 0, "released": 0, "sliding_hits": 0}
+    for step in range(800):
+        if step < 300 and rng.random() < 0.25:
+            prompt = [1 + (i % 5) for i in range(rng.randrange(5, 45))]
+            seq = Sequence(f"r{step}", prompt)
+            limits[seq.request_id] = len(prompt) + rng.randrange(1, 30)
+            if scheduler.check_fits(len(prompt), limits[seq.request_id] - len(prompt)) is None:
+                scheduler.add(seq, limits[seq.request_id])
+        plan = scheduler.schedule()
+        runner.apply(plan)
+        seen["preempted"] += len(plan.preempted)
+        for item in plan.scheduled:
+            seq = scheduler.seqs[item.request_id]
+            assert runner.tables[item.request_id] == seq.block_table
+            assert runner.group_tables[item.request_id] == seq.group_block_tables
+            skipped = max(0, item.num_computed_tokens - window + 1) // 4
+            for table in seq.group_block_tables:
+                assert table[:skipped] == [0] * skipped and 0 not in table[skipped:]
+                held = len(table) - skipped
+                assert held <= group_peak_blocks(window, 4, seq.num_tokens + 2, budget)
+            seen["released"] += skipped > 0
+            seen["sliding_hits"] += seq.num_cached_tokens >= 16 and skipped > 0
+        sampled = []
+        for item in plan.scheduled:
+            drafts = item.draft_token_ids
+            keep = rng.randrange(len(drafts) + 1) if drafts else 0
+            sampled.append([*drafts[:keep], rng.choice([1, 2, 3])] if item.sample else [])
+        scheduler.update(plan, sampled)
+        for item in plan.scheduled:
+            seq = scheduler.seqs[item.request_id]
+            if seq.num_tokens >= limits[seq.request_id]:
+                seen["prefix_hits"] += seq.num_cached_tokens > 0
+                scheduler.finish(seq)
+        bm.check_integrity()
+    assert not scheduler.has_unfinished()
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    if admission == "lumpy":  # its reservations cover each request's whole length here
+        seen.pop("preempted")
     assert all(count > 0 for count in seen.values()), seen  # each path was exercised
 
 

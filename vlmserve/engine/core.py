@@ -83,7 +83,7 @@ class Engine:
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.runner.num_blocks, speculative=speculative,
             encoder_cached=cache.__contains__, spec_speedup=spec_speedup,
-            step_cost=self.step_cost, clock=time.monotonic,
+            step_cost=self.step_cost, clock=time.monotonic, kv_windows=self.runner.kv_windows,
         )  # fmt: skip
         self.eos_token_ids = eos_token_ids(config.model.path, model.config, self.tokenizer)
         self._states: dict[str, RequestState] = {}
@@ -248,7 +248,9 @@ class Engine:
         failed = self._poll_images()
         plan = self.scheduler.schedule()
         bm = self.scheduler.block_manager  # the KV high-water mark (n > 1 shares the prompt)
-        self.peak_used_blocks = max(self.peak_used_blocks, bm.num_blocks - bm.num_free_blocks)
+        self.peak_used_blocks = max(
+            self.peak_used_blocks, bm.num_usable_blocks - bm.num_free_blocks
+        )
         # The runner forgets the finished, keeps the preempted's images, encodes the step's.
         image_failures = self.runner.begin_step(plan)
         if plan.is_empty:

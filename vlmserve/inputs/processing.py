@@ -2,10 +2,12 @@
 the placeholder layout of each image.
 
 The checkpoint's HF processor supplies the chat template and the tokenizer. Images of the
-supported families (LLaVA-OneVision, Idefics3 / SmolVLM) take our path instead of the HF
-image processor: header-only layout and exact token count, the placeholder text the HF
-processor would write (so the token ids are identical), tiles from the preprocessing
-pool (`encoders.stage.prepare_images`). Other processors keep the HF image processor.
+supported families (LLaVA-OneVision, Idefics3 / SmolVLM, Gemma 3 with or without
+pan-and-scan) take our path instead of the HF image processor: header-only layout and
+exact token count, the placeholder text the HF processor would write (so the token ids
+are identical), tiles from the preprocessing pool (`encoders.stage.prepare_images`).
+Other processors, and `use_pool=False` (`--hf-image-processor`), keep the HF image
+processor on the request thread.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from PIL import Image
 from encoders.cache import EncoderCache
 from encoders.config import EncoderConfig
 from encoders.errors import PromptTooLongError, TooManyImagesError
-from encoders.image_spec import ImageSpec, placeholder_text
+from encoders.image_spec import ImageSpec
 from encoders.images import ImageSource, load_image
 from encoders.pixel_budget import PixelBudget, shared_budget
 from encoders.stage import ImageWork, pool_metrics, submit_images, warm_pool
@@ -201,7 +203,9 @@ class HFPromptProcessor:
             self.processor = AutoProcessor.from_pretrained(path)
             self.tokenizer = self.processor.tokenizer
             if self.encoder.use_pool:
-                self.image_spec = ImageSpec.from_hf(self.processor, self.encoder.jpeg_draft)
+                self.image_spec = ImageSpec.from_hf(
+                    self.processor, self.encoder.jpeg_draft, self.encoder.pan_and_scan
+                )
                 warm_pool(self.encoder)
         else:
             self.processor = None
@@ -281,7 +285,7 @@ class HFPromptProcessor:
     def _with_pool(
         self, text: str, sources: list[ImageSource], add_special: bool
     ) -> ProcessedPrompt:
-        image_token = self.processor.image_token
+        image_token = self.processor.image_token  # the prompt's marker (Gemma 3: its BOI)
         pieces = text.split(image_token)
         if len(pieces) - 1 != len(sources):
             raise ValueError(
@@ -294,7 +298,7 @@ class HFPromptProcessor:
         # its tiles exist, and a bad image found then fails that request alone.
         works = submit_images(sources, self.image_spec, self.encoder, self.encoder_cache)
         expanded = pieces[0] + "".join(
-            placeholder_text(work.layout, image_token) + piece
+            self.image_spec.prompt_text(work.layout, image_token) + piece
             for work, piece in zip(works, pieces[1:], strict=True)
         )
         token_ids = self._tokenizer.get()(expanded, add_special_tokens=add_special)["input_ids"]

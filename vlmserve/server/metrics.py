@@ -91,10 +91,35 @@ def engine_series(key: str) -> EngineSeries:
     return EngineSeries(base, "gauge", help_text)
 
 
+# Stats keys `<prefix><label value>` exported as one labelled gauge: prefix -> (name, label,
+# help). Hybrid KV: the blocks each kind of KV cache group holds.
+LABELLED_SERIES = {
+    "kv_blocks_in_use_": (
+        "vlmserve_kv_blocks_in_use", "group",
+        "KV cache blocks held by requests, per kind of KV cache group (full attention, "
+        "sliding window); a hybrid-KV model only.",
+    ),
+    "kv_blocks_peak_": (
+        "vlmserve_kv_blocks_in_use_peak", "group",
+        "Most KV cache blocks held at once since the start, per kind of KV cache group; "
+        "a hybrid-KV model only.",
+    ),
+}  # fmt: skip
+
+
 def engine_families(stats: dict[str, float]) -> list[Metric]:
-    """One family per stats key (the fixed table's always), typed by `engine_series`."""
+    """One family per stats key (the fixed table's always), typed by `engine_series`; the
+    keys of a `LABELLED_SERIES` prefix as one gauge labelled by the rest of the key."""
     families: dict[str, Metric] = {}
-    for key in (*ENGINE_SERIES, *sorted(stats.keys() - ENGINE_SERIES.keys())):
+    for prefix, (name, label, help_text) in LABELLED_SERIES.items():
+        keys = sorted(k for k in stats if k.startswith(prefix))
+        if keys:
+            family = GaugeMetricFamily(name, help_text, labels=[label])
+            for key in keys:
+                family.add_metric([key.removeprefix(prefix)], stats[key])
+            families[name] = family
+    labelled = {k for k in stats if k.startswith(tuple(LABELLED_SERIES))}
+    for key in (*ENGINE_SERIES, *sorted(stats.keys() - ENGINE_SERIES.keys() - labelled)):
         series = engine_series(key)
         if series.name in families:  # two keys mapped to one name: the first one wins
             continue

@@ -21,14 +21,21 @@ import torch
 from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
-from kernels.attention import AttentionBatch, LayeredMetadata
+from kernels.attention import AttentionBatch
 from kernels.backends import select_backend
 from kernels.malloc_tuning import keep_freed_memory
 from kernels.packed_linear import pack_linears
-from scheduler.config import kv_pool_num_blocks
+from scheduler.config import kv_pool_num_blocks, seq_peak_blocks
 from scheduler.step_plan import ScheduledSeq, StepPlan
 from vlmserve.config import EngineConfig, kv_cache_torch_dtype
 from vlmserve.worker.dtypes import check_dtypes
+from vlmserve.worker.kv_groups import (
+    GroupBatch,
+    allocate_kv_caches,
+    apply_delta,
+    kv_layout,
+    slots_of,
+)
 from vlmserve.worker.models.loader import LoadedModel, load_model
 from vlmserve.worker.parallel.layers import shard_decoder
 from vlmserve.worker.parallel.sharding import TPShard
@@ -56,11 +63,13 @@ def keep_activations_in_heap() -> int | None:
 
 @dataclass
 class _RequestState:
-    """What the runner keeps of a request between steps: its block table (the plans'
-    deltas applied), the encoder records of its images by index (ImageWork from
-    encoders/stage.py, or a VisionInput), and the indices its chunks have reached."""
+    """What the runner keeps of a request between steps: its block tables (the plans'
+    deltas applied; KV cache groups 1.. in `group_tables`), the encoder records of its
+    images by index (ImageWork from encoders/stage.py, or a VisionInput), and the indices
+    its chunks have reached."""
 
     block_table: list[int] = field(default_factory=list)
+    group_tables: list[list[int]] = field(default_factory=list)
     images: list[object] = field(default_factory=list)
     reached: set[int] = field(default_factory=set)
 
@@ -116,10 +125,13 @@ class ModelRunner:
         self.model.decoder.fused = config.model.fused_ops
         self.nano_batcher: NanoBatcher | None = None
         self.num_nano_steps = 0
-        windows = {w for w in self.model.decoder.cfg.layer_windows if w is not None}
-        assert len(windows) <= 1, f"one sliding window per model, got {sorted(windows)}"
-        # Layers with a sliding window read their own attention metadata (LayeredMetadata).
-        self.sliding_window: int | None = windows.pop() if windows else None
+        cfg = self.model.decoder.cfg
+        # KV cache groups (scheduler/kv_blocks.py): one for a model whose layers all attend
+        # alike; Gemma 3's global and sliding layers in groups of one kind, each group with
+        # its own block tables and metadata (LayeredMetadata), sharing one pool.
+        self.kv_layout = kv_layout(cfg.layer_windows, cfg.num_layers)
+        self.kv_windows = self.kv_layout.windows
+        self._max_step_tokens = config.scheduler.max_num_batched_tokens
         # The nano-batched layers and the decode graphs run Llama-shaped layers only.
         llama_layers = self.model.decoder.cfg.variant == "llama"
         schedules = nano_schedules(config, self.device) if llama_layers else None
@@ -133,16 +145,13 @@ class ModelRunner:
         self.num_blocks = config.cache.num_blocks or self._blocks_that_fit(config)
         if group is not None:  # every rank's pool holds the same blocks
             self.num_blocks = group.min_int(self.num_blocks)
-        cfg = self.model.decoder.cfg
         # Per layer, in the backend's layout (torch: [2, num_kv_heads, num_slots, head_dim]);
-        # slot = block * size + offset.
+        # slot = block * size + offset. Layers of different groups share tensors
+        # (vlmserve/worker/kv_groups.py); with one group each layer has its own.
         shape = self.backend.kv_cache_shape(
             self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim
         )
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(self.kv_layout, shape, self.kv_dtype, self.device)
         # Per request id: the block table and images, from the plans (StepPlan deltas).
         self._requests: dict[str, _RequestState] = {}
         self.graphs = None  # CUDA graphs of the decode step (vlmserve/worker/cuda_graphs.py)
@@ -172,7 +181,8 @@ class ModelRunner:
     def block_bytes(self) -> int:
         cfg = self.model.decoder.cfg
         elem = torch.finfo(self.kv_dtype).bits // 8
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        layers = self.kv_layout.layers_per_block  # all of them with one KV cache group
+        return 2 * layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     def _blocks_that_fit(self, config: EngineConfig) -> int:
         """A GPU pool takes 85% of free memory; a CPU pool what `cache.memory_bytes` holds,
@@ -182,9 +192,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(1, int(free * 0.85) // self.block_bytes)
+        per_seq = seq_peak_blocks(
+            self.kv_windows, self.block_size, self.max_model_len, self._max_step_tokens
+        )
         return kv_pool_num_blocks(
             config.cache.memory_bytes, self.block_bytes, self.block_size,
-            config.scheduler.max_num_seqs, self.max_model_len,
+            config.scheduler.max_num_seqs, self.max_model_len, per_seq,
         )  # fmt: skip
 
     def add_request(self, request_id: str, images: Sequence[object] = ()) -> None:
@@ -224,6 +237,7 @@ class ModelRunner:
             if isinstance(work, ImageWork) and work.embedding is None:
                 work.embedding = self.encoder_cache.peek(work.cache_key)
         state.block_table.clear()
+        state.group_tables.clear()
         self._drop_embeds(request_id)
 
     @torch.inference_mode()
@@ -246,13 +260,15 @@ class ModelRunner:
         spans: list[list[tuple[int, int]]] = []
         image_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         pending_rows: list[tuple[int, int]] = []
+        groups = GroupBatch(self.kv_layout, self.block_size)  # KV cache groups 1..
         row = 0
         for item in plan.scheduled:
             state = self._requests.setdefault(item.request_id, _RequestState())
-            table, delta = state.block_table, item.block_table
-            del table[delta.num_kept :]
-            table.extend(delta.new_block_ids)
+            table = state.block_table
+            apply_delta(table, item.block_table)
             n, start, end = item.num_new_tokens, item.num_computed_tokens, item.end
+            if item.group_block_tables:
+                groups.add(state.group_tables, item.group_block_tables, start, end)
             token_ids += item.token_ids
             if len(item.token_ids) + len(item.draft_token_ids) < n:
                 assert in_flight is not None and item.request_id in in_flight, (
@@ -263,7 +279,7 @@ class ModelRunner:
                 token_ids.append(0)  # a stand-in until `run`
             token_ids += item.draft_token_ids
             positions.extend(range(start, end))
-            slots.extend(_slots(table, start, end, self.block_size))
+            slots.extend(slots_of(table, start, end, self.block_size))
             query_lens.append(n)
             context_lens.append(end)
             block_tables.append(table)
@@ -289,11 +305,7 @@ class ModelRunner:
             spans=spans if any(spans) else None,
         )  # fmt: skip
         slot_mapping = torch.tensor(slots, dtype=torch.long)
-        metadata = self.backend.build_metadata(batch, slot_mapping, torch.device("cpu"))
-        if self.sliding_window is not None:  # the sliding layers' own metadata
-            windowed = dataclasses.replace(batch, sliding_window=self.sliding_window)
-            sliding = self.backend.build_metadata(windowed, slot_mapping, torch.device("cpu"))
-            metadata = LayeredMetadata(metadata, sliding)
+        metadata = groups.metadata(self.backend, batch, slot_mapping)  # per KV cache group
         nano = self.nano_batcher.plan(batch, slot_mapping) if self.nano_batcher else None
         return StepInputs(
             torch.tensor(token_ids, dtype=torch.long), pending_rows,
@@ -423,17 +435,3 @@ def image_spans(item: ScheduledSeq) -> list[tuple[int, int]]:
             else:
                 runs.append((pos, pos + 1))
     return runs
-
-
-def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Cache slots of positions [start, end): slot = block * block_size + offset. A run of
-    slots per block, not a division per position (a decode is one slot, a chunk many)."""
-    slots: list[int] = []
-    pos = start
-    while pos < end:
-        block, offset = divmod(pos, block_size)
-        take = min(block_size - offset, end - pos)
-        base = block_table[block] * block_size + offset
-        slots.extend(range(base, base + take))
-        pos += take
-    return slots

@@ -206,3 +206,30 @@ def test_dtype_reaches_both_engines_and_names_the_result(tmp_path):
     for system in ("vllm", "vlmserve"):
         cmd = vs_vllm_serve.server_command(system, spec, ns, 1234)
         assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+
+
+def test_gemma3_workload_names_its_result_and_prices_the_hybrid_kv(tmp_path):
+    """--workload gemma3: vs_vllm_gemma3.json (offline only); its KV report: sliding layers
+    hold their window, so at 8k context the 12-layer 5:1 shape with a 256 window holds
+    (2 x 8192 + 10 x 256) / (12 x 8192) of all-global."""
+    import json
+
+    from benchmarks.lib import vs_vllm_workloads
+    from benchmarks.serving.vs_vllm import parse_args
+
+    assert parse_args(["--workload", "gemma3"]).name == "vs_vllm_gemma3"
+    assert parse_args(["--workload", "gemma3", "--quick"]).name == "vs_vllm_gemma3_quick"
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "gemma3", "--serve"])
+    layer_types = (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    config = {"model_type": "gemma3", "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 768, "num_attention_heads": 12,
+        "num_key_value_heads": 4, "head_dim": 64, "num_hidden_layers": 12,
+        "intermediate_size": 2048, "vocab_size": 32000, "sliding_window": 256,
+        "layer_types": layer_types}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    kv = vs_vllm_workloads.kv_report(tmp_path, 8192, 4)
+    mine = kv["checkpoint"]
+    assert mine["all_global_bytes"] == 8192 * 2 * 12 * 4 * 64 * 4
+    assert mine["hybrid_over_all_global"] == pytest.approx((2 * 8192 + 10 * 256) / (12 * 8192))
+    assert 0.2 < kv["gemma-3-4b"]["hybrid_over_all_global"] < 0.3

@@ -12,7 +12,9 @@ from search.sim.step_time import (
     StepWork,
     chunk_attention_pairs,
     fit_step_cost,
+    kv_layers_per_block,
     kv_pool_blocks,
+    kv_windows,
     step_time,
 )
 
@@ -74,6 +76,18 @@ def test_pool_refuses_a_device_too_small():
     more_workspace = ImageAssumptions(workspace_bytes=10e9)
     hw = StepHardware(H100.model, H100.encoder, H100.accel, more_workspace)
     assert kv_pool_blocks(H100, 16) > kv_pool_blocks(hw, 16)
+
+
+def test_a_hybrid_pool_counts_blocks_of_one_kv_cache_group():
+    """Gemma 3 4B: 5 global and 29 sliding layers make a global group and six sliding ones
+    of 5 layers (the last 4); a pool block holds 5 layers, so 34/5 as many fit."""
+    gemma = MODELS["gemma-3-4b"]
+    assert kv_windows(gemma) == (None,) + (1024,) * 6 and kv_layers_per_block(gemma) == 5
+    assert kv_windows(MODELS["mha-7b"]) == (None,) and kv_layers_per_block(MODELS["mha-7b"]) == 32
+    hw = StepHardware(gemma, ENCODERS["siglip-so400m-14-896"], ACCELERATORS["h100-sxm"])
+    everything = dataclasses.replace(gemma, num_sliding_layers=0, sliding_window=None)
+    plain = StepHardware(everything, hw.encoder, hw.accel)
+    assert kv_pool_blocks(hw, 16) / kv_pool_blocks(plain, 16) == pytest.approx(34 / 5, rel=1e-3)
 
 
 MEASURED = MeasuredStepCost(2e-3, 3e-4, 2e-5, 1e-8, 1.5e-3)

@@ -136,6 +136,35 @@ def test_preemption_recomputes_and_leaves_the_pool_clean():
     assert max(f for _, f, _ in result.timeline) == pytest.approx(1.0, abs=0.05)
 
 
+def test_a_sliding_window_model_counts_its_kv_cache_groups():
+    """Gemma 3 4B in the simulator: the scheduler gets its KV cache groups (one global,
+    six sliding over 1,024 positions), long requests decode with each sliding group inside
+    its window, and the pool ends clean."""
+    gemma = StepHardware(MODELS["gemma-3-4b"], ENCODERS["siglip-so400m-14-896"], H100.accel)
+    trace = [make_request(f"r{i}", 0.01 * i, text=3000, out=1500) for i in range(4)]
+    sim = _Sim(trace, gemma, SimConfig())
+    bm = sim.scheduler.block_manager
+    assert bm.windows == (None,) + (1024,) * 6
+    peak_sliding = 0.0
+    original = sim.sample_timeline
+
+    def sample() -> None:  # the sliding groups' blocks at every timeline point
+        nonlocal peak_sliding
+        peak_sliding = max(peak_sliding, sim.scheduler.stats()["kv_blocks_in_use_sliding"])
+        original()
+
+    sim.sample_timeline = sample
+    result = sim.run()
+    assert result.num_lost == 0 and not result.hang
+    assert all(r.num_output_tokens == 1500 for r in result.records)
+    # Per request and sliding group: at most the window and one step's chunk (2,048), 194
+    # blocks, where 4,500 tokens all global would be 282.
+    per_request = -(-(1024 - 1 + 2048) // 16) + 1
+    assert 0 < peak_sliding <= 4 * 6 * per_request
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
 def test_same_trace_same_result():
     trace = make_mix("vlm", 60, 4.0, seed=3)
     a, b = simulate(trace, H100), simulate(trace, H100)

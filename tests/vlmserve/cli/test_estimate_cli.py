@@ -336,6 +336,24 @@ def test_kv_and_image_know_gemma3(capsys):
     assert code == 0
     assert "29 of 34, window 1,024" in out
     assert re.search(r"hybrid KV / all global\s+25%", out)
+    # The engine's manager: 512 blocks of the global group + 6 sliding groups x 65 blocks
+    # (a window of 1,024 in blocks of 16, +1), 5 layers a block (the last group has 4).
+    assert "902 blocks of 5 layers" in out and "26% of all global" in out
     code, out, _ = run_cli(capsys, "image", "--model", "gemma-3-27b", "--width", "900",
                            "--height", "600")  # fmt: skip
     assert code == 0 and "siglip-so400m-14-896" in out and "256 per image (16:1" in out
+
+
+@pytest.mark.parametrize("model", ["gemma-3-4b", "gemma-3-27b"])
+def test_image_gemma3_pan_and_scan_is_the_engines_rule(capsys, model):
+    """`--tiling pan-and-scan`: the crops and tokens the engine gives the same size."""
+    from encoders.tiling.pan_and_scan import pan_and_scan_layout
+
+    for (width, height), crops in {(1000, 400): 3, (400, 1000): 3, (4000, 500): 4,
+                                   (599, 500): 0, (896, 896): 0}.items():  # fmt: skip
+        code, out, _ = run_cli(capsys, "image", "--model", model, "--width", str(width),
+                               "--height", str(height), "--tiling", "pan-and-scan")  # fmt: skip
+        layout = pan_and_scan_layout(width, height, tokens_per_image=256, enabled=True)
+        assert code == 0 and len(layout.crops) == crops
+        assert f"whole image + {crops} crops = {1 + crops} tiles" in out
+        assert f"{layout.num_tokens:,} per image (16:1" in out

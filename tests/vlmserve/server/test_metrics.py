@@ -187,6 +187,18 @@ def test_stats_are_read_at_scrape_time_and_whatever_arrives_is_exported():
     assert value(series, "vlmserve_num_requests_waiting") == 4
 
 
+def test_hybrid_kv_blocks_are_one_gauge_labelled_by_group():
+    stats = {"kv_blocks_in_use_full": 40.0, "kv_blocks_in_use_sliding": 85.0,
+             "kv_blocks_peak_full": 50.0, "kv_blocks_peak_sliding": 90.0}  # fmt: skip
+    series = scrape(ServerMetrics(lambda: stats))
+    check_types(series)
+    assert value(series, "vlmserve_kv_blocks_in_use", group="full") == 40
+    assert value(series, "vlmserve_kv_blocks_in_use", group="sliding") == 85
+    assert value(series, "vlmserve_kv_blocks_in_use_peak", group="sliding") == 90
+    assert "vlmserve_kv_blocks_in_use_full" not in series  # not also unlabelled
+    assert "vlmserve_kv_blocks_in_use" not in scrape(ServerMetrics(dict))  # one group: none
+
+
 def test_two_instances_share_no_state():
     first, second = ServerMetrics(lambda: {"waiting": 1.0}), ServerMetrics(lambda: {})
     first.requests.inc(outcome="stop")

@@ -10,6 +10,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from scheduler.config import seq_peak_blocks
 from search.costmodel import cost_model as cm
 from search.costmodel.labs import batching_limits, kv_report, serving_plan
 from search.costmodel.presets import (
@@ -28,6 +29,7 @@ from search.image_budget import (
     image_budget,
     tile_image,
 )
+from search.sim.step_time import kv_layers_per_block, kv_windows
 from vlmserve.cli.estimate.plot import Curve
 
 Row = tuple[str, str]
@@ -124,9 +126,13 @@ def run_image(args: argparse.Namespace) -> Outcome:
     b = budget_for(grid, images_per_request=args.images)
     thumb = " + thumbnail" if grid.thumbnail else ""
     size = f"{width} x {height}" if width is not None else "not needed (fixed tiling)"
+    layout = f"{grid.cols} x {grid.rows}{thumb} = {b.tiles_per_image} tiles"
+    if args.tiling == "pan-and-scan":  # Gemma 3: the whole image first, then its crops
+        num_crops = grid.cols * grid.rows if grid.thumbnail else 0
+        layout = f"whole image + {num_crops} crops = {b.tiles_per_image} tiles"
     rows: list[Row] = [
         ("image size", size),
-        ("tile grid", f"{grid.cols} x {grid.rows}{thumb} = {b.tiles_per_image} tiles"),
+        ("tile grid", layout),
         ("patch tokens", f"{b.patch_tokens_per_image:,} per image"),
         ("visual tokens", f"{b.visual_tokens_per_image:,} per image ({args.pooling}:1 pooling)"),
         (
@@ -244,7 +250,24 @@ def _hybrid_rows(model: ModelShape, context: int, cache_bytes: float) -> list[Ro
         ),  # fmt: skip
         ("KV per sequence, all global", _bytes(full)),
         ("hybrid KV / all global", f"{hybrid / full:.0%}"),
+        _manager_row(model, context, cache_bytes),
     ]
+
+
+def _manager_row(model: ModelShape, context: int, cache_bytes: float, block: int = 16) -> Row:
+    """What the engine's hybrid KV manager (scheduler/kv_blocks.py) holds for one decoding
+    sequence: its pool blocks over every KV cache group (whole blocks, the +1 of a window
+    that starts mid-block, a smaller last group's unused share all counted), against
+    all-global layers."""
+    windows, per_block = kv_windows(model), kv_layers_per_block(model)
+    held = seq_peak_blocks(windows, block, context, 1)
+    block_bytes = cm.kv_bytes_per_token(model, cache_bytes) / model.num_layers * per_block * block
+    full = cm.kv_bytes_all_global(model, context, cache_bytes)
+    return (
+        f"KV manager, blocks of {block}",
+        f"{held:,} blocks of {per_block} layers ({_bytes(held * block_bytes)}), "
+        f"{held * block_bytes / full:.0%} of all global",
+    )
 
 
 # --- plan (Lab 2) ---------------------------------------------------------------------

@@ -91,7 +91,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--text-tokens", type=int, default=30, help="text tokens (default: 30)")
     p.add_argument(
         "--tiling", choices=TILING_RULES, default=None,
-        help="default: the model's own (Gemma 3: single, one 896 px tile), else dynamic",
+        help="default: the model's own (Gemma 3: single, one 896 px tile; pan-and-scan: "
+        "plus its crops, the engine's --pan-and-scan), else dynamic",
     )  # fmt: skip
     p.add_argument(
         "--max-tiles",

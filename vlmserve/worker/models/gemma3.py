@@ -83,8 +83,8 @@ def gemma3_decoder_config(text_config: dict, *, tie: bool, causal_lm: bool) -> D
 
 
 class Gemma3Attention(nn.Module):
-    """GQA with QK-norm; a sliding-window layer reads the step's sliding metadata and the
-    local RoPE tables."""
+    """GQA with QK-norm; a layer reads its KV cache group's metadata (a sliding-window one
+    built with the window) and, sliding, the local RoPE tables."""
 
     def __init__(self, cfg, backend, layer: int) -> None:
         super().__init__()
@@ -107,8 +107,8 @@ class Gemma3Attention(nn.Module):
         v = v.reshape(n, c.num_kv_heads, c.head_dim)
         cos, sin = (ctx.local_cos, ctx.local_sin) if self.window else (ctx.cos, ctx.sin)
         meta = ctx.attn_metadata
-        if isinstance(meta, LayeredMetadata):
-            meta = meta.sliding if self.window else meta.full
+        if isinstance(meta, LayeredMetadata):  # this layer's KV cache group's
+            meta = meta.for_layer(layer)
         q, k = fused_ops.rope(q, k, cos, sin, ctx.fused)
         out = self.backend.forward(q, k, v, ctx.kv_caches[layer], meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))

@@ -323,6 +323,7 @@ def make_gemma3_checkpoint(
     vision_hidden: int = 32,
     vision_layers: int = 2,
     vision_heads: int = 4,
+    vision_intermediate: int | None = None,
     pan_and_scan: bool = False,
     text_only: bool = False,
     seed: int = 0,
@@ -358,7 +359,7 @@ def make_gemma3_checkpoint(
         tokenizer.save_pretrained(path)
         return path
     vision = SiglipVisionConfig(
-        hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+        hidden_size=vision_hidden, intermediate_size=vision_intermediate or 2 * vision_hidden,
         num_hidden_layers=vision_layers, num_attention_heads=vision_heads,
         image_size=image_size, patch_size=patch, vision_use_head=False,
     )  # fmt: skip
