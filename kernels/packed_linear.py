@@ -16,8 +16,15 @@ at on a CPU (`benchmarks/ops/skinny_linear.py` measures the crossovers; its resu
 the figures):
 - up to SKINNY_MAX_ROWS rows (decode steps of a few sequences) the skinny kernel
   (kernels/csrc/skinny_linear_cpu.cpp), which streams each weight once;
-- from MKL_MIN_ROWS rows (large prefill chunks) MKL on the plain weight. Between the two,
-  oneDNN's packed GEMM is the fastest.
+- float32 only, from `mkl_min_rows()` rows (large prefill chunks) MKL on the plain weight,
+  where MKL beats oneDNN on this CPU (kernels/gemm_choice.py measures it once per CPU:
+  on a Zen 3 from ~1,536 rows, on a Zen 5 with AVX-512 never). Between the two, oneDNN's
+  packed GEMM is the fastest.
+
+The LM head (`linear_float`) writes float32 logits straight from its float32 sums in
+bfloat16 too (the skinny kernel's float32 output, up to LOGITS_SKINNY_MAX_ROWS rows),
+instead of rounding them to bfloat16 and widening them back: sampling and logprobs read
+float32 logits.
 """
 
 from __future__ import annotations
@@ -28,14 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_build
+from kernels import cpu_build, gemm_choice
 
 __all__ = [
-    "Activation", "PackedLinear", "linear_act", "linear_add", "pack_linears", "skinny_linear",
+    "Activation", "PackedLinear", "linear_act", "linear_add", "linear_float", "pack_linears",
+    "skinny_linear",
 ]  # fmt: skip
 
 SKINNY_MAX_ROWS = 16
-MKL_MIN_ROWS = 1536
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # bfloat16: the skinny kernel up to this many rows (on a Zen 5 with AVX-512 BF16, single
 # thread: 1.1x oneDNN's packed bfloat16 GEMM at 1 row, even at 4, 0.8x at 16); no
@@ -43,14 +50,19 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # unpacked weight: no faster than the packed one at 512-2,048 rows;
 # benchmarks/engine/bf16_speedup.py, measured under heavy load).
 BF16_SKINNY_MAX_ROWS = 8
+# The bfloat16 LM head with float32 logits out: the skinny kernel up to this many rows
+# (a decode step's sampling rows), oneDNN's bfloat16 GEMM widened to float32 above
+# (benchmarks/ops/bf16_profile.py measures both).
+LOGITS_SKINNY_MAX_ROWS = 256
 
 
 def plain_rows(dtype: torch.dtype) -> tuple[int, int | None]:
     """(the most rows the skinny kernel takes, the fewest a plain-weight GEMM takes, None:
-    never) for a layer holding its plain weight in `dtype`."""
+    never) for a layer holding its plain weight in `dtype` (float32: calibrated once per
+    CPU, kernels/gemm_choice.py)."""
     if dtype == torch.bfloat16:
         return BF16_SKINNY_MAX_ROWS, None
-    return SKINNY_MAX_ROWS, MKL_MIN_ROWS
+    return SKINNY_MAX_ROWS, gemm_choice.mkl_min_rows()
 
 
 # The activations a packed layer can fuse: exact GELU (erf) and the tanh approximation.
@@ -76,7 +88,8 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         keep = plain and skinny_available() is None
         self.plain = weight.contiguous() if keep else None
-        self.skinny_rows, self.plain_rows = plain_rows(weight.dtype)
+        # (calibrated only where a plain weight is kept: the tower's layers never ask)
+        self.skinny_rows, self.plain_rows = plain_rows(weight.dtype) if keep else (0, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain is not None:
@@ -113,6 +126,24 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
     return layer(x).add_(residual)
 
 
+def linear_float(layer: nn.Module | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The LM head: `layer(x)` (or x @ weight.T where `layer` is None: tied embeddings) as
+    float32. A bfloat16 CPU head writes its float32 sums as they are, through the skinny
+    kernel, up to LOGITS_SKINNY_MAX_ROWS rows (a packed layer's plain weight, or the tied
+    embedding itself: no copy); past that, or elsewhere, the layer's output widened."""
+    plain = weight if layer is None else getattr(layer, "plain", None)
+    if (
+        x.dtype == torch.bfloat16
+        and plain is not None
+        and plain.device.type == "cpu"
+        and x.numel() // x.shape[-1] <= LOGITS_SKINNY_MAX_ROWS
+        and skinny_available() is None
+    ):
+        return skinny_linear(x, plain, getattr(layer, "bias", None), torch.float32)
+    out = F.linear(x, weight) if layer is None else layer(x)
+    return out.float()
+
+
 def skinny_available() -> str | None:
     """None when the skinny kernel is built, loaded and can run on this CPU (AVX-512 or
     AVX2 + FMA); otherwise why not."""
@@ -122,14 +153,19 @@ def skinny_available() -> str | None:
     return why
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x @ weight.T + bias with the skinny kernel (CPU float32 or bfloat16, all of one
     dtype, `weight` contiguous [out, in]): for a few rows. Inputs may have any leading
-    dims."""
+    dims. `out_dtype`: x's (default), or float32 for bfloat16 x (the sums not rounded)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
     torch.ops.vlmserve_skinny.linear(out, rows, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 

@@ -3,7 +3,8 @@
 // with the weight in nn.Linear's own [out, in] layout. bfloat16 sums in float32: with
 // AVX-512 BF16 by `vdpbf16ps` (32 products a vector, pairs added into 16 float lanes),
 // elsewhere each bfloat16 vector widened to float32 (exact) and FMA'd as the float32 path;
-// the output is rounded to bfloat16 once, to nearest even.
+// the output is rounded to bfloat16 once, to nearest even, or written as the float32 sums
+// (a float32 `out`: the LM head's logits, which sampling reads in float32).
 //
 // A decode step with a few sequences reads every weight once for a handful of rows: the
 // GEMM is bound by the weight stream, yet BLAS GEMMs (MKL, oneDNN) block and pack for
@@ -23,6 +24,8 @@
 
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "vec.h"
 
 namespace {
@@ -41,10 +44,12 @@ constexpr int NB = L == 16 ? 6 : 3;
 // where it was tuned; benchmarks/skinny_linear.py).
 constexpr int64_t PF = 2048;
 
-// out[m * os + n] for m < R, n < C: R input rows against C weight rows, K long.
-template <int R, int C>
+// out[m * os + n] for m < R, n < C: R input rows against C weight rows, K long. O: float
+// (the bfloat16 tiles below also write bfloat16).
+template <int R, int C, typename O>
 inline void tile(const float* x, int64_t xs, const float* w, int64_t K, const float* bias,
-                 float* out, int64_t os) {
+                 O* out, int64_t os) {
+  static_assert(std::is_same_v<O, float>, "float32 in, float32 out");
   vec::vfloat acc[R][C];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -96,10 +101,12 @@ inline __m512bh bf16_vec_first(const bf16* p, int64_t n) {  // n < LB; zeros pas
   return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1u << n) - 1u), p);
 }
 
-// The bfloat16 tile with native dot products: as `tile`, LB elements a step.
-template <int R, int C>
+// The bfloat16 tile with native dot products: as `tile`, LB elements a step. O: the
+// output's type, bf16 (rounded once) or float (the float32 sums as they are: the LM head's
+// logits).
+template <int R, int C, typename O>
 inline void tile(const bf16* x, int64_t xs, const bf16* w, int64_t K, const bf16* bias,
-                 bf16* out, int64_t os) {
+                 O* out, int64_t os) {
   __m512 acc[R][C];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -133,15 +140,15 @@ inline void tile(const bf16* x, int64_t xs, const bf16* w, int64_t K, const bf16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
-      out[r * os + c] = bf16(_mm512_reduce_add_ps(acc[r][c]) +
-                             (bias ? static_cast<float>(bias[c]) : 0.f));
+      out[r * os + c] = O(_mm512_reduce_add_ps(acc[r][c]) +
+                          (bias ? static_cast<float>(bias[c]) : 0.f));
 }
 #else
 // The bfloat16 tile without native bfloat16: each vector widened to float32 (exact), then
-// the float32 path's FMAs.
-template <int R, int C>
+// the float32 path's FMAs. O: as above.
+template <int R, int C, typename O>
 inline void tile(const bf16* x, int64_t xs, const bf16* w, int64_t K, const bf16* bias,
-                 bf16* out, int64_t os) {
+                 O* out, int64_t os) {
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
   const auto* wb = reinterpret_cast<const uint16_t*>(w);
   vec::vfloat acc[R][C];
@@ -178,31 +185,32 @@ inline void tile(const bf16* x, int64_t xs, const bf16* w, int64_t K, const bf16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
-      out[r * os + c] = bf16(vec::reduce_add(acc[r][c]) +
-                             (bias ? static_cast<float>(bias[c]) : 0.f));
+      out[r * os + c] = O(vec::reduce_add(acc[r][c]) +
+                          (bias ? static_cast<float>(bias[c]) : 0.f));
 }
 #endif
 
-// All input rows against weight rows [n, n + C); T: float or bf16.
-template <int C, typename T>
-inline void rows(const T* x, int64_t xs, int64_t M, const T* w, int64_t K, const T* bias, T* out,
+// All input rows against weight rows [n, n + C); T: float or bf16 in, O: out (T, or float
+// for bf16 in).
+template <int C, typename T, typename O>
+inline void rows(const T* x, int64_t xs, int64_t M, const T* w, int64_t K, const T* bias, O* out,
                  int64_t os) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<MR, C>(x + m * xs, xs, w, K, bias, out + m * os, os);
+  for (; m + MR <= M; m += MR) tile<MR, C, O>(x + m * xs, xs, w, K, bias, out + m * os, os);
   switch (M - m) {
-    case 3: tile<3, C>(x + m * xs, xs, w, K, bias, out + m * os, os); break;
-    case 2: tile<2, C>(x + m * xs, xs, w, K, bias, out + m * os, os); break;
-    case 1: tile<1, C>(x + m * xs, xs, w, K, bias, out + m * os, os); break;
+    case 3: tile<3, C, O>(x + m * xs, xs, w, K, bias, out + m * os, os); break;
+    case 2: tile<2, C, O>(x + m * xs, xs, w, K, bias, out + m * os, os); break;
+    case 1: tile<1, C, O>(x + m * xs, xs, w, K, bias, out + m * os, os); break;
     default: break;
   }
 }
 
-template <typename T>
+template <typename T, typename O>
 void run(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const T* b) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const T* xp = x.data_ptr<T>();
   const T* wp = weight.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  O* op = out.data_ptr<O>();
   const int64_t xs = x.stride(0), os = out.stride(0);
   const int64_t groups = N / NB;
   // At least ~64 KB of weight a task, so the threads' start costs stay small.
@@ -224,10 +232,14 @@ void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
   const at::ScalarType dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "skinny linear: float32 or bfloat16, not ", dtype);
+  // out: x's dtype, or float32 for bfloat16 x (the sums unrounded)
+  const bool float_out = out.scalar_type() == at::kFloat;
+  TORCH_CHECK(out.scalar_type() == dtype || float_out,
+              "skinny linear: out in x's dtype or float32");
   for (const at::Tensor* t : {&out, &x, &weight})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == dtype && t->dim() == 2 &&
-                    t->stride(1) == 1,
-                "skinny linear: CPU [rows, width] tensors of x's dtype with dense rows");
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->stride(1) == 1,
+                "skinny linear: CPU [rows, width] tensors with dense rows");
+  TORCH_CHECK(weight.scalar_type() == dtype, "skinny linear: weight in x's dtype");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K && weight.is_contiguous(), "weight: contiguous [out, in]");
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [rows, out]");
@@ -235,10 +247,15 @@ void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == dtype,
                 "bias: [out] of x's dtype");
 #if VLMSERVE_VEC_LANES
-  if (dtype == at::kFloat)
-    run<float>(out, x, weight, bias.has_value() ? bias->data_ptr<float>() : nullptr);
-  else
-    run<bf16>(out, x, weight, bias.has_value() ? bias->data_ptr<bf16>() : nullptr);
+  if (dtype == at::kFloat) {
+    run<float, float>(out, x, weight, bias.has_value() ? bias->data_ptr<float>() : nullptr);
+  } else {
+    const bf16* b = bias.has_value() ? bias->data_ptr<bf16>() : nullptr;
+    if (float_out)
+      run<bf16, float>(out, x, weight, b);
+    else
+      run<bf16, bf16>(out, x, weight, b);
+  }
 #else
   TORCH_CHECK(false, "skinny linear needs AVX2 or AVX-512");
 #endif

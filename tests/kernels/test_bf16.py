@@ -124,6 +124,48 @@ def test_skinny_bf16_matches_a_float64_reference(rows, in_features, out_features
     assert ((out.double() - exact).abs() <= bound).all()
 
 
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 5, 64, 203])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_bf16_float_out_is_the_unrounded_float32_sum(rows, bias):
+    """The LM head's path: bfloat16 in, float32 out. Products of bfloat16 values are exact
+    in float32, so the output is within float32 summation noise (K * 2^-24 of the sum of
+    |products|) of the exact result, with no bfloat16 rounding on top."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 300, generator=gen).to(BF16)  # 300: a vector tail
+    weight = (torch.randn(97, 300, generator=gen) / 16).to(BF16)
+    b = torch.randn(97, generator=gen).to(BF16) if bias else None
+    out = packed_linear.skinny_linear(x, weight, b, torch.float32)
+    assert out.dtype == torch.float32
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    magnitude = x.double().abs() @ weight.double().abs().T
+    assert ((out.double() - exact).abs() <= 300 * 2.0**-24 * magnitude + 1e-30).all()
+    # not rounded: most outputs are no bfloat16 value (a rounded output would all be)
+    assert (out.to(BF16).float() != out).float().mean() > 0.9
+
+
+@needs_skinny
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_gives_float32_logits_in_bf16(tied):
+    """`linear_float`, the decoder's LM head: the float32 sums up to
+    LOGITS_SKINNY_MAX_ROWS rows (a packed head's plain weight or the tied embedding),
+    oneDNN's bfloat16 output widened past it (one bfloat16 rounding)."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN")
+    torch.manual_seed(6)
+    head = nn.Linear(128, 500, bias=False).to(BF16)
+    layer = None if tied else packed_linear.PackedLinear(head, plain=True)
+    limit = packed_linear.LOGITS_SKINNY_MAX_ROWS
+    for rows, roundings in ((1, 0), (limit, 0), (limit + 1, 1)):
+        x = torch.randn(rows, 128).to(BF16)
+        logits = packed_linear.linear_float(layer, x, head.weight.detach())
+        assert logits.dtype == torch.float32 and logits.shape == (rows, 500)
+        exact = x.double() @ head.weight.double().T
+        magnitude = x.double().abs() @ head.weight.double().abs().T
+        bound = 128 * 2.0**-24 * magnitude + roundings * HALF_ULP * exact.abs() + 1e-30
+        assert ((logits.double() - exact).abs() <= bound).all()
+
+
 def test_packed_linear_bf16_layers_match_float32_on_the_same_weights():
     """oneDNN's bfloat16 GEMM (float32 accumulation, one output rounding) and its fused
     GELU / residual epilogues, against float32 layers holding the same rounded weights."""

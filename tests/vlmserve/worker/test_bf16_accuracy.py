@@ -121,7 +121,10 @@ def check_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert diff <= MAX_ABS_LOGIT_DIFF, f"logits differ by {diff:.4f} > {MAX_ABS_LOGIT_DIFF}"
     top2 = ref.topk(2).values
     clear = (top2[:, 0] - top2[:, 1]) > 2 * MAX_ABS_LOGIT_DIFF  # no near-tie at that position
-    agree = ours.argmax(-1) == ref.argmax(-1)
+    # Our top-1 is one of transformers' (its logits are rounded to bfloat16, and the
+    # random models' top two often round to the same value: an exact tie, which our float32
+    # logits break one way or the other; argmax alone would pick the lower id).
+    agree = ref.gather(1, ours.argmax(-1, keepdim=True)).squeeze(1) == ref.max(-1).values
     assert agree[clear].all(), f"top-1 differs at clear positions {(~agree & clear).nonzero()}"
     assert agree.float().mean() >= 0.9, f"top-1 agreement {agree.float().mean():.2f}"
 

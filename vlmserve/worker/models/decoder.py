@@ -17,6 +17,7 @@ from torch import nn
 from encoders.weights import CheckpointError, load_into, take
 from kernels import fused_ops
 from kernels.attention import AttentionBackend
+from kernels.packed_linear import linear_float
 from vlmserve.worker.models import gemma3
 from vlmserve.worker.models.layers import DecoderConfig, RMSNorm
 from vlmserve.worker.models.rope import RotaryEmbedding
@@ -160,11 +161,12 @@ class Decoder(nn.Module):
         return self.norm.add_forward(x, residual, self.fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_rows, hidden] -> [num_rows, vocab], float32 for sampling
-        if self.lm_head is None:
+        # hidden: [num_rows, hidden] -> [num_rows, vocab], float32 for sampling. In
+        # bfloat16 on a CPU the head's float32 sums come out unrounded (packed_linear).
+        if self.fused or self.lm_head is not None:
+            logits = linear_float(self.lm_head, hidden, self.embed_tokens.weight)
+        else:  # the eager path (the fused ops off), tied embeddings
             logits = F.linear(hidden, self.embed_tokens.weight).float()
-        else:
-            logits = self.lm_head(hidden).float()
         return gemma3.softcap(logits, self.cfg.final_logit_softcapping)
 
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str, lm_head_name: str) -> None:
