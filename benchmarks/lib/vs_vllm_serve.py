@@ -25,10 +25,7 @@ import base64
 import contextlib
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -38,6 +35,7 @@ import httpx
 
 import vlmserve
 from benchmarks.lib import vllm_cpu
+from benchmarks.lib.server_process import free_port, server_process
 from benchmarks.lib.vs_vllm_workloads import kv_bytes_per_token, synthetic_jpeg
 from benchmarks.serving.serve_load import one_request, percentiles
 from vlmserve.worker.models.random_checkpoint import WORDS
@@ -116,46 +114,16 @@ def running_server(
 ) -> Iterator[tuple[str, int]]:
     """A server on a free loopback port, ready (GET /health is 200), as (url, pid); stopped
     on exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # Not this process's OpenMP policy (vlmserve/__init__.py set it for a library user):
     # each server picks its own, as it does when its users start it.
     env = {k: v for k, v in os.environ.items() if k not in vlmserve.OPENMP_DEFAULTS}
     if system == "vllm":
         env.update(vllm_cpu.tuned_env(args.vllm_venv, spec["engine"]["kv_cache_gib"]))
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            server_command(system, spec, args, port),
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{system} server did not start; log: {log}")
-            time.sleep(2)
-        yield url, proc.pid
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)  # its own session: the engine children too
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    cmd = server_command(system, spec, args, port)
+    with server_process(cmd, env, REPO, log, url, f"{system} server", STARTUP_TIMEOUT_S, 2) as pid:
+        yield url, pid
 
 
 async def _load(url: str, payloads: list, rate: float, seed: int) -> tuple[list, float]:

@@ -27,8 +27,6 @@ import asyncio
 import contextlib
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +40,7 @@ import torch
 
 import vlmserve
 from benchmarks.lib.common import environment, table, write_result
+from benchmarks.lib.server_process import free_port, server_process
 from benchmarks.lib.vs_vllm_workloads import text_args, write_text_workload
 from benchmarks.serving.serve_load import one_request, percentiles
 from vlmserve.worker.models.random_checkpoint import WORDS
@@ -54,9 +53,7 @@ MODES = ("warmup", "no_warmup")
 @contextlib.contextmanager
 def running_server(model: str, args: argparse.Namespace, warmup: bool, log: Path) -> Iterator[str]:
     """`vlmserve serve` on a free loopback port, healthy; its URL. Stopped on exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "vlmserve.cli", "serve", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
            "--max-num-seqs", str(args.max_num_seqs),
@@ -65,32 +62,9 @@ def running_server(model: str, args: argparse.Namespace, warmup: bool, log: Path
     # the server's own OpenMP policy, as when a user starts it (vlmserve/__init__.py)
     env = {k: v for k, v in os.environ.items() if k not in vlmserve.OPENMP_DEFAULTS}
     env["PYTHONPATH"] = str(REPO)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start; log: {log}")
-            time.sleep(0.5)
+    with server_process(cmd, env, REPO, log, url, "the server", STARTUP_TIMEOUT_S, 0.5):
         yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)  # its own session: any children too
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def payloads(args: argparse.Namespace, seed: int) -> list[tuple[list[dict], int]]:
