@@ -83,8 +83,10 @@ class Scheduler(WaitingAdmission):
             num_blocks, cache.block_size, cache.enable_prefix_caching, kv_windows,
             config.max_num_batched_tokens,
         )  # fmt: skip
-        self.admission = admission or make_admission(config, cache, num_blocks)
         bm = self.block_manager
+        # The blocks sequences can hold: a hybrid pool's null block is never free, and a
+        # policy counting it would ask a lump that fills the pool for one block too many.
+        self.admission = admission or make_admission(config, cache, bm.num_usable_blocks)
         if isinstance(self.admission, LumpyAdmission) and bm.null_block is not None:
             # Hybrid KV: the longest sequence whose blocks over every group can be reserved.
             usable = bm.num_usable_blocks - self.admission.watermark_blocks

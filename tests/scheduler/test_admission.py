@@ -229,3 +229,26 @@ def test_nobody_passes_a_head_with_less_than_half_its_target_left():
         if any(i.request_id == text.request_id for i in plan.scheduled):
             text_started.append(step)
     assert text_started[0] == 0 and 45 <= max(text_started) < 50, text_started
+
+
+@pytest.mark.parametrize("admission", ["fcfs", "lumpy"])
+@pytest.mark.parametrize("kv_windows", [(None,), (None, 24, 24, 24)], ids=["one-group", "hybrid"])
+def test_whatever_check_fits_accepts_starts_on_an_empty_pool(admission, kv_windows):
+    """The arrival check and admission agree: a request `check_fits` lets in starts at the
+    first step of an empty engine, at every size up to the pool's, lumps (prompts over the
+    step budget) included (a hybrid pool's null block is never free: counted as usable, a
+    lump filling the pool waited for ever)."""
+    started = 0
+    for num_tokens in range(4, 480, 3):
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=32, admission=admission),
+            CacheConfig(block_size=4), num_blocks=120, kv_windows=kv_windows,
+        )  # fmt: skip
+        if scheduler.check_fits(num_tokens, 4) is not None:
+            continue
+        seq = make_request("r", num_tokens)
+        scheduler.add(seq, num_tokens + 4)
+        plan = scheduler.schedule()
+        assert [item.request_id for item in plan.scheduled] == ["r"], num_tokens
+        started += 1
+    assert started >= 8  # sizes on both sides of the headroom were tried
