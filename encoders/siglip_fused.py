@@ -44,28 +44,27 @@ def fused_block(block: Block, x: torch.Tensor, num_tiles: int, act: Activation) 
     qkv = attn.qkv(block.norm1(x))  # [rows, 3 * hidden], columns (q|k|v, head, head_dim)
     if tile_kernel(x, attn.head_dim, num_patches):
         out = cpu_attention.tile_attention(qkv, num_tiles, attn.num_heads, attn.scale)
-        x = linear_add(attn.proj, out, x)
-        return linear_add(block.mlp.fc2, linear_act(block.mlp.fc1, block.norm2(x), act), x)
-    # 3 x [tiles, heads, patches, head_dim] strided views; SDPA reads the strides
-    shape = (num_tiles, num_patches, 3, attn.num_heads, attn.head_dim)
-    q, k, v = qkv.view(shape).permute(2, 0, 3, 1, 4).unbind(0)
-    out = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)
-    # CPU SDPA writes [tiles, patches, heads, head_dim] memory: this reshape is a view there
-    out = out.transpose(1, 2).reshape(num_rows, hidden)
+    else:
+        # 3 x [tiles, heads, patches, head_dim] strided views; SDPA reads the strides
+        shape = (num_tiles, num_patches, 3, attn.num_heads, attn.head_dim)
+        q, k, v = qkv.view(shape).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)
+        # CPU SDPA writes [tiles, patches, heads, head_dim] memory: this reshape is a view there
+        out = out.transpose(1, 2).reshape(num_rows, hidden)
     x = linear_add(attn.proj, out, x)
     return linear_add(block.mlp.fc2, linear_act(block.mlp.fc1, block.norm2(x), act), x)
 
 
-# float32 towers of at least this many patches a tile take the prefill kernel too: there it
-# is ahead of torch's SDPA (about 1.7x at 4,096 patches, Gemma 3's 896 px tiles; level at
-# 729, `/tmp`-free figures in benchmarks/ops/vision_tower.py's results).
+# float32 towers of at least this many patches a tile take the prefill kernel too: ahead of
+# torch's SDPA on Gemma 3's 4,096-patch tiles, level with it at LLaVA-OneVision's 729.
 FLOAT32_MIN_PATCHES = 1024
 
 
 def tile_kernel(x: torch.Tensor, head_dim: int, num_patches: int) -> bool:
     """Whether a block's attention runs on the C++ prefill kernel instead of torch's SDPA:
-    bfloat16 (even head dims) on a CPU with AVX-512 BF16 dot products, about 2-3x SDPA
-    there; float32 on large tiles. SDPA otherwise."""
+    bfloat16 (even head dims) on a CPU with AVX-512 BF16 dot products (several times SDPA
+    there: `benchmarks/ops/prefill_attention.py --dtype bfloat16`); float32 on large
+    tiles. SDPA otherwise."""
     if x.device.type != "cpu" or cpu_attention.prefill_available() is not None:
         return False
     if x.dtype == torch.bfloat16:

@@ -61,8 +61,9 @@ def prefill_available() -> str | None:
 
 @functools.cache
 def bf16_dot_available() -> bool:
-    """Whether the prefill kernel runs bfloat16 on AVX-512 BF16 dot products here (about
-    twice torch's CPU SDPA in bfloat16; elsewhere it widens to float32 and SDPA is as fast)."""
+    """Whether the prefill kernel runs bfloat16 on AVX-512 BF16 dot products here (ahead of
+    torch's CPU SDPA in bfloat16: `benchmarks/ops/prefill_attention.py --dtype bfloat16`;
+    elsewhere it widens to float32)."""
     return prefill_available() is None and torch.ops.vlmserve_prefill.bf16_dot()
 
 
