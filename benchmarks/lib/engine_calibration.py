@@ -11,7 +11,8 @@ the HTTP thread) and the HTTP and preprocessing threads' competition for the int
 and the two cores are in it.
 
 Each sample is the step's `search.sim.step_time.StepWork` (counted as `search.sim.trace_sim`
-prices a plan) and its seconds; `fit_step_cost` turns them into a `MeasuredStepCost`.
+prices a plan), its seconds and the vision tower's seconds within them; `fit_step_cost`
+turns them into a `MeasuredStepCost`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class StepRecorder:
         self.steps: list[tuple[float, float, StepWork | None, bool]] = []
         self.recording = True
         self._items: list[tuple[int, int, int]] = []
-        self._tiles = 0
+        self._tiles, self._tower_s = 0, 0.0
         schedule, step = engine.scheduler.schedule, engine.step
         vision = engine.runner.encoder_stage.vision
         encode = vision.encode
@@ -70,33 +71,38 @@ class StepRecorder:
 
         def counting_encode(inputs):
             self._tiles += sum(int(x.pixel_values.shape[0]) for x in inputs)
-            return encode(inputs)
+            start = time.perf_counter()
+            try:
+                return encode(inputs)
+            finally:
+                self._tower_s += time.perf_counter() - start
 
         def timed_step():
-            self._items, self._tiles = [], 0
+            self._items, self._tiles, self._tower_s = [], 0, 0.0
             start = time.perf_counter()
             outputs = step()
             end = time.perf_counter()
             if self.recording:
                 work = step_work(self._items, self._tiles) if self._items else None
-                self.steps.append((start, end, work, engine.has_unfinished()))
+                self.steps.append((start, end, work, engine.has_unfinished(), self._tower_s))
             return outputs
 
         engine.scheduler.schedule = recording_schedule
         vision.encode = counting_encode
         engine.step = timed_step
 
-    def samples(self, cycle: bool) -> list[tuple[StepWork, float]]:
-        """(work, seconds) of every step that ran something: its own time, or with `cycle`
-        the time to the next step's start when the loop had work left (it went straight
-        on; otherwise it waited for requests and only the step itself counts)."""
+    def samples(self, cycle: bool) -> list[tuple[StepWork, float, float]]:
+        """(work, seconds, tower seconds) of every step that ran something: its own time,
+        or with `cycle` the time to the next step's start when the loop had work left (it
+        went straight on; otherwise it waited for requests and only the step itself
+        counts); and the vision tower's own time within it (timed around its call)."""
         out = []
-        for i, (start, end, work, busy) in enumerate(self.steps):
+        for i, (start, end, work, busy, tower_s) in enumerate(self.steps):
             if work is None:
                 continue
             if cycle and busy and i + 1 < len(self.steps):
                 end = self.steps[i + 1][0]
-            out.append((work, end - start))
+            out.append((work, end - start, tower_s))
         return out
 
     def pool_totals(self) -> dict[str, float]:
@@ -150,7 +156,7 @@ def calibration_waves(rng: random.Random, words: list[str], big_image: tuple[int
 
 def calibrate_bare(
     flags: list[str], words: list[str], big_image: tuple[int, int], seed: int, rounds: int = 2
-) -> tuple[list[tuple[StepWork, float]], dict[str, float]]:
+) -> tuple[list[tuple[StepWork, float, float]], dict[str, float]]:
     """The engine alone: each step's own time over `rounds` of the designed waves, after
     one warm-up round (first-call costs) that is not counted; the pool's totals likewise."""
     from vlmserve.engine.core import Engine
@@ -174,7 +180,7 @@ def calibrate_bare(
 
 def calibrate_in_server(
     flags: list[str], run_load: Callable[[str], None], warm_up: Callable[[str], None]
-) -> tuple[list[tuple[StepWork, float]], dict[str, float]]:
+) -> tuple[list[tuple[StepWork, float, float]], dict[str, float]]:
     """The engine behind the HTTP app here, under `run_load(url)` (sent from another
     process): each step's cycle (see the module docstring) and the pool's totals over the
     load, after `warm_up(url)`."""

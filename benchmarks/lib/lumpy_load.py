@@ -252,3 +252,15 @@ class OtherWork:
         hz, cores = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
         self.cpu_s = other / hz
         self.share = self.cpu_s / (wall * cores)
+
+
+def wait_for_quiet(max_share: float, window_s: float = 3.0, max_wait_s: float = 300.0) -> float:
+    """Wait (up to `max_wait_s`) for a `window_s` during which other processes use at most
+    `max_share` of the machine's CPU; the seconds waited."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < max_wait_s:
+        with OtherWork() as other:
+            time.sleep(window_s)
+        if other.share <= max_share:
+            break
+    return time.perf_counter() - start

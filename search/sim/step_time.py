@@ -104,14 +104,22 @@ def _nnls(x, y):
 
 
 def fit_step_cost(
-    samples: list[tuple[StepWork, float]], outlier_factor: float = 5.0
-) -> MeasuredStepCost:
+    samples: list[tuple[StepWork, float]], outlier_factor: float = 5.0,
+    tower_s: list[float] | None = None,
+) -> MeasuredStepCost:  # fmt: skip
     """Non-negative least squares of step seconds on the `MeasuredStepCost` terms, in
     relative error (a 2 ms step counts as much as a 30 ms one, and a stall can be off by
     at most 100%). Steps that took longer than the fit by more than `outlier_factor` times
     the median relative error (on a shared machine: a step stalled by other work) are then
     left out and the rest refitted, twice: a 30 ms step slowed by a third is kept, a 2 ms
-    step that took 200 ms is not."""
+    step that took 200 ms is not.
+
+    `tower_s` (per sample, the vision tower's own seconds within the step, timed around
+    its call): the tile term is then that time per tile (the median over the steps that
+    encode, so a stalled one does not set it), and the other terms are fitted to the rest
+    of each step. A few dozen tower steps among thousands of decodes otherwise leave the
+    tile term to the least squares' trade-offs between terms (fits 2x apart were seen on
+    one machine, and an image's TTFT follows the tile term)."""
     import numpy as np
 
     if len(samples) < 5:
@@ -120,6 +128,23 @@ def fit_step_cost(
     y = np.array([seconds for _, seconds in samples])
     if y.min() <= 0:
         raise ValueError("step times must be > 0")
+    if tower_s is None:
+        return MeasuredStepCost(*(float(c) for c in _fit_relative(x, y, outlier_factor)))
+    tower = np.array(tower_s)
+    if tower.shape != y.shape or tower.min() < 0 or (tower >= y).any():
+        raise ValueError("tower seconds: one per sample, >= 0 and less than its step's")
+    tiles = x[:, 4]
+    encoding = tiles > 0
+    per_tile = float(np.median(tower[encoding] / tiles[encoding])) if encoding.any() else 0.0
+    x[:, 4] = 0.0  # an all-zero column: the fit leaves its term at 0
+    coef = _fit_relative(x, y - tower, outlier_factor)
+    coef[4] = per_tile
+    return MeasuredStepCost(*(float(c) for c in coef))
+
+
+def _fit_relative(x, y, outlier_factor: float):
+    import numpy as np
+
     xr = x / y[:, None]  # rows scaled by 1/t: least squares of the relative error
     ones = np.ones(len(y))
     keep = ones.astype(bool)
@@ -129,7 +154,7 @@ def fit_step_cost(
         limit = outlier_factor * np.median(np.abs(relative[keep]))
         keep = relative <= max(limit, 1e-9)
         coef = _nnls(xr[keep], ones[keep])
-    return MeasuredStepCost(*(float(c) for c in coef))
+    return coef
 
 
 @dataclass(frozen=True)

@@ -147,3 +147,27 @@ def test_fit_drops_a_term_that_would_be_negative():
     assert min(dataclasses.astuple(fitted)) >= 0
     with pytest.raises(ValueError, match="at least 5"):
         fit_step_cost(samples[:4])
+
+
+def test_a_timed_tower_sets_the_tile_term_and_the_rest_fits_the_remainder():
+    hw = StepHardware(H100.model, H100.encoder, H100.accel, measured=MEASURED)
+    works = some_steps() * 3
+    tower = [step_time(w, hw).vit_s for w in works]
+    # The rest of every tower step 40% slower than the model (their prefill rows under
+    # contention): a joint fit would give part of that to the tile term, which the
+    # tower's own timing does not take.
+    seconds = [
+        step_time(w, hw).vit_s + (step_time(w, hw).total_s - step_time(w, hw).vit_s)
+        * (1.4 if w.num_tiles_encoded else 1.0) for w in works
+    ]  # fmt: skip
+    samples = list(zip(works, seconds, strict=True))
+    timed = fit_step_cost(samples, tower_s=tower)
+    assert timed.per_tile_s == pytest.approx(MEASURED.per_tile_s, rel=1e-9)
+    assert fit_step_cost(samples).per_tile_s > 1.05 * MEASURED.per_tile_s
+    # Exact samples: every coefficient back.
+    exact = [(w, step_time(w, hw).total_s) for w in works]
+    fitted = fit_step_cost(exact, tower_s=tower)
+    for name in ("per_step_s", "per_seq_s", "per_row_s", "per_pair_s", "per_tile_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(MEASURED, name), rel=1e-6), name
+    with pytest.raises(ValueError, match="tower seconds"):
+        fit_step_cost(exact, tower_s=[t + 1.0 for t in tower])  # longer than its step
