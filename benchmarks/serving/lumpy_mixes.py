@@ -15,7 +15,7 @@ from scheduler.config import SloConfig
 from search.sim.capacity import Slo, summarize
 from search.sim.shaped_traces import INDEPENDENT, TraceShape, shaped_trace
 from search.sim.step_time import StepHardware
-from search.sim.trace_sim import SimConfig, simulate
+from search.sim.trace_sim import SimConfig, SimResult, simulate
 from search.sim.traces import TraceRequest
 
 SLO = Slo(ttft_s=2.0, tpot_s=0.1)  # the issue's default
@@ -35,7 +35,10 @@ SHAPES = (
 GOAL_GOODPUT_RATIO = 1.15
 
 
-def run_policy(admission: str, trace: list[TraceRequest], hw: StepHardware) -> dict:
+def run_policy(
+    admission: str, trace: list[TraceRequest], hw: StepHardware
+) -> tuple[dict, SimResult]:
+    """One policy on `trace`: its table row and the run (per-request records)."""
     slo = SloConfig(SLO.ttft_s, SLO.tpot_s) if admission == "lumpy" else SloConfig()
     t0 = time.perf_counter()
     result = simulate(trace, hw, SimConfig(admission=admission, slo=slo))
@@ -65,11 +68,16 @@ def run_policy(admission: str, trace: list[TraceRequest], hw: StepHardware) -> d
         "never_fits_refused": f"{sum(r.refused is not None for r in never)}/{len(never)}",
         "sim_wall_s": wall,
     }
-    return row
+    return row, result
 
 
 def run_mix(name: str, trace: list[TraceRequest], hw: StepHardware) -> dict:
-    fcfs, lumpy = (run_policy(a, trace, hw) for a in ("fcfs", "lumpy"))
+    """FCFS and lumpy on `trace`: the mix's JSON section (rows and checks)."""
+    return compare(name, trace, run_policy("fcfs", trace, hw)[0], run_policy("lumpy", trace, hw)[0])
+
+
+def compare(name: str, trace: list[TraceRequest], fcfs: dict, lumpy: dict) -> dict:
+    """The mix's section from the two policies' rows (`run_policy`)."""
     lumpy["goodput_vs_fcfs"] = lumpy["goodput_rps"] / fcfs["goodput_rps"]
     fcfs["goodput_vs_fcfs"] = 1.0
     # FCFS misses the SLO: for a request that finishes at all (never-fits never do).
