@@ -309,17 +309,31 @@ class Scheduler(WaitingAdmission):
     def _needs_caps(self, guarded: bool) -> bool:
         """A quick request waits ready to start (and was not held back for KV last step)
         or runs without its first token yet, and is urgent (`step_room.is_urgent`); or one
-        decodes with no TPOT guard to keep its steps short (`guarded`: there is one)."""
+        decodes with no TPOT guard to keep its steps short (`guarded`: there is one). With
+        TTFT targets an urgent quick request needs them only if its slack is below every
+        lump's that can still make its target (`step_room.caps_serve`): the caps must not
+        delay a request the slack order serves first."""
         slo, now = self.config.slo, self.clock() if self.clock is not None else None
+        found = self._candidates()
+        token_s = step_room.prefill_token_s(self.step_cost, self.config.max_num_batched_tokens)
+        lumps = [c.slack_s for c, _ in found if not c.quick] + [
+            step_room.slack_s(s, slo, now, s.num_uncomputed_tokens * token_s)
+            for s in self.running
+            if self._is_lump(s)
+        ]
         for s in self.running:
             if s.request_id not in self._quick_ids:
                 continue
-            if not guarded or (s.num_output_tokens == 0 and step_room.is_urgent(s, slo, now)):
+            if not guarded or (
+                s.num_output_tokens == 0
+                and step_room.is_urgent(s, slo, now)
+                and step_room.caps_serve(step_room.slack_s(s, slo, now), lumps)
+            ):
                 return True
         return any(
             c.quick and c.seq.request_id not in self._kv_blocked
-            and step_room.is_urgent(c.seq, slo, now)
-            for c, _ in self._candidates()
+            and step_room.is_urgent(c.seq, slo, now) and step_room.caps_serve(c.slack_s, lumps)
+            for c, _ in found
         )  # fmt: skip
 
     def _is_lump(self, seq: Sequence) -> bool:

@@ -117,6 +117,19 @@ def is_urgent(seq: Sequence, slo: SloConfig, now: float | None) -> bool:
     return slack is None or target is None or slack < URGENT_SLACK_SHARE * target
 
 
+def caps_serve(slack: float | None, lump_slacks: list[float | None]) -> bool:
+    """Whether the lump caps (and the yield) serve a quick request with `slack` (seconds
+    to its TTFT target) without inverting the slack order: its slack is below that of
+    every lump they would hold back (`lump_slacks`: prefilling or waiting, not quick)
+    that can still make its own target. Capping a lump with less slack delays the
+    request the order serves first; a waiting one also blocks the quick request itself
+    (nobody passes an urgent head), so the caps would only hold both back. Late lumps
+    (negative slack) are served after the rest anyway. True without targets."""
+    if slack is None:
+        return True
+    return all(s is None or s < 0 or slack < s for s in lump_slacks)
+
+
 def size_chunk(
     start: int,
     todo: int,

@@ -225,3 +225,46 @@ def test_a_quick_request_waiting_for_kv_does_not_keep_the_caps_on():
         rows += [i.num_new_tokens for i in plan.scheduled if i.request_id == "lump"]
         assert all(i.request_id != "text" for i in plan.scheduled)
     assert rows == [8, 8, 8, 16, 32, 64], rows
+
+
+def start_steps(admission: str) -> dict[str, int]:
+    """Held-out trace img30-lognormal-bursts/seed303's lost image request, in small: a
+    lump prefills (4,000 tokens, 64 a step), an image request waits behind it, and a text
+    request arrives after the image (so with more slack: one 4 s target for both, a step
+    every 0.05 s). Per request, the step it starts in."""
+    config = SchedulerConfig(
+        max_num_batched_tokens=64, admission=admission, lump_prefill_tokens_per_step=8,
+        slo=SloConfig(ttft_s=4.0), lump_release_steps=2,
+    )  # fmt: skip
+    now = [0.0]
+    scheduler = Scheduler(config, CacheConfig(block_size=4), 2048, clock=lambda: now[0])
+    arrivals = {
+        0: make_request("lump", 4000, images=[(2, 8, 1)]),
+        1: make_request("image", 40, images=[(2, 8, 1)]),
+        2: make_request("text", 4),
+    }
+    limits, started = {}, {}
+    for step in range(200):
+        if step in arrivals:
+            seq = arrivals[step]
+            limits[seq.request_id] = seq.num_tokens + 2
+            scheduler.add(seq, seq.num_tokens + 2)
+        plan = run_step(scheduler, limits)
+        now[0] += 0.05
+        for item in plan.scheduled:
+            started.setdefault(item.request_id, step)
+        if len(started) == 3:
+            return started
+    raise AssertionError(f"not all started: {started}")
+
+
+def test_the_caps_never_delay_a_lump_with_less_slack_than_the_quick_request():
+    """The text request becomes urgent (half its target gone) while the lump still
+    prefills and the image waits for room. The image has less slack and goes first in the
+    slack order, and nobody passes an urgent head: capping the lump for the text request
+    would hold back the lump and the image, and the text with them. The caps stay off, so
+    each starts when FCFS starts it (steps 62 and 63); before this rule the image started
+    at step 93 and the text at 82."""
+    fcfs, lumpy = start_steps("fcfs"), start_steps("lumpy")
+    assert lumpy["image"] <= fcfs["image"], (fcfs, lumpy)
+    assert lumpy["text"] <= fcfs["text"], (fcfs, lumpy)
