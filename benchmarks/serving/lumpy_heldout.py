@@ -185,7 +185,8 @@ def main() -> None:
         for seed in args.seeds:
             section = run_heldout_mix(shape_name, seed, hw)
             sections.append(section)
-            print(table([summary_row(section)], list(summary_row(section))), flush=True)
+            row = summary_row(section)
+            print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)  # progress
     rows = [summary_row(s) for s in sections]
     print("\n" + table(rows, list(rows[0])))
     print("\nlost requests (met under FCFS, missed under lumpy):")

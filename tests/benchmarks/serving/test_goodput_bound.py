@@ -18,9 +18,7 @@ HW = StepHardware(get_model("mha-7b"), get_encoder("siglip-so400m-14-384"), get_
 def burst_trace(num_burst: int, window_s: float) -> list[TraceRequest]:
     """Text every 50 ms for 4 s; `num_burst` requests of four new 13-tile images within
     `window_s` of t=1 s."""
-    trace = [
-        TraceRequest(f"t{i}", 0.05 * i, "text", 100, 20, (), SYSTEM_TOKENS) for i in range(80)
-    ]
+    trace = [TraceRequest(f"t{i}", 0.05 * i, "text", 100, 20, (), SYSTEM_TOKENS) for i in range(80)]
     for i in range(num_burst):
         images = tuple(TraceImage(f"b{i}-{k}", 13) for k in range(4))
         at = 1.0 + window_s * i / max(1, num_burst - 1)
