@@ -23,7 +23,7 @@ from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spans import span_safe_prefix
 from scheduler.step_plan import ScheduledSeq, schedule_item
-from scheduler.step_room import Room, is_urgent, prefill_token_s, slack_s
+from scheduler.step_room import PrefillTime, Room, is_urgent, slack_s
 
 
 class WaitingAdmission:
@@ -49,7 +49,7 @@ class WaitingAdmission:
         """Ready waiting sequences, each with its prefix-cache match (blocks per group)."""
         out = []
         now = self.clock() if self.clock is not None else None
-        token_s = prefill_token_s(self.step_cost, self.config.max_num_batched_tokens)
+        prefill_time = self._prefill_time()
         for seq in self.waiting:
             # (Preempted while its last token is in flight: that token is unknown yet.)
             if not seq.ready or seq.num_pending_tokens:
@@ -62,10 +62,18 @@ class WaitingAdmission:
             )
             quick = not tower and seq.num_tokens - num_cached <= self.config.max_num_batched_tokens
             aged = seq.num_waiting_steps >= self.config.max_wait_steps
-            prefill_s = (seq.num_tokens - num_cached) * token_s
+            prefill_s = prefill_time(num_cached, seq.num_tokens - num_cached)
             slack = slack_s(seq, self.config.slo, now, prefill_s)
             out.append((Candidate(seq, quick, aged, slack), matched))
         return out
+
+    def _prefill_time(self) -> PrefillTime:
+        """Prefill seconds by the step-cost model, beside this step's running decodes."""
+        decodes = [s for s in self.running if s.num_uncomputed_tokens <= 1]
+        return PrefillTime(
+            self.step_cost, self.config.max_num_batched_tokens, len(decodes),
+            sum(s.num_tokens for s in decodes),
+        )  # fmt: skip
 
     def _match(self, seq: Sequence) -> PrefixHit:
         """`seq`'s prefix-cache match now (blocks per group)."""

@@ -331,9 +331,11 @@ class Scheduler(WaitingAdmission):
             if c.quick and c.seq.request_id not in self._kv_blocked
             and step_room.is_urgent(c.seq, slo, now)
         ]  # fmt: skip
-        token_s = step_room.prefill_token_s(self.step_cost, self.config.max_num_batched_tokens)
+        prefill_time = self._prefill_time()
         lumps = [c.slack_s for c, _ in found if not c.quick] + [
-            step_room.slack_s(s, slo, now, s.num_uncomputed_tokens * token_s)
+            step_room.slack_s(
+                s, slo, now, prefill_time(s.num_computed_tokens, s.num_uncomputed_tokens)
+            )
             for s in self.running
             if self._is_lump(s)
         ]

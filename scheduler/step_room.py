@@ -130,13 +130,33 @@ def slack_s(
     return slack - prefill_s if 0 <= slack < prefill_s else slack
 
 
-def prefill_token_s(step_cost: StepCost | None, step_tokens: int) -> float:
-    """Seconds a prefill token takes in whole-budget steps by the step-cost model; 0
+class PrefillTime:
+    """Seconds a prefill takes by the step-cost model, in whole-budget steps that also
+    carry the running decodes (`num_decodes` rows reading `decode_kv` tokens of KV), as
+    its chunks do: what tells whether a request can still make its TTFT target. 0
     without a model or before it can price a step (the engine's until its first fit)."""
-    if step_cost is None:
-        return 0.0
-    seconds = step_cost(StepShape(step_tokens, 0, step_tokens**2, step_tokens, 0, 1))
-    return seconds / step_tokens if math.isfinite(seconds) else 0.0
+
+    def __init__(
+        self, step_cost: StepCost | None, step_tokens: int, num_decodes: int, decode_kv: int
+    ) -> None:
+        self.step_cost, self.num_decodes, self.decode_kv = step_cost, num_decodes, decode_kv
+        self.rows = max(1, step_tokens - num_decodes)  # prefill rows a step leaves
+
+    def __call__(self, num_computed: int, num_uncomputed: int) -> float:
+        if self.step_cost is None or num_uncomputed <= 0:
+            return 0.0
+        full, rest = divmod(num_uncomputed, self.rows)
+        n, seconds = self.rows, 0.0
+        if full:  # whole-budget chunks, their pairs and KV priced at their mean start
+            seconds += full * self._chunk_s(num_computed + (full - 1) * n // 2, n)
+        if rest:
+            seconds += self._chunk_s(num_computed + full * n, rest)
+        return seconds if math.isfinite(seconds) else 0.0
+
+    def _chunk_s(self, start: int, n: int) -> float:
+        assert self.step_cost is not None
+        d, kv = self.num_decodes, self.decode_kv
+        return self.step_cost(StepShape(n, d, n * (start + n) + kv, start + n + kv, 0, 1 + d))
 
 
 def is_urgent(seq: Sequence, slo: SloConfig, now: float | None) -> bool:

@@ -9,7 +9,7 @@ from sched_testing import make_request, make_scheduler, run_step
 from scheduler.config import CacheConfig, SchedulerConfig, SloConfig
 from scheduler.lump_budget import TPOT_MARGIN, LumpBudget, StepShape, largest_chunk
 from scheduler.planner import Scheduler
-from scheduler.step_room import tpot_limit_s
+from scheduler.step_room import PrefillTime, tpot_limit_s
 
 
 def test_budget_is_whole_until_needed_then_capped_at_once_and_released_by_doubling():
@@ -88,6 +88,16 @@ def test_tpot_limit_is_the_least_any_decode_can_wait_for_its_mean_to_stay_in_tar
     prefill = make_request("prefill", 8)  # no output yet: not decoding
     assert tpot_limit_s([prefill], 0.004, lambda: now) is None
     assert tpot_limit_s([banked], None, lambda: now) is None
+
+
+def test_prefill_time_prices_whole_budget_chunks_beside_the_decodes():
+    # 12 decodes leave 500 rows of a 512-token step: 1,200 tokens are 500 + 500 + 200.
+    prefill_time = PrefillTime(synthetic_cost, 512, 12, 3000)
+    step = 1e-3 + 1e-4 * 13  # per step and per sequence (12 decodes and the prefill)
+    expected = 2 * (step + 2e-5 * 512) + (step + 2e-5 * 212)
+    assert prefill_time(100, 1200) == pytest.approx(expected)
+    assert prefill_time(100, 0) == 0.0
+    assert PrefillTime(None, 512, 12, 3000)(100, 1200) == 0.0  # no model: no estimate
 
 
 def test_largest_chunk_is_the_biggest_that_fits_and_never_below_the_floor():
