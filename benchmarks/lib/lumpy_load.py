@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -51,6 +52,7 @@ class Planned:
     request_class: str
     body: dict
     tiles: tuple[int, ...]  # per image
+    images: tuple[str, ...] = ()  # per image: its content's digest (the trace's image key)
 
 
 @dataclasses.dataclass
@@ -59,6 +61,7 @@ class Measured:
     request_class: str
     sent_s: float  # since the load started
     tiles: tuple[int, ...]
+    images: tuple[str, ...] = ()
     ttft_s: float | None = None
     e2e_s: float | None = None
     prompt_tokens: int = 0
@@ -73,6 +76,12 @@ class Measured:
 
 def png(width: int, height: int, seed: int) -> bytes:
     return png_bytes(seed, width, height)
+
+
+def digest(image: bytes) -> str:
+    """An image's key in the simulated trace: equal bytes, equal key (a repeat is a hit in
+    the simulator's encoder and prefix caches, as in the server's)."""
+    return hashlib.sha256(image).hexdigest()[:16]
 
 
 def body(num_words: int, max_tokens: int, images: list[bytes], rng: random.Random) -> dict:
@@ -107,18 +116,23 @@ def plan_load(
     for k, burst_at in enumerate(bursts_at):
         for j in range(NUM_BURST):
             at = burst_at + rng.random() * BURST_WINDOW_S
-            seeds = [1000 * seed + 100 * k + 10 * j + i for i in range(IMAGES_PER_BURST_REQUEST)]
+            # Distinct for every (seed, burst, request, image): 12 requests of 3 images
+            # once had seeds 1000s + 100k + 10j + i, and burst 1's first two requests
+            # repeated burst 0's last two (encoder and prefix cache hits in the server).
+            seeds = [1_000_000 * seed + 10_000 * k + 10 * j + i
+                     for i in range(IMAGES_PER_BURST_REQUEST)]  # fmt: skip
             pngs = [png(*IMAGE_SIZE, s) for s in seeds]
             request = body(rng.randint(4, 10), rng.randint(8, 32), pngs, rng)
             name = f"b{j}" if k == 0 else f"b{k}.{j}"
-            out.append(Planned(name, at, "3x13-tile", request, (tiles,) * len(pngs)))
+            out.append(Planned(name, at, "3x13-tile", request, (tiles,) * len(pngs),
+                               tuple(digest(p) for p in pngs)))  # fmt: skip
     return sorted(out, key=lambda p: p.at_s)
 
 
 async def send(client: httpx.AsyncClient, p: Planned, start: float) -> Measured:
     await asyncio.sleep(max(0.0, start + p.at_s - time.perf_counter()))
     sent = time.perf_counter()
-    m = Measured(p.request_id, p.request_class, sent - start, p.tiles)
+    m = Measured(p.request_id, p.request_class, sent - start, p.tiles, p.images)
     try:
         async with client.stream("POST", "/v1/chat/completions", json=p.body) as response:
             if response.status_code != 200:
@@ -181,8 +195,10 @@ def probe_idle(server: ServerProcess, seed: int, num_text: int = 16, num_image: 
     tiles = image_tiles(*IMAGE_SIZE)
     probes = [Planned(f"p{i}", 0.0, "text", body(rng.randint(8, 60), 2, [], rng), ())
               for i in range(num_text)]  # fmt: skip
-    probes += [Planned(f"q{i}", 0.0, "3x13-tile", body(6, 2, [png(*IMAGE_SIZE, 9_000 + i)], rng),
-                       (tiles,)) for i in range(num_image)]  # fmt: skip
+    for i in range(num_image):  # the burst's shape: its extra latency per image
+        pngs = [png(*IMAGE_SIZE, 9_000 + 10 * i + k) for k in range(IMAGES_PER_BURST_REQUEST)]
+        probes.append(Planned(f"q{i}", 0.0, "3x13-tile", body(6, 2, pngs, rng),
+                              (tiles,) * len(pngs), tuple(digest(p) for p in pngs)))  # fmt: skip
     before = server.metrics()
     measured = asyncio.run(run_one_by_one(server.url, probes))
     after = server.metrics()

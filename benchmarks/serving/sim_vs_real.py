@@ -24,7 +24,13 @@ scheduler config and pool. Step-time models, each measured in this run before th
   time, their client TTFT less the simulator's for each alone (median). The server's
   metrics split it: the preparer thread's template/tokenise/header step (`ingress_s`:
   the scheduler cannot see the request before it) and the rest (`egress_s`: HTTP in and
-  out, the hand-offs between threads, SSE).
+  out, the hand-offs between threads, SSE). Both from text probes; probes in the burst's
+  shape (3 images) give what an image adds (`ingress_s_per_image`: its upload, header,
+  hash, the pool's round trip beyond the busy time the fit prices).
+
+Every engine here (the calibrations and the real server) runs with the OpenMP policy of
+`vlmserve serve` (spinning threads, vlmserve/__init__.py): the benchmark restarts itself
+with it when started without a policy of the user's.
 
 The in-server calibration and the real run are repeated (`--repeats`, 3), the real run on
 the same requests each time; reported per class: TTFT p50 and p90, real and simulated,
@@ -51,6 +57,7 @@ import time
 
 import numpy as np
 
+import vlmserve
 from benchmarks.lib import engine_calibration as calib
 from benchmarks.lib.common import table, write_result
 from benchmarks.lib.lumpy_load import (
@@ -111,14 +118,16 @@ def as_trace(measured: list[Measured]) -> list[TraceRequest]:
     out = []
     for m in measured:
         assert m.image_tokens == TOKENS_PER_TILE * sum(m.tiles), (m.request_id, m.image_tokens)
-        images = tuple(TraceImage(f"{m.request_id}-{k}", t) for k, t in enumerate(m.tiles))
+        images = tuple(TraceImage(key, t) for key, t in zip(m.images, m.tiles, strict=True))
         text = m.prompt_tokens - m.image_tokens
         out.append(TraceRequest(m.request_id, m.sent_s, m.request_class, text,
                                 m.completion_tokens, images))  # fmt: skip
     return out
 
 
-def sim_config(ingress_s: float = 0.0, egress_s: float = 0.0) -> SimConfig:
+def sim_config(
+    ingress_s: float = 0.0, egress_s: float = 0.0, ingress_s_per_image: float = 0.0
+) -> SimConfig:
     """The server's scheduler, cache and pool settings (from the same flags)."""
     config = calib.engine_config(SERVER_FLAGS)
     sched, cache = config.scheduler, config.cache
@@ -128,7 +137,7 @@ def sim_config(ingress_s: float = 0.0, egress_s: float = 0.0) -> SimConfig:
         enable_prefix_caching=cache.enable_prefix_caching, pooling_ratio=4,
         preprocess_workers=config.encoder.resolved_num_workers,
         encoder_cache_bytes=float(config.encoder.cache_bytes), num_blocks=NUM_KV_BLOCKS,
-        ingress_s=ingress_s, egress_s=egress_s,
+        ingress_s=ingress_s, egress_s=egress_s, ingress_s_per_image=ingress_s_per_image,
     )  # fmt: skip
 
 
@@ -143,17 +152,21 @@ def ttft_stats(records: list[tuple[str, float | None]]) -> dict[str, dict]:
 
 def front_end_latency(probes: list[Measured], server: dict, hw: StepHardware) -> dict:
     """The idle server's latency outside the engine loop: client TTFT less the calibrated
-    simulator's TTFT of the same request alone (median over the probes), split into the
-    preparer thread's step (ingress) and the rest (egress)."""
+    simulator's TTFT of the same request alone (median over the text probes), split into
+    the preparer thread's step (ingress) and the rest (egress); and what a probe in the
+    burst's shape takes beyond that, per image (its upload's decode, header and hash, the
+    pool's round trip beyond the busy time the simulator prices), as more ingress."""
     extra = []
     for m, req in zip(probes, as_trace(probes), strict=True):
         alone = dataclasses.replace(req, arrival_s=0.0)
         sim = simulate([alone], hw, sim_config()).records[0].ttft_s
         extra.append(m.ttft_s - sim)
-    total = statistics.median(extra)
+    total = statistics.median(e for e, m in zip(extra, probes, strict=True) if not m.tiles)
+    images = [(e, len(m.tiles)) for e, m in zip(extra, probes, strict=True) if m.tiles]
+    per_image = statistics.median(max(0.0, e - total) / n for e, n in images) if images else 0.0
     ingress = min(total, server["process_s"] or 0.0)
     return {"total_s": total, "ingress_s": ingress, "egress_s": total - ingress,
-            "per_probe_s": extra}  # fmt: skip
+            "ingress_s_per_image": per_image, "per_probe_s": extra}  # fmt: skip
 
 
 # --- the run ----------------------------------------------------------------------------
@@ -247,7 +260,10 @@ def simulate_variants(real: dict, bare: dict, served: dict) -> tuple[dict, dict,
             sim_config(),
         ),
         "in-server": (hw_served, sim_config()),
-        FINAL: (hw_served, sim_config(front["ingress_s"], front["egress_s"])),
+        FINAL: (
+            hw_served,
+            sim_config(front["ingress_s"], front["egress_s"], front["ingress_s_per_image"]),
+        ),  # fmt: skip
     }
     runs = {"real": ttft_stats([(m.request_class, m.ttft_s) for m in real["measured"]])}
     for name, (hw, config) in variants.items():
@@ -289,7 +305,8 @@ def print_repeat(index: int, fit: dict, front: dict, real: dict, load: tuple) ->
           f"{fit['tower_steps']} tower steps {fit['tower_median_rel_error']:+.0%}): {fit['cost']}; "
           f"preprocessing {fit['preprocess_s_per_tile'] * 1e3:.3f} ms/tile")  # fmt: skip
     print(f"  idle server: client TTFT - simulated = {front['total_s'] * 1e3:.2f} ms (preparer "
-          f"thread {front['ingress_s'] * 1e3:.2f} ms); its own TTFT from the handler "
+          f"thread {front['ingress_s'] * 1e3:.2f} ms), "
+          f"+{front['ingress_s_per_image'] * 1e3:.2f} ms per image; its own TTFT from the handler "
           f"{real['server']['server_ttft_s'] * 1e3:.2f} ms")  # fmt: skip
     print(f"  real: {len(real['measured'])} requests in {real['wall_s']:.1f} s, "
           f"{real['num_steps']:.0f} steps, {len(real['failed'])} failed; "
@@ -304,6 +321,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="calibrate + real runs (median)")
     parser.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # calibration load
     args = parser.parse_args()
+    if not args.client and vlmserve.OPENMP_DEFAULTS == {"OMP_WAIT_POLICY": "PASSIVE"}:
+        # This process got the library's OpenMP policy, the server it predicts would spin
+        # (vlmserve/__init__.py): the engines calibrated here must wait as that one does.
+        env = {k: v for k, v in os.environ.items() if k not in vlmserve.OPENMP_DEFAULTS}
+        argv = [sys.executable, "-m", "benchmarks.serving.sim_vs_real", *sys.argv[1:]]
+        os.execve(sys.executable, argv, env | vlmserve.ENGINE_OPENMP)
     if args.client:
         plan = plan_load(args.seed, CALIBRATION_DURATION_S, CALIBRATION_BURSTS_AT)
         asyncio.run(run_load(args.client, plan))

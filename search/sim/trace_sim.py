@@ -10,8 +10,9 @@ TPOT / end-to-end times, preemptions, recomputed tokens and KV occupancy over ti
 What is modelled: chunked prefill, prefix caching (image positions hash by content),
 preemption by recomputation, an encoder-output LRU, CPU preprocessing as a queue, and a
 server's fixed per-request latency on each side of the engine (`ingress_s`: HTTP parse,
-chat template, tokenisation, the hand-off to the engine thread; `egress_s`: from the
-sampled token to the client), 0 unless measured.
+chat template, tokenisation, the hand-off to the engine thread, and `ingress_s_per_image`
+more per image: its upload's decode, header, hash and the pool's round trip beyond its
+busy time; `egress_s`: from the sampled token to the client), 0 unless measured.
 What is not: sampling (every output runs to `max_tokens`), speculation, host overheads
 beyond `step_overhead_s` (or what a `MeasuredStepCost` fitted to the real engine holds),
 tensor parallelism, network and detokenisation time.
@@ -70,15 +71,17 @@ class SimConfig:
     # Seconds from a request's arrival until the scheduler holds it (its preprocessing
     # starts then too), and from a sampled token until the client has it.
     ingress_s: float = 0.0
+    ingress_s_per_image: float = 0.0
     egress_s: float = 0.0
     # The latency targets the scheduler plans against (lumpy: slack order, TPOT guard
     # priced by this run's step-time model); the default: none, as the engine's.
     slo: SloConfig = SloConfig()
 
     def __post_init__(self) -> None:
-        if self.ingress_s < 0 or self.egress_s < 0:
+        if min(self.ingress_s, self.ingress_s_per_image, self.egress_s) < 0:
             raise ValueError(
-                f"ingress_s={self.ingress_s} and egress_s={self.egress_s} must be >= 0"
+                f"ingress_s={self.ingress_s}, ingress_s_per_image={self.ingress_s_per_image} "
+                f"and egress_s={self.egress_s} must be >= 0"
             )
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 1 (or None)")
@@ -286,7 +289,7 @@ class _Sim:
         if rec.refused is not None:
             return
         # CPU preprocessing (decode, resize, crop) of each image not already encoded.
-        ready_at = held_at = req.arrival_s + self.config.ingress_s
+        ready_at = held_at = self.held_at(req)
         per_tile = self.hw.assumptions.preprocess_s_per_tile
         for im, img in zip(req.images, seq.images, strict=True):
             if self.encoder_cache.contains(img.content_hash):
@@ -305,7 +308,8 @@ class _Sim:
 
     def held_at(self, req: TraceRequest) -> float:
         """When the scheduler gets `req`: its arrival plus the server's ingress latency."""
-        return req.arrival_s + self.config.ingress_s
+        per_image = self.config.ingress_s_per_image
+        return req.arrival_s + self.config.ingress_s + len(req.images) * per_image
 
     def release(self) -> None:
         """Arrivals and finished preprocessing up to `now`."""

@@ -92,6 +92,19 @@ def test_server_latency_on_each_side_of_the_engine():
         SimConfig(ingress_s=-1.0)
 
 
+def test_ingress_per_image_delays_image_requests_by_their_image_count():
+    hw = dataclasses.replace(H100, measured=MeasuredStepCost(2e-3, 0, 0, 0, 1e-3))
+    two = [TraceImage("a", 2), TraceImage("b", 2)]
+    reqs = [make_request("text", text=100, out=3),
+            make_request("img", 1.0, text=10, out=2, images=two)]  # fmt: skip
+    plain = by_id(simulate(reqs, hw, SimConfig(ingress_s=0.010)))
+    late = by_id(simulate(reqs, hw, SimConfig(ingress_s=0.010, ingress_s_per_image=0.005)))
+    assert late["text"].ttft_s == pytest.approx(plain["text"].ttft_s)
+    assert late["img"].ttft_s == pytest.approx(plain["img"].ttft_s + 2 * 0.005)
+    with pytest.raises(ValueError, match="ingress_s_per_image"):
+        SimConfig(ingress_s_per_image=-1.0)
+
+
 def test_one_image_ttft_is_s17s_118_ms():
     # §17: preprocess ≈ 15 ms + ViT ≈ 21 ms + prefill ≈ 82 ms: TTFT ≈ 118 ms. The prompt
     # (2,370 visual + 30 text tokens) goes in one step when the budget allows it.
