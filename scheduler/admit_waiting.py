@@ -23,7 +23,7 @@ from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spans import span_safe_prefix
 from scheduler.step_plan import ScheduledSeq, schedule_item
-from scheduler.step_room import Room, is_urgent, prefill_token_s, slack_s
+from scheduler.step_room import PrefillTime, Room, is_urgent, slack_s
 
 
 class WaitingAdmission:
@@ -49,7 +49,7 @@ class WaitingAdmission:
         """Ready waiting sequences, each with its prefix-cache match (blocks per group)."""
         out = []
         now = self.clock() if self.clock is not None else None
-        token_s = prefill_token_s(self.step_cost, self.config.max_num_batched_tokens)
+        prefill_time = self._prefill_time()
         for seq in self.waiting:
             # (Preempted while its last token is in flight: that token is unknown yet.)
             if not seq.ready or seq.num_pending_tokens:
@@ -62,10 +62,18 @@ class WaitingAdmission:
             )
             quick = not tower and seq.num_tokens - num_cached <= self.config.max_num_batched_tokens
             aged = seq.num_waiting_steps >= self.config.max_wait_steps
-            prefill_s = (seq.num_tokens - num_cached) * token_s
+            prefill_s = prefill_time(num_cached, seq.num_tokens - num_cached)
             slack = slack_s(seq, self.config.slo, now, prefill_s)
             out.append((Candidate(seq, quick, aged, slack), matched))
         return out
+
+    def _prefill_time(self) -> PrefillTime:
+        """Prefill seconds by the step-cost model, beside this step's running decodes."""
+        decodes = [s for s in self.running if s.num_uncomputed_tokens <= 1]
+        return PrefillTime(
+            self.step_cost, self.config.max_num_batched_tokens, len(decodes),
+            sum(s.num_tokens for s in decodes),
+        )  # fmt: skip
 
     def _match(self, seq: Sequence) -> PrefixHit:
         """`seq`'s prefix-cache match now (blocks per group)."""
@@ -119,6 +127,8 @@ class WaitingAdmission:
                 continue
             chunk = self._chunk(seq, num_cached, room, not cand.quick)
             fits = chunk is not None and policy.can_admit(cand, cost, available, quick_blocks)
+            if not fits and chunk is not None and head is None and blocked is None:
+                fits = self._urgent(cand) and self._fits_time_line(cost)
             if fits and head is not None and not (quick_only and not cand.quick):
                 if not self._backfills(head, cand, cost, num_cached, quick_blocks):
                     self._kv_blocked.add(seq.request_id)
@@ -163,6 +173,55 @@ class WaitingAdmission:
         # One step of margin: its first chunk may get less than a whole step's room.
         steps = self._steps_left(seq, seq.num_tokens - num_cached, capped=not cand.quick) + 1
         return head.admits(final, steps)
+
+    def _urgent(self, cand: Candidate) -> bool:
+        """Whether `cand` can still make its TTFT target and has less than half of it left
+        (`is_urgent`, the urgency at which nobody passes a head): its SLO is at stake."""
+        now = self.clock() if self.clock is not None else None
+        slack = cand.slack_s
+        return slack is not None and slack >= 0 and is_urgent(cand.seq, self.config.slo, now)
+
+    def _fits_time_line(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` more blocks, held from now on, keep the pool within its
+        watermark at every step, given what the running sequences will hold and when they
+        end: each grows by its decode (and drafts) a step up to its known length and frees
+        its blocks after its last token; one still in prefill holds its whole prompt now
+        and is never counted as ending. For the first request in the slack order when its
+        SLO is at stake (`_urgent`) and the sum of every reservation at once says no: the
+        reservations keep admitted requests from colliding, and so does this (with known
+        lengths no one is preempted), but this one sees that sequences end and free their
+        blocks before the others have grown into theirs. The quick requests' headroom is
+        not kept either: it is for requests not here yet, which must not make one that is
+        here miss its target. One KV group only; without known lengths: no."""
+        bm = self.block_manager
+        if bm.null_block is not None or len(bm.windows) != 1:
+            return False
+        limit = bm.num_usable_blocks - self.admission.watermark_blocks - num_blocks
+        used = bm.num_usable_blocks - bm.num_free_blocks
+        rate = 1 + self.max_drafts  # tokens a decode adds a step, at most
+        lines = []  # (last step, tokens now, most tokens, blocks held, blocks it frees)
+        for s in self.running:
+            most = self._max_num_tokens.get(s.request_id)
+            if most is None:
+                return False
+            held = bm.held_blocks(s)
+            shared = next(
+                (i for i, b in enumerate(s.block_table) if bm.blocks[b].ref_count < 2), held
+            )  # leading blocks another live sequence holds stay taken
+            end = most - s.num_tokens if s.num_uncomputed_tokens <= 1 else math.inf
+            lines.append((end, s.num_tokens, most, held, held - shared))
+        for step in sorted({0, *(end for end, *_ in lines)}):
+            total = used
+            for end, tokens, most, held, freed in lines:
+                if end < step:  # done: its blocks are back (its growth with them)
+                    total -= freed
+                elif step:
+                    total += max(0, bm.blocks_for(min(tokens + rate * step, most)) - held)
+                else:
+                    total += max(0, bm.blocks_for(tokens) - held)  # the rest of a prompt
+            if total > limit:
+                return False
+        return True
 
     def _head(
         self, cand: Candidate, cost: int, available: int, quick_blocks: int

@@ -268,7 +268,10 @@ class Scheduler(WaitingAdmission):
 
     def schedule(self) -> StepPlan:
         cap, cost = self.admission.lump_prefill_tokens, self.step_cost
-        room = step_room.new_room(self.config, self.lump_budget, cap, cost, self._needs_caps)
+        room = step_room.new_room(
+            self.config, self.lump_budget, cap, cost, self._caps_wanted,
+            step_room.tpot_limit_s(self.running, self.config.slo.tpot_s, self.clock),
+        )  # fmt: skip
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         queue = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
@@ -306,21 +309,37 @@ class Scheduler(WaitingAdmission):
         finished, self._finished_ids = tuple(self._finished_ids), {}
         return StepPlan(scheduled, tuple(seq.request_id for seq in preempted), finished)
 
-    def _needs_caps(self, guarded: bool) -> bool:
-        """A quick request waits ready to start (and was not held back for KV last step)
-        or runs without its first token yet, and is urgent (`step_room.is_urgent`); or one
-        decodes with no TPOT guard to keep its steps short (`guarded`: there is one)."""
+    def _caps_wanted(self, guarded: bool) -> tuple[bool, bool]:
+        """(needed, suspended). Needed: a quick request waits ready to start (and was not
+        held back for KV last step) or runs without its first token yet, and is urgent
+        (`step_room.is_urgent`); or one decodes with no TPOT guard to keep its steps short
+        (`guarded`: there is one). Suspended: this step goes without the caps, since they
+        would hold back a lump with less slack than every quick request they serve
+        (`step_room.caps_suspended`); the hysteresis still counts the need."""
         slo, now = self.config.slo, self.clock() if self.clock is not None else None
+        wanting: list[float | None] = []  # the slack of each quick request needing them
         for s in self.running:
             if s.request_id not in self._quick_ids:
                 continue
-            if not guarded or (s.num_output_tokens == 0 and step_room.is_urgent(s, slo, now)):
-                return True
-        return any(
-            c.quick and c.seq.request_id not in self._kv_blocked
+            if not guarded:
+                return True, False
+            if s.num_output_tokens == 0 and step_room.is_urgent(s, slo, now):
+                wanting.append(step_room.slack_s(s, slo, now))
+        found = self._candidates()
+        wanting += [
+            c.slack_s for c, _ in found
+            if c.quick and c.seq.request_id not in self._kv_blocked
             and step_room.is_urgent(c.seq, slo, now)
-            for c, _ in self._candidates()
-        )  # fmt: skip
+        ]  # fmt: skip
+        prefill_time = self._prefill_time()
+        lumps = [c.slack_s for c, _ in found if not c.quick] + [
+            step_room.slack_s(
+                s, slo, now, prefill_time(s.num_computed_tokens, s.num_uncomputed_tokens)
+            )
+            for s in self.running
+            if self._is_lump(s)
+        ]
+        return bool(wanting), step_room.caps_suspended(wanting, lumps)
 
     def _is_lump(self, seq: Sequence) -> bool:
         """A running prefill not admitted as quick (its chunks share the lump cap)."""
@@ -396,6 +415,8 @@ class Scheduler(WaitingAdmission):
             else:
                 seq.num_computed_tokens += item.num_new_tokens
             seq.token_ids.extend(tokens)
+            if tokens and seq.first_token_time is None and self.clock is not None:
+                seq.first_token_time = self.clock()
             # Only accepted tokens are hashed: the hashes stop at num_computed_tokens.
             hashes = extend_block_hashes(seq, seq.num_computed_tokens, self.block_size)
             self.block_manager.register_seq(hashes, seq)

@@ -53,6 +53,9 @@ class Sequence:
     # When the request arrived, on the scheduler's clock (slack against a TTFT target);
     # None: the scheduler stamps it when the sequence is added.
     arrival_time: float | None = None
+    # When its first output token was sampled, on the scheduler's clock (its TPOT counts
+    # from there); None: not yet, or no clock.
+    first_token_time: float | None = None
     # False while its images are still being decoded: never admitted until it is True.
     ready: bool = True
     # Steps spent ready in the waiting queue since it was added or last admitted (aging).

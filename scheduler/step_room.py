@@ -13,6 +13,7 @@ from scheduler.config import SchedulerConfig, SloConfig, request_class
 from scheduler.lump_budget import (
     TPOT_MARGIN,
     URGENT_SLACK_SHARE,
+    LumpAllowance,
     LumpBudget,
     StepCost,
     StepShape,
@@ -55,6 +56,30 @@ class Room:
             self.guard.add(start, num_new, tiles, decode)
 
 
+def tpot_limit_s(
+    running: list[Sequence], tpot_s: float | None, clock: Callable[[], float] | None
+) -> float | None:
+    """The longest the next step may take (by the step-cost model) so that every decode
+    in it keeps its mean time per output token since its first token within
+    `TPOT_MARGIN` of the TPOT target: a decode with n output tokens, its first at f, may
+    wait TPOT_MARGIN·target·n − (now − f) for its next. The target is on that mean, as
+    the SLO counts it; a per-step limit of TPOT_MARGIN·target (what this gives a decode
+    that has just sampled its first token, and any without a recorded first token) holds
+    every step to the rate only the slowest needs, and makes the lumps' chunks smaller
+    than they need be. None without a target or a clock."""
+    if tpot_s is None or clock is None:
+        return None
+    now, limit = clock(), math.inf
+    for s in running:
+        if s.num_uncomputed_tokens > 1 or s.num_output_tokens == 0:
+            continue  # not decoding: no TPOT at stake in this step
+        if s.first_token_time is None:
+            return TPOT_MARGIN * tpot_s
+        budget = TPOT_MARGIN * tpot_s * s.num_output_tokens - (now - s.first_token_time)
+        limit = min(limit, budget)
+    return limit if math.isfinite(limit) else None
+
+
 def make_lump_budget(config: SchedulerConfig, cap_tokens: int | None) -> LumpBudget | None:
     """The adaptive lump budget of lumpy admission (None under FCFS: no lump caps)."""
     if config.admission != "lumpy":
@@ -70,18 +95,23 @@ def new_room(
     budget: LumpBudget | None,
     cap_tokens: int | None,
     step_cost: StepCost | None,
-    needs_caps: Callable[[bool], bool],
+    caps_wanted: Callable[[bool], tuple[bool, bool]],
+    tpot_limit: float | None = None,
 ) -> Room:
     """The budgets of a step: under lumpy admission (`budget`) this step's lump allowance,
-    asking `needs_caps(guarded)` whether a quick request needs the caps now, and the TPOT
+    asking `caps_wanted(guarded)` whether a quick request needs the caps now and whether this
+    step suspends them (`caps_suspended`), and the TPOT
     guard where a target and a step-cost model are given."""
     tokens, tile_cap = config.max_num_batched_tokens, config.encoder_tiles_per_step
     if budget is None:
         return Room(tokens, 0, None, tile_cap)
     guard, tpot = None, config.slo.tpot_s
     if step_cost is not None and tpot is not None and config.enable_chunked_prefill:
-        guard = TpotGuard(step_cost, tpot * TPOT_MARGIN)
-    allowance = budget.next_step(needs_caps(guard is not None))
+        guard = TpotGuard(step_cost, tpot * TPOT_MARGIN if tpot_limit is None else tpot_limit)
+    needed, suspended = caps_wanted(guard is not None)
+    allowance = budget.next_step(needed)
+    if suspended:  # the hysteresis keeps counting; this step has no caps
+        allowance = LumpAllowance(None, None, False)
     return Room(
         tokens, 0, allowance.tokens, allowance.tiles, guard, cap_tokens or 0, allowance.capped
     )
@@ -100,13 +130,33 @@ def slack_s(
     return slack - prefill_s if 0 <= slack < prefill_s else slack
 
 
-def prefill_token_s(step_cost: StepCost | None, step_tokens: int) -> float:
-    """Seconds a prefill token takes in whole-budget steps by the step-cost model; 0
+class PrefillTime:
+    """Seconds a prefill takes by the step-cost model, in whole-budget steps that also
+    carry the running decodes (`num_decodes` rows reading `decode_kv` tokens of KV), as
+    its chunks do: what tells whether a request can still make its TTFT target. 0
     without a model or before it can price a step (the engine's until its first fit)."""
-    if step_cost is None:
-        return 0.0
-    seconds = step_cost(StepShape(step_tokens, 0, step_tokens**2, step_tokens, 0, 1))
-    return seconds / step_tokens if math.isfinite(seconds) else 0.0
+
+    def __init__(
+        self, step_cost: StepCost | None, step_tokens: int, num_decodes: int, decode_kv: int
+    ) -> None:
+        self.step_cost, self.num_decodes, self.decode_kv = step_cost, num_decodes, decode_kv
+        self.rows = max(1, step_tokens - num_decodes)  # prefill rows a step leaves
+
+    def __call__(self, num_computed: int, num_uncomputed: int) -> float:
+        if self.step_cost is None or num_uncomputed <= 0:
+            return 0.0
+        full, rest = divmod(num_uncomputed, self.rows)
+        n, seconds = self.rows, 0.0
+        if full:  # whole-budget chunks, their pairs and KV priced at their mean start
+            seconds += full * self._chunk_s(num_computed + (full - 1) * n // 2, n)
+        if rest:
+            seconds += self._chunk_s(num_computed + full * n, rest)
+        return seconds if math.isfinite(seconds) else 0.0
+
+    def _chunk_s(self, start: int, n: int) -> float:
+        assert self.step_cost is not None
+        d, kv = self.num_decodes, self.decode_kv
+        return self.step_cost(StepShape(n, d, n * (start + n) + kv, start + n + kv, 0, 1 + d))
 
 
 def is_urgent(seq: Sequence, slo: SloConfig, now: float | None) -> bool:
@@ -115,6 +165,20 @@ def is_urgent(seq: Sequence, slo: SloConfig, now: float | None) -> bool:
     slack = slack_s(seq, slo, now)
     target = slo.ttft_for(request_class(len(seq.images)))
     return slack is None or target is None or slack < URGENT_SLACK_SHARE * target
+
+
+def caps_suspended(wanting: list[float | None], lump_slacks: list[float | None]) -> bool:
+    """Whether a step goes without the lump caps (and the yield) because they would invert
+    the slack order: some lump they hold back (`lump_slacks`: prefilling, or waiting and
+    not quick) can still make its TTFT target and has less slack than every quick
+    request that wants them (`wanting`; none: the hysteresis alone holds them). Capping
+    it delays the request the order serves first; a waiting one also blocks the quick
+    request itself (nobody passes an urgent head), so the caps would hold back both. Late
+    lumps (negative slack) are served after the rest anyway. False without targets."""
+    at_stake = [s for s in lump_slacks if s is not None and s >= 0]
+    if not at_stake or any(s is None for s in wanting):
+        return False
+    return min(wanting, default=math.inf) >= min(at_stake)
 
 
 def size_chunk(

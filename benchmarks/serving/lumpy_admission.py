@@ -15,8 +15,13 @@ Two workloads, both reported:
   policy can reach 1.3x FCFS's goodput: FCFS already meets the SLO for 1,462 of the 1,821
   requests, and 1,819 finish at all (two never-fits are refused), so even if every one met
   it goodput would be 1,819 / 1,462 = 1.24x FCFS's (``goodput_ceiling_vs_fcfs``). The
-  lumpy policy misses only burst requests, which no policy can serve within a 1 s TTFT
-  past the first one or two: each takes ~0.45 s of the whole card's compute.
+  lumpy policy misses only burst requests, few of which any policy can serve within a 1 s
+  TTFT: each takes ~0.44 s of the whole card's compute, and the 40 arrive within 2 s.
+  ``goodput_bound_vs_fcfs`` is a computed upper bound on any policy's goodput
+  (benchmarks/serving/goodput_bound.py: every finishable text request met, at most the
+  burst requests whose least compute fits between the burst's first arrival and last
+  deadline, over the shortest run the trace allows); the goodput check is
+  goodput >= min(1.3x, that bound) x FCFS's.
 - ``burst-every-60s``: the same burst at t=30, 90 and 150 s (new images each time), as
   a document-ingestion client would send beside the chat. Heavy but sustainable: each
   burst drains in ~25 s, before the next. FCFS's head-of-line blocking then holds the
@@ -41,6 +46,7 @@ from collections import Counter
 
 from benchmarks.lib.common import RESULTS, table, write_result
 from benchmarks.serving import lumpy_mixes
+from benchmarks.serving.goodput_bound import goodput_bound
 from scheduler.config import SchedulerConfig
 from search.costmodel.presets import get_accelerator, get_encoder, get_model
 from search.sim.capacity import Slo, Summary, summarize
@@ -136,6 +142,27 @@ def run_policy(
     return row | {"detail": detail}, result
 
 
+def workload_bound(
+    workload: Workload, trace: list[TraceRequest], fcfs: SimResult, hw: StepHardware
+) -> dict:
+    """The goodput no policy can pass on `trace` (benchmarks/serving/goodput_bound.py),
+    and for comparison only (no bound, see there) the most burst requests FCFS or lumpy
+    serve within the SLO with the text traffic removed."""
+    finishes = {r.request_id for r in fcfs.records if r.refused is None}
+    bursts: dict[float, list[TraceRequest]] = {}
+    for r in trace:
+        if r.request_class == "4x13-tile":
+            start = max(s for s in workload.burst_starts if s <= r.arrival_s)
+            bursts.setdefault(start, []).append(r)
+    bound = goodput_bound(trace, list(bursts.values()), SLO.ttft_s, hw, finishes)
+    alone = [r for r in trace if r.request_class == "4x13-tile"]
+    alone_met = max(
+        sum(SLO.met_by(r) for r in simulate(alone, hw, SimConfig(admission=a)).records)
+        for a in policies()
+    )
+    return dataclasses.asdict(bound) | {"burst_alone_best_met_not_a_bound": alone_met}
+
+
 def run_workload(workload: Workload, hw: StepHardware, seed: int) -> tuple[dict, dict]:
     """Both policies on one workload: its JSON section and the runs (for the plot)."""
     trace = workload.trace(seed)
@@ -145,16 +172,20 @@ def run_workload(workload: Workload, hw: StepHardware, seed: int) -> tuple[dict,
         row, runs[admission] = run_policy(admission, trace, text_only, hw)
         rows.append(row)
     fcfs = rows[0]
+    bound = workload_bound(workload, trace, runs["fcfs"], hw)
     for row in rows:
         row["goodput_vs_fcfs"] = row["goodput_rps"] / fcfs["goodput_rps"]
         row["goodput_ceiling_vs_fcfs"] = row["goodput_ceiling_rps"] / fcfs["goodput_rps"]
+        row["goodput_bound_vs_fcfs"] = bound["goodput_rps"] / fcfs["goodput_rps"]
     checks = {}
     if "lumpy" in runs:
         lumpy = rows[-1]
+        # The target where a policy can reach it at all; else the computed bound.
+        goal = min(TARGET_GOODPUT_RATIO, lumpy["goodput_bound_vs_fcfs"])
         checks = {
             "text_p99_within_2x_unloaded": lumpy["text_ttft_p99_multiple"]
             <= TARGET_TEXT_P99_MULTIPLE,
-            "goodput_at_least_1.3x_fcfs": lumpy["goodput_vs_fcfs"] >= TARGET_GOODPUT_RATIO,
+            "goodput_at_least_min(1.3x_fcfs,bound)": lumpy["goodput_vs_fcfs"] >= goal,
         }
     checks |= {
         f"{row['admission']}_no_hang_no_loss_never_fits_refused": row["hangs"] == 0
@@ -164,6 +195,7 @@ def run_workload(workload: Workload, hw: StepHardware, seed: int) -> tuple[dict,
     }
     section = {
         "workload": workload.name,
+        "goodput_bound": bound,
         "burst_starts_s": workload.burst_starts,
         "num_text": len(text_only),
         "num_burst_requests": NUM_BURST * workload.num_bursts,
@@ -208,6 +240,7 @@ COLUMNS = [
     "goodput_rps",
     "goodput_vs_fcfs",
     "goodput_ceiling_vs_fcfs",
+    "goodput_bound_vs_fcfs",
     "slo_attainment",
     "slo_missed",
     "preemptions",

