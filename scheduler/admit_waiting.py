@@ -22,7 +22,7 @@ from scheduler.lump_budget import StepCost
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spans import span_safe_prefix
-from scheduler.step_plan import ScheduledSeq, schedule_item
+from scheduler.step_plan import ScheduledSeq, StepPlan, schedule_item
 from scheduler.step_room import PrefillTime, Room, is_urgent, slack_s
 
 
@@ -44,6 +44,25 @@ class WaitingAdmission:
     _chunk: Callable[[Sequence, int, Room, bool], tuple[int, int] | None]
     step_cost: StepCost | None
     clock: Callable[[], float] | None
+    _num_idle_plans = 0  # consecutive plans `never_starts` found idle with work waiting
+
+    def never_starts(self, plan: StepPlan) -> Sequence | None:
+        """Called with each step's plan: the first waiting sequence once plans have been
+        empty with nothing running or in flight and every waiting sequence ready, for
+        more steps than aging takes (`max_wait_steps`). Then no step can free a block or
+        change what admission sees but time (slack only orders) and new arrivals (which
+        queue behind it): it never starts. Admission refuses at arrival what can never
+        fit (`check_fits`), so this is a bug's symptom, and the engine fails that request
+        instead of spinning on it forever."""
+        idle = plan.is_empty and not self.running and bool(self.waiting)
+        if not idle or any(not s.ready or s.num_pending_tokens for s in self.waiting):
+            self._num_idle_plans = 0
+            return None
+        self._num_idle_plans += 1
+        if self._num_idle_plans <= self.config.max_wait_steps + 1:
+            return None
+        self._num_idle_plans = 0
+        return self.waiting[0]
 
     def _candidates(self) -> list[tuple[Candidate, PrefixHit]]:
         """Ready waiting sequences, each with its prefix-cache match (blocks per group)."""

@@ -15,6 +15,7 @@ frozen records of those); tests/scheduler/test_step_plan.py walks it.
 
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_left
 from dataclasses import dataclass
 
@@ -84,6 +85,11 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def without(self, request_ids: set[str]) -> StepPlan:
+        """This plan without the items of `request_ids` (failed meanwhile)."""
+        kept = [item for item in self.scheduled if item.request_id not in request_ids]
+        return dataclasses.replace(self, scheduled=kept) if request_ids else self
 
 
 def schedule_item(

@@ -62,3 +62,17 @@ def tiles_encoded(scheduler: Scheduler, plan: StepPlan) -> int:
             if needs_tower(image, start, start + item.num_new_tokens, since, cached):
                 total += image_tiles(image)
     return total
+
+
+class RefusesOne:
+    """Admission with a bug: it never lets request "bad" start, though the arrival check
+    took it (fault injection: `check_fits` and the policy are meant to agree)."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+
+    def __getattr__(self, name: str):
+        return getattr(self.policy, name)
+
+    def can_admit(self, cand, *args) -> bool:
+        return cand.seq.request_id != "bad" and self.policy.can_admit(cand, *args)

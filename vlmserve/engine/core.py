@@ -38,7 +38,13 @@ from vlmserve.engine.detokenizer import IncrementalDetokenizer, direct_decoder
 from vlmserve.engine.forward_thread import ForwardThread, Sampled, StepTimes, run_step
 from vlmserve.engine.grammars import LazyGrammars
 from vlmserve.engine.image_wait import pending_images, poll_grammars, poll_images, wait_for_images
-from vlmserve.engine.outputs import FinishReason, PreparedRequest, RequestOutput, StepFailedError
+from vlmserve.engine.outputs import (
+    FinishReason,
+    NeverStartsError,
+    PreparedRequest,
+    RequestOutput,
+    StepFailedError,
+)
 from vlmserve.engine.request_options import (
     check_vocab,
     generate_all,
@@ -226,7 +232,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - belongs to no one request: fail the step's
             return failed + self._fail_step(states, e)
         accepted, failed_now = self._take(states, sampled)
-        plan = self._without(plan, {out.request_id for out in failed_now})
+        plan = plan.without({out.request_id for out in failed_now})
         self._count_prompt_work(plan.scheduled)
         self.scheduler.update(
             plan, [accepted.get(item.request_id, ([], None))[0] for item in plan.scheduled]
@@ -249,11 +255,12 @@ class Engine:
         failed = self._poll_images()
         plan = self.scheduler.schedule()
         bm = self.scheduler.block_manager  # the KV high-water mark (n > 1 shares the prompt)
-        self.peak_used_blocks = max(
-            self.peak_used_blocks, bm.num_usable_blocks - bm.num_free_blocks
-        )
+        used = bm.num_usable_blocks - bm.num_free_blocks
+        self.peak_used_blocks = max(self.peak_used_blocks, used)
         # The runner forgets the finished, keeps the preempted's images, encodes the step's.
         image_failures = self.runner.begin_step(plan)
+        if (stuck := self.scheduler.never_starts(plan)) is not None:  # a bug: fail, not spin
+            failed.append(self._fail(self._states[stuck.request_id], NeverStartsError(stuck)))
         if plan.is_empty:
             if idle_wait and not failed:
                 unready = [s for s in self._states.values() if not s.seq.ready]
@@ -264,7 +271,7 @@ class Engine:
             self._fail(self._states[request_id], error)
             for request_id, error in image_failures.items()
         ]
-        return self._without(plan, {out.request_id for out in failed}), failed
+        return plan.without({out.request_id for out in failed}), failed
 
     def _launch(self, plan: StepPlan, previous: InFlightStep | None) -> InFlightStep:
         """Build `plan`'s inputs, count it as run (`advance`) and queue it on the forward
@@ -367,11 +374,6 @@ class Engine:
             self._states[request_id].seq.ready = True
         failures += image_failures
         return [self._fail(self._states[request_id], e) for request_id, e in failures]
-
-    @staticmethod
-    def _without(plan: StepPlan, request_ids: set[str]) -> StepPlan:
-        kept = [item for item in plan.scheduled if item.request_id not in request_ids]
-        return dataclasses.replace(plan, scheduled=kept) if request_ids else plan
 
     def _count_prompt_work(self, scheduled: list[ScheduledSeq]) -> None:
         """Prompt tokens the items computed, failed ones left out."""

@@ -21,6 +21,18 @@ class StepFailedError(RuntimeError):
     status = 500
 
 
+class NeverStartsError(RuntimeError):
+    """The scheduler cannot start this request even with nothing else running (its KV or
+    its first chunk never fits, though admission accepted it at arrival): a bug, answered
+    with 500 rather than waited on forever."""
+
+    def __init__(self, seq) -> None:
+        super().__init__(
+            f"request {seq.request_id} ({seq.num_tokens} tokens) cannot be scheduled on an "
+            "idle engine; admission should have refused it at arrival"
+        )
+
+
 @dataclass
 class RequestOutput:
     request_id: str

@@ -15,6 +15,7 @@ from encoders.errors import ImageDecodeError, PromptTooLongError
 from scheduler.config import SpeculativeConfig
 from scheduler.step_plan import ScheduledSeq
 from tests.helpers import chat, make_engine
+from tests.scheduler.sched_testing import RefusesOne
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import MAX_CHARS_PER_TOKEN, PerThread, Request
 from vlmserve.sample.params import SamplerState, SamplingParams
@@ -207,3 +208,28 @@ def test_each_preparer_thread_tokenises_with_its_own_copy():
     thread.start()
     thread.join()
     assert other[0] is not mine and other[0] == mine
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_that_never_starts_fails_and_the_others_finish(llama_path, async_scheduling):
+    """Nothing running, every waiting request ready, and still no step: the engine fails
+    the request it cannot start (500) instead of spinning on it forever; the request
+    queued behind it (FCFS: nobody passes) then runs as it runs alone."""
+    engine = make_engine(llama_path, scheduler={"async_scheduling": async_scheduling})
+    text = Request(prompt="red green blue", sampling=GREEDY_8)
+    want = alone(engine, text)
+    engine.scheduler.admission = RefusesOne(engine.scheduler.admission)
+    ids = [
+        engine.add_request(dataclasses.replace(text, request_id="bad")),
+        engine.add_request(dataclasses.replace(text, request_id="text")),
+    ]
+    outputs = {rid: engine._states[rid].output for rid in ids}
+    for _ in range(engine.config.scheduler.max_wait_steps + 40):  # bounded: no hang here
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+    assert outputs["bad"].error_status == 500 and outputs["bad"].token_ids == []
+    assert outputs["text"].error is None and outputs["text"].token_ids == want
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
