@@ -14,6 +14,7 @@ from search.sim.step_time import (
     StepHardware,
     StepWork,
     chunk_attention_pairs,
+    count_work,
     step_time,
 )
 from search.sim.trace_sim import EncoderCacheModel, SimConfig, _Sim, simulate
@@ -176,6 +177,18 @@ def test_a_sliding_window_model_counts_its_kv_cache_groups():
     assert 0 < peak_sliding <= 4 * 6 * per_request
     bm.check_integrity()
     assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_a_sliding_window_model_decodes_at_its_windowed_step_time():
+    """Gemma 3 4B, one 8,000-token prompt: every decode step is priced with its sliding
+    layers over the window (1,024 keys read and attended), under the all-global price."""
+    gemma = StepHardware(MODELS["gemma-3-4b"], ENCODERS["siglip-so400m-14-896"], H100.accel)
+    rec = by_id(simulate([make_request(text=8000, out=4)], gemma))["r0"]
+    windowed = [step_time(count_work([(c, 1, True)], 0, 1024), gemma).total_s
+                for c in (8000, 8001, 8002)]  # fmt: skip
+    all_global = [step_time(count_work([(c, 1, True)]), gemma).total_s for c in (8000, 8001)]
+    assert rec.tpot_s == pytest.approx(sum(windowed) / 3)
+    assert rec.tpot_s < min(all_global)
 
 
 def test_same_trace_same_result():
