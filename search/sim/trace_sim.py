@@ -210,9 +210,8 @@ def build_scheduler(
 
 
 def step_cost_of(hw: StepHardware) -> Callable[[StepShape], float]:
-    """The scheduler's step-cost model on `hw`: this module's own pricing of a step. A
-    `StepShape` carries no windowed counts: a sliding-window model's step is priced here
-    with every layer global, above what the clock charges it (a cautious TPOT guard)."""
+    """The scheduler's step-cost model on `hw`: this module's own pricing of a step (a
+    `StepShape` has `StepWork`'s fields, the sliding window's counts included)."""
     return lambda shape: step_time(StepWork(*shape), hw).total_s
 
 
