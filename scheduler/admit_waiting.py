@@ -18,7 +18,7 @@ from scheduler.admission import AdmissionPolicy, Candidate, HeadReservation, hea
 from scheduler.config import SchedulerConfig
 from scheduler.encoder_budget import needs_tower
 from scheduler.kv_blocks import BlockManager, PrefixHit
-from scheduler.lump_budget import StepCost
+from scheduler.lump_budget import StepCost, sliding_window
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
 from scheduler.spans import span_safe_prefix
@@ -89,9 +89,11 @@ class WaitingAdmission:
     def _prefill_time(self) -> PrefillTime:
         """Prefill seconds by the step-cost model, beside this step's running decodes."""
         decodes = [s for s in self.running if s.num_uncomputed_tokens <= 1]
+        window = sliding_window(self.block_manager.windows)
         return PrefillTime(
             self.step_cost, self.config.max_num_batched_tokens, len(decodes),
-            sum(s.num_tokens for s in decodes),
+            sum(s.num_tokens for s in decodes), window,
+            sum(min(s.num_tokens, window) for s in decodes) if window else 0,
         )  # fmt: skip
 
     def _match(self, seq: Sequence) -> PrefixHit:

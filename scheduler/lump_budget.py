@@ -45,41 +45,55 @@ class StepShape(NamedTuple):
     num_kv_tokens_read: int = 0  # Σ over scheduled sequences of their context after the step
     num_tiles_encoded: int = 0
     num_seqs: int = 0
+    # A sliding-window model's (Gemma 3): the KV and pairs above clipped to its window,
+    # counted as StepWork counts them (None: no window, or not counted).
+    num_kv_tokens_read_in_window: int | None = None
+    num_attention_pairs_in_window: int | None = None
+
+
+def sliding_window(windows: tuple[int | None, ...]) -> int | None:
+    """The sliding window of a model's KV cache groups (`BlockManager.windows`); None
+    without one (a model's sliding layers share one window: Gemma 3)."""
+    return next((w for w in windows if w is not None), None)
 
 
 # Seconds a step of this shape takes (the engine's online fit, the simulator's model).
 StepCost = Callable[[StepShape], float]
 
 
-def chunk_shape(num_computed: int, num_new: int, num_tiles: int, decode: bool) -> StepShape:
-    """One sequence's share of a step: `num_new` rows after `num_computed` tokens."""
+def chunk_shape(
+    num_computed: int, num_new: int, num_tiles: int, decode: bool, window: int | None = None
+) -> StepShape:
+    """One sequence's share of a step: `num_new` rows after `num_computed` tokens (with a
+    `window`: its sliding layers' rows each priced at min(context, window) keys)."""
+    context = num_computed + num_new
+    in_window = (None, None) if window is None else (min(context, window),) * 2
     return StepShape(
-        0 if decode else num_new, num_new if decode else 0,
-        num_new * (num_computed + num_new), num_computed + num_new, num_tiles, 1,
+        0 if decode else num_new, num_new if decode else 0, num_new * context, context,
+        num_tiles, 1, in_window[0], None if window is None else num_new * in_window[1],
     )  # fmt: skip
 
 
-def plan_shape(plan: StepPlan, seqs: dict[str, Sequence]) -> StepShape:
+def plan_shape(plan: StepPlan, seqs: dict[str, Sequence], window: int | None = None) -> StepShape:
     """The shape of `plan` (before `update`), as the TPOT guard prices one: what the
     engine records for each step it times (`Scheduler.step_shape`)."""
-    prefill = decode = pairs = kv = tiles = 0
+    shape = StepShape()
     for item in plan.scheduled:
         seq, n, start = seqs[item.request_id], item.num_new_tokens, item.num_computed_tokens
-        if n == 1 and start >= seq.num_prompt_tokens:
-            decode += 1
-        else:
-            prefill += n
-        pairs += n * (start + n)
-        kv += start + n
         # An image's tower runs in the chunk that reaches its first placeholder.
-        tiles += sum(
+        tiles = sum(
             max(1, seq.images[c.index].num_tiles) for c in item.images if c.offset_start == 0
         )
-    return StepShape(prefill, decode, pairs, kv, tiles, len(plan.scheduled))
+        decode = n == 1 and start >= seq.num_prompt_tokens
+        shape = add_shapes(shape, chunk_shape(start, n, tiles, decode, window))
+    return shape
 
 
 def add_shapes(a: StepShape, b: StepShape) -> StepShape:
-    return StepShape(*(x + y for x, y in zip(a, b, strict=True)))
+    """The shape of both; a windowed count is None only where neither has it."""
+    windowed = (None if x is None and y is None else (x or 0) + (y or 0)
+                for x, y in zip(a[6:], b[6:], strict=True))  # fmt: skip
+    return StepShape(*(x + y for x, y in zip(a[:6], b[:6], strict=True)), *windowed)
 
 
 @dataclass(frozen=True)
@@ -129,17 +143,18 @@ class TpotGuard:
     step being planned, and a lump chunk may only add what keeps the step's predicted
     time within `limit_s`. Without decode rows in the step nobody's TPOT is at stake."""
 
-    def __init__(self, cost: StepCost, limit_s: float) -> None:
-        self.cost, self.limit_s = cost, limit_s
+    def __init__(self, cost: StepCost, limit_s: float, window: int | None = None) -> None:
+        self.cost, self.limit_s, self.window = cost, limit_s, window
         self.shape = StepShape()
 
     def add(self, num_computed: int, num_new: int, num_tiles: int, decode: bool) -> None:
-        self.shape = add_shapes(self.shape, chunk_shape(num_computed, num_new, num_tiles, decode))
+        chunk = chunk_shape(num_computed, num_new, num_tiles, decode, self.window)
+        self.shape = add_shapes(self.shape, chunk)
 
     def fits(self, num_computed: int, num_new: int, num_tiles: int) -> bool:
         if self.shape.num_decode_rows == 0:
             return True
-        chunk = chunk_shape(num_computed, num_new, num_tiles, decode=False)
+        chunk = chunk_shape(num_computed, num_new, num_tiles, False, self.window)
         return self.cost(add_shapes(self.shape, chunk)) <= self.limit_s
 
 

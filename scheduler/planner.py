@@ -36,7 +36,7 @@ from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from scheduler.encoder_budget import cut_chunk
 from scheduler.in_flight import LaunchedStep, advance, resolve
 from scheduler.kv_blocks import BlockManager
-from scheduler.lump_budget import StepCost, StepShape, plan_shape
+from scheduler.lump_budget import StepCost, StepShape, plan_shape, sliding_window
 from scheduler.ngram import NgramProposer
 from scheduler.prefix_hash import extend_block_hashes
 from scheduler.sequence import ImagePlaceholder, Sequence
@@ -264,13 +264,14 @@ class Scheduler(WaitingAdmission):
 
     def step_shape(self, plan: StepPlan) -> StepShape:
         """The shape of `plan` (call before `update`): what a step-cost model prices."""
-        return plan_shape(plan, self.seqs)
+        return plan_shape(plan, self.seqs, sliding_window(self.block_manager.windows))
 
     def schedule(self) -> StepPlan:
         cap, cost = self.admission.lump_prefill_tokens, self.step_cost
         room = step_room.new_room(
             self.config, self.lump_budget, cap, cost, self._caps_wanted,
             step_room.tpot_limit_s(self.running, self.config.slo.tpot_s, self.clock),
+            sliding_window(self.block_manager.windows),
         )  # fmt: skip
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []

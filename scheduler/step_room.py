@@ -18,6 +18,8 @@ from scheduler.lump_budget import (
     StepCost,
     StepShape,
     TpotGuard,
+    add_shapes,
+    chunk_shape,
     largest_chunk,
 )
 from scheduler.sequence import Sequence
@@ -97,17 +99,20 @@ def new_room(
     step_cost: StepCost | None,
     caps_wanted: Callable[[bool], tuple[bool, bool]],
     tpot_limit: float | None = None,
+    window: int | None = None,
 ) -> Room:
     """The budgets of a step: under lumpy admission (`budget`) this step's lump allowance,
     asking `caps_wanted(guarded)` whether a quick request needs the caps now and whether this
     step suspends them (`caps_suspended`), and the TPOT
-    guard where a target and a step-cost model are given."""
+    guard where a target and a step-cost model are given (`window`: the model's sliding
+    window, for the guard's shapes)."""
     tokens, tile_cap = config.max_num_batched_tokens, config.encoder_tiles_per_step
     if budget is None:
         return Room(tokens, 0, None, tile_cap)
     guard, tpot = None, config.slo.tpot_s
     if step_cost is not None and tpot is not None and config.enable_chunked_prefill:
-        guard = TpotGuard(step_cost, tpot * TPOT_MARGIN if tpot_limit is None else tpot_limit)
+        limit = tpot * TPOT_MARGIN if tpot_limit is None else tpot_limit
+        guard = TpotGuard(step_cost, limit, window)
     needed, suspended = caps_wanted(guard is not None)
     allowance = budget.next_step(needed)
     if suspended:  # the hysteresis keeps counting; this step has no caps
@@ -134,12 +139,15 @@ class PrefillTime:
     """Seconds a prefill takes by the step-cost model, in whole-budget steps that also
     carry the running decodes (`num_decodes` rows reading `decode_kv` tokens of KV), as
     its chunks do: what tells whether a request can still make its TTFT target. 0
-    without a model or before it can price a step (the engine's until its first fit)."""
+    without a model or before it can price a step (the engine's until its first fit).
+    `window`: the model's sliding window; `decode_kv_in_window` the decodes' KV within it."""
 
     def __init__(
-        self, step_cost: StepCost | None, step_tokens: int, num_decodes: int, decode_kv: int
-    ) -> None:
+        self, step_cost: StepCost | None, step_tokens: int, num_decodes: int, decode_kv: int,
+        window: int | None = None, decode_kv_in_window: int = 0,
+    ) -> None:  # fmt: skip
         self.step_cost, self.num_decodes, self.decode_kv = step_cost, num_decodes, decode_kv
+        self.window, self.decode_kv_in_window = window, decode_kv_in_window
         self.rows = max(1, step_tokens - num_decodes)  # prefill rows a step leaves
 
     def __call__(self, num_computed: int, num_uncomputed: int) -> float:
@@ -156,7 +164,10 @@ class PrefillTime:
     def _chunk_s(self, start: int, n: int) -> float:
         assert self.step_cost is not None
         d, kv = self.num_decodes, self.decode_kv
-        return self.step_cost(StepShape(n, d, n * (start + n) + kv, start + n + kv, 0, 1 + d))
+        chunk = chunk_shape(start, n, 0, False, self.window)
+        kv_w = None if self.window is None else self.decode_kv_in_window
+        decodes = StepShape(0, d, kv, kv, 0, d, kv_w, kv_w)  # a decode row's pairs: its KV
+        return self.step_cost(add_shapes(chunk, decodes))
 
 
 def is_urgent(seq: Sequence, slo: SloConfig, now: float | None) -> bool:

@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Callable
 
-from search.sim.step_time import StepWork
+from search.sim.step_time import StepWork, count_work
 
 
 def engine_config(flags: list[str]):
@@ -32,18 +32,12 @@ def engine_config(flags: list[str]):
     return engine_config_from_args(build_parser().parse_args(["serve", *flags]))
 
 
-def step_work(items: list[tuple[int, int, int]], tiles: int) -> StepWork:
+def step_work(items: list[tuple[int, int, int]], tiles: int, window: int | None = None) -> StepWork:
     """A step's work from (computed before, new tokens, prompt length) per scheduled
-    sequence, counted as search.sim.trace_sim prices a plan."""
-    prefill = decode = pairs = kv = 0
-    for start, n, num_prompt in items:
-        if n == 1 and start >= num_prompt:
-            decode += 1
-        else:
-            prefill += n
-        pairs += n * (start + n)
-        kv += start + n
-    return StepWork(prefill, decode, pairs, kv, tiles, len(items))
+    sequence, counted as search.sim.trace_sim prices a plan (`window`: the model's
+    sliding window, None without sliding layers)."""
+    chunks = [(start, n, n == 1 and start >= num_prompt) for start, n, num_prompt in items]
+    return count_work(chunks, tiles, window)
 
 
 class StepRecorder:
@@ -57,6 +51,8 @@ class StepRecorder:
         self.recording = True
         self._items: list[tuple[int, int, int]] = []
         self._tiles, self._tower_s = 0, 0.0
+        # The sliding layers' window (Gemma 3), for the windowed counts; None: none.
+        self._window = next((w for w in engine.runner.kv_windows if w is not None), None)
         schedule, step = engine.scheduler.schedule, engine.step
         vision = engine.runner.encoder_stage.vision
         encode = vision.encode
@@ -83,7 +79,7 @@ class StepRecorder:
             outputs = step()
             end = time.perf_counter()
             if self.recording:
-                work = step_work(self._items, self._tiles) if self._items else None
+                work = step_work(self._items, self._tiles, self._window) if self._items else None
                 self.steps.append((start, end, work, engine.has_unfinished(), self._tower_s))
             return outputs
 

@@ -20,8 +20,9 @@ Why it is an upper bound (for the simulator's roofline, `search.sim.step_time`):
   any other request (system prompt and leading images: what the prefix cache could hold),
   plus 4·L·d FLOPs per (query, key) pair, at least Σ p over its positions p (the
   simulator prices a chunk of n rows after c tokens at n·(c + n), at least that sum for any
-  chunking). So the burst requests that meet the SLO all do their least work inside
-  [the burst's first arrival, its last deadline], and no more of them than K_b can.
+  chunking; a sliding-window layer's at n·min(c + n, W), at least Σ min(p, W)). So the
+  burst requests that meet the SLO all do their least work inside [the burst's first
+  arrival, its last deadline], and no more of them than K_b can.
 - Every step with a dense row reads the weights (memory time >= weight bytes / bandwidth),
   and a request emits one token a step, so no run ends before, for every request,
   arrival + its least work + (max_tokens - 1) weight reads; summarize divides by the run
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 from search.costmodel import cost_model as cm
 from search.image_budget import vit_flops
-from search.sim.step_time import StepHardware
+from search.sim.step_time import StepHardware, sliding_window_of
 from search.sim.trace_sim import make_sequence
 from search.sim.traces import TraceRequest
 
@@ -83,6 +84,12 @@ class _Shared:
         return n
 
 
+def _window_sum(num_positions: int, window: int) -> int:
+    """Σ over positions p < `num_positions` of min(p + 1, window)."""
+    inside = min(num_positions, window)
+    return inside * (inside + 1) // 2 + (num_positions - inside) * window
+
+
 def least_work_s(
     req: TraceRequest, shared: _Shared, hw: StepHardware, pooling_ratio: int = 4
 ) -> float:
@@ -95,7 +102,14 @@ def least_work_s(
     model, a, peak = hw.model, hw.assumptions, hw.accel.peak_flops("bf16")
     pairs = (total * (total + 1) - cached * (cached + 1)) // 2
     flops = 2 * model.num_params * (total - cached)
-    flops += 4 * model.num_layers * model.hidden_size * float(pairs)
+    window = sliding_window_of(model)
+    if window is None:
+        flops += 4 * model.num_layers * model.hidden_size * float(pairs)
+    else:  # sliding layers: position p attends min(p + 1, window) keys at least
+        num_sliding = model.num_sliding_layers
+        layer_pairs = (model.num_layers - num_sliding) * float(pairs)
+        layer_pairs += num_sliding * float(_window_sum(total, window) - _window_sum(cached, window))
+        flops += 4 * model.hidden_size * layer_pairs
     vit_s = cm.compute_time(vit_flops(hw.encoder, tiles), peak, a.vit_efficiency) if tiles else 0.0
     return vit_s + cm.compute_time(flops, peak, a.prefill_efficiency)
 

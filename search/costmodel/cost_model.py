@@ -101,6 +101,18 @@ def kv_bytes_all_global(model: ModelShape, context_len: int, cache_bytes: float 
     return context_len * kv_bytes_per_token(model, cache_bytes)
 
 
+def kv_bytes_hybrid(
+    model: ModelShape, num_tokens: int, num_tokens_in_window: int, cache_bytes: float = 2.0
+) -> float:
+    """KV bytes of `num_tokens` in the global layers and `num_tokens_in_window` (each
+    sequence's min(N, window), summed) in the sliding ones: a batch's read under a hybrid
+    KV manager, where a sum over sequences no longer shows each one's window."""
+    per_layer_token = kv_bytes_per_token(model, cache_bytes) / model.num_layers
+    num_global = model.num_layers - model.num_sliding_layers
+    held = num_global * float(num_tokens) + model.num_sliding_layers * float(num_tokens_in_window)
+    return held * per_layer_token
+
+
 def kv_cache_bytes(
     model: ModelShape, context_len: int, batch: int, cache_bytes: float = 2.0
 ) -> float:

@@ -5,7 +5,10 @@ forward over its query rows: prefill chunk tokens plus decode rows. That forward
 the weights once and the KV of every scheduled sequence, and does 2·P FLOPs per dense
 row plus 4·L·d per (query row, key) pair (§3: the ``4·L·N·d`` of a decode step; for a
 whole prompt the "full" variant that reproduces §17's 36.6 TFLOP). Its time is the
-larger of the compute time and the memory time (§10, §11); the ViT adds on top.
+larger of the compute time and the memory time (§10, §11); the ViT adds on top. A
+sliding-window model's (Gemma 3) sliding layers read, and attend over, only their window
+(what the engine's hybrid KV manager keeps: scheduler/kv_blocks.py), its global ones the
+whole context: `StepWork` counts both.
 
 Where the roofline does not describe the machine (a model of a few million parameters on
 a CPU: the host's per-step and per-sequence work, which no FLOP or byte count sees,
@@ -18,6 +21,7 @@ Pure functions: the trace simulator (search/sim/trace_sim.py) prices every step 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,6 +43,12 @@ class StepWork:
     num_kv_tokens_read: int = 0  # Σ over scheduled sequences of their context after the step
     num_tiles_encoded: int = 0  # ViT tiles run this step (encoder-cache misses only)
     num_seqs: int = 0  # sequences scheduled (host work per sequence: tables, sampling)
+    # The same two counts for the model's sliding-window layers (Gemma 3), clipped to its
+    # window (`window_attention_pairs`, min(context after the step, window) per sequence),
+    # as `count_work` makes them. None: not counted (a caller that does not know the
+    # window); those layers are then priced as global ones, an upper bound.
+    num_kv_tokens_read_in_window: int | None = None
+    num_attention_pairs_in_window: int | None = None
 
     @property
     def num_dense_rows(self) -> int:
@@ -186,6 +196,47 @@ def chunk_attention_pairs(num_computed: int, num_new: int) -> int:
     return num_new * (num_computed + num_new)
 
 
+def window_attention_pairs(num_computed: int, num_new: int, window: int) -> int:
+    """`chunk_attention_pairs` in a sliding-window layer: every row priced at the chunk's
+    context as there, but at most `window` keys (what a row of that layer attends)."""
+    return num_new * min(num_computed + num_new, window)
+
+
+def sliding_window_of(model: ModelShape) -> int | None:
+    """The window of `model`'s sliding layers; None when it has none."""
+    return model.sliding_window if model.num_sliding_layers else None
+
+
+def count_work(
+    chunks: Iterable[tuple[int, int, bool]], num_tiles: int = 0, window: int | None = None
+) -> StepWork:
+    """A step's work from (tokens computed before, new tokens, is a decode) per scheduled
+    sequence: how the simulator and the engine's calibration count a plan. `window`: the
+    model's sliding window (`sliding_window_of`), which adds the windowed counts."""
+    prefill = decode = pairs = kv = pairs_w = kv_w = num_seqs = 0
+    for start, n, is_decode in chunks:
+        if is_decode:
+            decode += 1
+        else:
+            prefill += n
+        pairs += chunk_attention_pairs(start, n)
+        kv += start + n
+        num_seqs += 1
+        if window is not None:
+            pairs_w += window_attention_pairs(start, n, window)
+            kv_w += min(start + n, window)
+    if window is None:
+        return StepWork(prefill, decode, pairs, kv, num_tiles, num_seqs)
+    return StepWork(prefill, decode, pairs, kv, num_tiles, num_seqs, kv_w, pairs_w)
+
+
+def _sliding_layers(work: StepWork, model: ModelShape) -> int:
+    """Layers priced at the windowed counts: the sliding ones, once `work` counted them."""
+    if work.num_kv_tokens_read_in_window is None or work.num_attention_pairs_in_window is None:
+        return 0
+    return model.num_sliding_layers if model.sliding_window is not None else 0
+
+
 def step_time(work: StepWork, hw: StepHardware) -> StepTime:
     """t = t_vit + max(t_compute, t_memory) + overhead, in seconds (with a measured cost:
     its fit, the non-tower part reported as compute)."""
@@ -202,11 +253,19 @@ def step_time(work: StepWork, hw: StepHardware) -> StepTime:
     if work.num_dense_rows == 0:
         return StepTime(vit_s, 0.0, 0.0, vit_s + (hw.step_overhead_s if vit_s else 0.0))
     flops = 2 * model.num_params * work.num_dense_rows
-    flops += 4 * model.num_layers * model.hidden_size * float(work.num_attention_pairs)
+    num_sliding = _sliding_layers(work, model)
+    if num_sliding:  # global layers over every key, sliding ones over their window's
+        num_global = model.num_layers - num_sliding
+        pairs = num_global * float(work.num_attention_pairs)
+        pairs += num_sliding * float(work.num_attention_pairs_in_window)
+        flops += 4 * model.hidden_size * pairs
+        kv_bytes = cm.kv_bytes_hybrid(
+            model, work.num_kv_tokens_read, work.num_kv_tokens_read_in_window, hw.cache_bytes
+        )
+    else:
+        flops += 4 * model.num_layers * model.hidden_size * float(work.num_attention_pairs)
+        kv_bytes = cm.kv_bytes_all_global(model, work.num_kv_tokens_read, hw.cache_bytes)
     compute_s = cm.compute_time(flops, peak, a.prefill_efficiency)
-    # A sum over sequences, priced as if every layer were global (an upper bound for
-    # sliding-window models, whose per-sequence windows this sum no longer shows).
-    kv_bytes = cm.kv_bytes_all_global(model, work.num_kv_tokens_read, hw.cache_bytes)
     memory_s = (cm.weight_bytes_total(model, a.weight_bytes) + kv_bytes) / hw.accel.mem_bandwidth
     total = vit_s + max(compute_s, memory_s) + hw.step_overhead_s
     return StepTime(vit_s, compute_s, memory_s, total)

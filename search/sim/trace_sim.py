@@ -38,9 +38,10 @@ from search.image_budget import visual_tokens
 from search.sim.step_time import (
     StepHardware,
     StepWork,
-    chunk_attention_pairs,
+    count_work,
     kv_pool_blocks,
     kv_windows,
+    sliding_window_of,
     step_time,
 )
 from search.sim.traces import TraceRequest
@@ -209,7 +210,8 @@ def build_scheduler(
 
 
 def step_cost_of(hw: StepHardware) -> Callable[[StepShape], float]:
-    """The scheduler's step-cost model on `hw`: this module's own pricing of a step."""
+    """The scheduler's step-cost model on `hw`: this module's own pricing of a step (a
+    `StepShape` has `StepWork`'s fields, the sliding window's counts included)."""
     return lambda shape: step_time(StepWork(*shape), hw).total_s
 
 
@@ -328,16 +330,11 @@ class _Sim:
         return min(times) if times else None
 
     def price(self, plan: StepPlan) -> StepWork:
-        prefill = decode = pairs = kv = tiles = 0
+        chunks, tiles = [], 0
         for item in plan.scheduled:
             seq, n = self.scheduler.seqs[item.request_id], item.num_new_tokens
             start = item.num_computed_tokens
-            if n == 1 and start >= seq.num_prompt_tokens:
-                decode += 1
-            else:
-                prefill += n
-            pairs += chunk_attention_pairs(start, n)
-            kv += start + n
+            chunks.append((start, n, n == 1 and start >= seq.num_prompt_tokens))
             done = self.encoded[seq.request_id]
             for img in seq.images:
                 if img.content_hash in done or not (
@@ -348,7 +345,7 @@ class _Sim:
                     tiles += getattr(img, "num_tiles", 0) or self._tiles_of(img)
                 self.encoder_cache.insert(img.content_hash, self.image_bytes(img))
                 done.add(img.content_hash)
-        return StepWork(prefill, decode, pairs, kv, tiles, len(plan.scheduled))
+        return count_work(chunks, tiles, sliding_window_of(self.hw.model))
 
     def _tiles_of(self, img: ImagePlaceholder) -> int:
         # Before ImagePlaceholder.num_tiles exists: invert visual_tokens (exact for presets).

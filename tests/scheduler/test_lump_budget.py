@@ -7,7 +7,14 @@ import pytest
 from sched_testing import make_request, make_scheduler, run_step
 
 from scheduler.config import CacheConfig, SchedulerConfig, SloConfig
-from scheduler.lump_budget import TPOT_MARGIN, LumpBudget, StepShape, largest_chunk
+from scheduler.lump_budget import (
+    TPOT_MARGIN,
+    LumpBudget,
+    StepShape,
+    add_shapes,
+    chunk_shape,
+    largest_chunk,
+)
 from scheduler.planner import Scheduler
 from scheduler.step_room import PrefillTime, tpot_limit_s
 
@@ -313,3 +320,19 @@ def test_the_caps_never_delay_a_lump_with_less_slack_than_the_quick_request():
     fcfs, lumpy = start_steps("fcfs"), start_steps("lumpy")
     assert lumpy["image"] <= fcfs["image"], (fcfs, lumpy)
     assert lumpy["text"] <= fcfs["text"], (fcfs, lumpy)
+
+
+def test_shapes_count_a_sliding_window_as_the_simulator_does():
+    """Window 1,024: a 700-row chunk after 600 tokens (crossing the window) and a decode
+    at 5,001 tokens; each row of a sliding layer priced at min(context, window) keys."""
+    chunk = chunk_shape(600, 700, 0, False, 1024)
+    assert chunk == StepShape(700, 0, 700 * 1300, 1300, 0, 1, 1024, 700 * 1024)
+    both = add_shapes(chunk, chunk_shape(5000, 1, 0, True, 1024))
+    assert both == StepShape(700, 1, 700 * 1300 + 5001, 6301, 0, 2, 2048, 700 * 1024 + 1024)
+    plain = add_shapes(chunk_shape(600, 700, 0, False), chunk_shape(5000, 1, 0, True))
+    assert plain == both[:6] + (None, None)  # no window: nothing counted
+    # The prefill estimate beside 12 decodes at 3,000 tokens: its shapes carry the window.
+    shapes: list[StepShape] = []
+    PrefillTime(lambda s: shapes.append(s) or 1.0, 512, 12, 36_000, 1024, 12 * 1024)(100, 600)
+    assert shapes[-1] == StepShape(100, 12, 100 * 700 + 36_000, 36_700, 0, 13,
+                                   700 + 12 * 1024, 100 * 700 + 12 * 1024)  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 from benchmarks.serving.goodput_bound import _Shared, goodput_bound, least_work_s
 from search.costmodel.presets import get_accelerator, get_encoder, get_model
 from search.sim.capacity import Slo
-from search.sim.step_time import StepHardware, StepWork, step_time
+from search.sim.step_time import StepHardware, StepWork, count_work, step_time
 from search.sim.trace_sim import SimConfig, make_sequence, simulate
 from search.sim.traces import SYSTEM_TOKENS, TraceImage, TraceRequest
 
@@ -37,6 +37,20 @@ def test_least_work_is_at_most_the_request_alone_in_one_step():
     # A second request carrying the same images: no tower work for either.
     shared = [*trace, TraceRequest("copy", 2.0, "burst", 5, 1, req.images, SYSTEM_TOKENS)]
     assert least_work_s(req, _Shared(shared), HW) < least
+
+
+def test_least_work_of_a_sliding_window_model_is_at_most_its_priced_steps():
+    """Gemma 3 4B, a 6,000-token prompt: the least work counts the sliding layers' pairs
+    within their window, so it stays under the simulator's price of the prompt in one step
+    or in chunks of 2,048 (all-global pairs would put it over both)."""
+    gemma = StepHardware(get_model("gemma-3-4b"), get_encoder("siglip-so400m-14-896"), HW.accel)
+    req = TraceRequest("long", 0.0, "text", 6000, 1, (), 0)
+    n = make_sequence(req, gemma, 4, 0).num_prompt_tokens
+    least = least_work_s(req, _Shared([req]), gemma)
+    alone = step_time(count_work([(0, n, False)], 0, 1024), gemma).total_s
+    chunks = [(c, min(2048, n - c), False) for c in range(0, n, 2048)]
+    chunked = sum(step_time(count_work([chunk], 0, 1024), gemma).total_s for chunk in chunks)
+    assert 0.5 * alone < least <= min(alone, chunked)
 
 
 @pytest.mark.parametrize("window_s", [0.0, 2.0])

@@ -348,3 +348,16 @@ def test_sliding_window_layers_hold_only_their_window():
     assert cm.kv_bytes_per_sequence(model, 512) == cm.kv_bytes_all_global(model, 512)
     ratio = cm.kv_bytes_per_sequence(model, 8192) / cm.kv_bytes_all_global(model, 8192)
     assert ratio == pytest.approx(0.25, abs=0.01)
+
+
+def test_hybrid_kv_of_a_batch_sums_each_sequences_window():
+    """Three Gemma 3 4B sequences at 300, 2,000 and 8,192 tokens: the global layers read
+    every token, the sliding ones each sequence's min(N, 1,024): the sequences' sum."""
+    from search.costmodel.presets import get_model
+
+    model = get_model("gemma-3-4b")
+    contexts = (300, 2000, 8192)
+    batch = cm.kv_bytes_hybrid(model, sum(contexts), sum(min(n, 1024) for n in contexts))
+    assert batch == pytest.approx(sum(cm.kv_bytes_per_sequence(model, n) for n in contexts))
+    dense = MODELS["mha-7b"]
+    assert cm.kv_bytes_hybrid(dense, 5000, 0) == pytest.approx(cm.kv_bytes_all_global(dense, 5000))

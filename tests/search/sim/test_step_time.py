@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from search.costmodel import cost_model as cm
 from search.costmodel.presets import ACCELERATORS, ENCODERS, MODELS, Accelerator, ModelShape
 from search.image_budget import ImageAssumptions
 from search.sim.step_time import (
@@ -11,11 +12,13 @@ from search.sim.step_time import (
     StepHardware,
     StepWork,
     chunk_attention_pairs,
+    count_work,
     fit_step_cost,
     kv_layers_per_block,
     kv_pool_blocks,
     kv_windows,
     step_time,
+    window_attention_pairs,
 )
 
 H100 = StepHardware(MODELS["mha-7b"], ENCODERS["siglip-so400m-14-384"], ACCELERATORS["h100-sxm"])
@@ -171,3 +174,69 @@ def test_a_timed_tower_sets_the_tile_term_and_the_rest_fits_the_remainder():
         assert getattr(fitted, name) == pytest.approx(getattr(MEASURED, name), rel=1e-6), name
     with pytest.raises(ValueError, match="tower seconds"):
         fit_step_cost(exact, tower_s=[t + 1.0 for t in tower])  # longer than its step
+
+
+GEMMA = StepHardware(MODELS["gemma-3-4b"], ENCODERS["siglip-so400m-14-896"], H100.accel)
+# A prefill chunk crossing the window, a chunk inside it, decodes inside and past it.
+CHUNKS = [(600, 700, False), (0, 300, False), (100, 1, True), (8191, 1, True)]
+
+
+def test_a_model_without_sliding_layers_prices_as_before():
+    """mha-7b: the windowed counts change nothing, bit for bit, against the formula the
+    simulator priced every step with before it counted windows."""
+    model, a = H100.model, H100.assumptions
+    for window in (None, 1024):
+        work = count_work(CHUNKS, 13, window)
+        t = step_time(work, H100)
+        flops = 2 * model.num_params * work.num_dense_rows
+        flops += 4 * model.num_layers * model.hidden_size * float(work.num_attention_pairs)
+        kv = work.num_kv_tokens_read * cm.kv_bytes_per_token(model, 2.0)
+        memory_s = (model.num_params * a.weight_bytes + kv) / H100.accel.mem_bandwidth
+        assert t.compute_s == cm.compute_time(flops, H100.accel.flops_bf16, a.prefill_efficiency)
+        assert t.memory_s == memory_s
+        assert t == step_time(StepWork(*dataclasses.astuple(work)[:6]), H100)
+    # A sliding-window model's work counted without its window: priced all global.
+    bare = count_work(CHUNKS, 0, None)
+    assert bare.num_kv_tokens_read_in_window is None
+    assert step_time(bare, GEMMA).memory_s > step_time(count_work(CHUNKS, 0, 1024), GEMMA).memory_s
+
+
+def test_a_gemma3_decode_at_8k_reads_the_hybrid_kv():
+    """Gemma 3 4B, 4 sequences decoding at 8,192 tokens: KV read = the cost model's
+    hybrid KV per sequence (5 global layers × 8,192 + 29 sliding × 1,024), about a
+    quarter of all-global's; attention FLOPs split the same way."""
+    model, a = GEMMA.model, GEMMA.assumptions
+    work = count_work([(8191, 1, True)] * 4, 0, 1024)
+    assert (work.num_kv_tokens_read, work.num_kv_tokens_read_in_window) == (4 * 8192, 4 * 1024)
+    t = step_time(work, GEMMA)
+    kv = t.memory_s * GEMMA.accel.mem_bandwidth - cm.weight_bytes_total(model, a.weight_bytes)
+    assert kv == pytest.approx(4 * cm.kv_bytes_per_sequence(model, 8192), rel=1e-9)
+    per_layer_token = 2 * model.num_kv_heads * model.head_dim * 2.0
+    assert kv == pytest.approx(4 * (5 * 8192 + 29 * 1024) * per_layer_token, rel=1e-9)
+    assert kv / (4 * cm.kv_bytes_all_global(model, 8192)) == pytest.approx(0.25, abs=0.01)
+    flops = 2 * model.num_params * 4 + 4 * model.hidden_size * 4 * (5 * 8192 + 29 * 1024)
+    assert t.compute_s == pytest.approx(flops / (GEMMA.accel.flops_bf16 * 0.45), rel=1e-9)
+
+
+def brute_force_pairs(num_computed: int, num_new: int, window: int | None) -> int:
+    """Row by row and key by key: every row of the chunk priced at the chunk's context
+    (the full variant), a sliding layer's row seeing only the last `window` of its keys."""
+    end = num_computed + num_new
+    return sum(
+        1 for _row in range(num_new) for key in range(end) if window is None or key >= end - window
+    )
+
+
+def test_window_pairs_of_a_chunk_crossing_the_window_match_a_count_over_rows():
+    for c, n in [(600, 700), (0, 1500), (1023, 1), (5000, 1), (0, 300), (1024, 0)]:
+        assert window_attention_pairs(c, n, 1024) == brute_force_pairs(c, n, 1024), (c, n)
+        assert chunk_attention_pairs(c, n) == brute_force_pairs(c, n, None)
+    work = count_work(CHUNKS, 0, 1024)
+    assert work.num_attention_pairs_in_window == sum(
+        brute_force_pairs(c, n, 1024) for c, n, _ in CHUNKS
+    )
+    assert work.num_kv_tokens_read_in_window == 1024 + 300 + 101 + 1024
+    # A window no chunk reaches: the windowed counts are the full ones.
+    wide = count_work(CHUNKS, 0, 10_000)
+    assert wide.num_attention_pairs_in_window == wide.num_attention_pairs
+    assert wide.num_kv_tokens_read_in_window == wide.num_kv_tokens_read

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, SloConfig
 from search.costmodel.presets import ACCELERATORS, ENCODERS, MODELS
 from search.image_budget import ImageAssumptions
 from search.sim.capacity import Slo, find_max_rate, percentile, summarize
@@ -14,9 +14,10 @@ from search.sim.step_time import (
     StepHardware,
     StepWork,
     chunk_attention_pairs,
+    count_work,
     step_time,
 )
-from search.sim.trace_sim import EncoderCacheModel, SimConfig, _Sim, simulate
+from search.sim.trace_sim import EncoderCacheModel, SimConfig, _Sim, simulate, step_cost_of
 from search.sim.traces import (
     TraceImage,
     TraceRequest,
@@ -176,6 +177,41 @@ def test_a_sliding_window_model_counts_its_kv_cache_groups():
     assert 0 < peak_sliding <= 4 * 6 * per_request
     bm.check_integrity()
     assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_a_sliding_window_model_decodes_at_its_windowed_step_time():
+    """Gemma 3 4B, one 8,000-token prompt: every decode step is priced with its sliding
+    layers over the window (1,024 keys read and attended), under the all-global price."""
+    gemma = StepHardware(MODELS["gemma-3-4b"], ENCODERS["siglip-so400m-14-896"], H100.accel)
+    rec = by_id(simulate([make_request(text=8000, out=4)], gemma))["r0"]
+    windowed = [step_time(count_work([(c, 1, True)], 0, 1024), gemma).total_s
+                for c in (8000, 8001, 8002)]  # fmt: skip
+    all_global = [step_time(count_work([(c, 1, True)]), gemma).total_s for c in (8000, 8001)]
+    assert rec.tpot_s == pytest.approx(sum(windowed) / 3)
+    assert rec.tpot_s < min(all_global)
+
+
+def test_the_scheduler_prices_a_sliding_window_models_steps_as_the_clock_does():
+    """Gemma 3 4B, prompts past the window decoding beside others' chunks, with a TPOT
+    target (the guard prices the steps it plans): the shape the scheduler reports for
+    every plan costs what the clock charges for it."""
+    gemma = StepHardware(MODELS["gemma-3-4b"], ENCODERS["siglip-so400m-14-896"], H100.accel)
+    trace = [make_request(f"r{i}", 0.02 * i, text=3000, out=30) for i in range(6)]
+    config = SimConfig(admission="lumpy", slo=SloConfig(tpot_s=0.05))
+    sim = _Sim(trace, gemma, config)
+    cost, pairs, original = step_cost_of(gemma), [], sim.step
+
+    def step(plan) -> None:
+        shape = sim.scheduler.step_shape(plan)
+        pairs.append((cost(shape), step_time(sim.price(plan), gemma).total_s, shape))
+        original(plan)
+
+    sim.step = step
+    assert sim.run().num_lost == 0
+    assert all(guard == pytest.approx(clock, rel=1e-12) for guard, clock, _ in pairs)
+    windowed = [s for _, _, s in pairs if s.num_kv_tokens_read_in_window is not None]
+    assert len(windowed) == len(pairs)
+    assert any(s.num_kv_tokens_read_in_window < s.num_kv_tokens_read for s in windowed)
 
 
 def test_same_trace_same_result():
