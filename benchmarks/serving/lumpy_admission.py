@@ -166,8 +166,7 @@ def workload_bound(
     bound = goodput_bound(trace, list(bursts.values()), SLO.ttft_s, hw, finishes)
     alone = [r for r in trace if r.request_class == "4x13-tile"]
     alone_met = max(
-        sum(SLO.met_by(r) for r in simulate(alone, hw, sim_config(a)).records)
-        for a in policies()
+        sum(SLO.met_by(r) for r in simulate(alone, hw, sim_config(a)).records) for a in policies()
     )
     return dataclasses.asdict(bound) | {"burst_alone_best_met_not_a_bound": alone_met}
 
