@@ -32,7 +32,7 @@ Every engine here (the calibrations and the real server) runs with the OpenMP po
 `vlmserve serve` (spinning threads, vlmserve/__init__.py): the benchmark restarts itself
 with it when started without a policy of the user's.
 
-The in-server calibration and the real run are repeated (`--repeats`, 3), the real run on
+The in-server calibration and the real run are repeated (`--repeats`, 5), the real run on
 the same requests each time; reported per class: TTFT p50 and p90, real and simulated,
 and their ratio (target: p50 within 25% for the last model), each the median over the
 repeats (each repeat's figures are in the JSON). The machine is shared: a step now and
@@ -341,7 +341,7 @@ def run_repeat(seed: int, index: int, bare: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="calibrate + real runs (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="calibrate + real runs (median)")
     parser.add_argument("--attempts", type=int, default=3,
                         help="tries per repeat while other work disturbs it")  # fmt: skip
     parser.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # calibration load
