@@ -226,9 +226,7 @@ class WaitingAdmission:
             if most is None:
                 return False
             held = bm.held_blocks(s)
-            shared = next(
-                (i for i, b in enumerate(s.block_table) if bm.blocks[b].ref_count < 2), held
-            )  # leading blocks another live sequence holds stay taken
+            shared = self._shared_leading_blocks(s)  # they stay taken when it ends
             end = most - s.num_tokens if s.num_uncomputed_tokens <= 1 else math.inf
             lines.append((end, s.num_tokens, most, held, held - shared))
         for step in sorted({0, *(end for end, *_ in lines)}):
@@ -243,6 +241,12 @@ class WaitingAdmission:
             if total > limit:
                 return False
         return True
+
+    def _shared_leading_blocks(self, seq: Sequence) -> int:
+        """Leading blocks of `seq`'s table another live sequence also holds (a shared
+        prefix: they stay cached when `seq` is preempted or ends)."""
+        blocks, table = self.block_manager.blocks, seq.block_table
+        return next((i for i, b in enumerate(table) if blocks[b].ref_count < 2), len(table))
 
     def _head(
         self, cand: Candidate, cost: int, available: int, quick_blocks: int

@@ -221,11 +221,7 @@ class Scheduler(WaitingAdmission):
     def recompute_cost(self, seq: Sequence) -> int:
         """Computed tokens of `seq` that preempting it would throw away: all of them but
         the leading blocks another live sequence also holds (those stay cached)."""
-        shared = 0
-        for block_id in seq.block_table:
-            if self.block_manager.blocks[block_id].ref_count < 2:
-                break
-            shared += self.block_size
+        shared = self._shared_leading_blocks(seq) * self.block_size
         return max(0, seq.num_computed_tokens - shared)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -49,7 +49,6 @@ from benchmarks.lib.common import RESULTS, table, write_result
 from benchmarks.serving import lumpy_mixes
 from benchmarks.serving.goodput_bound import goodput_bound
 from scheduler.config import SchedulerConfig, SloConfig
-from search.costmodel.presets import get_accelerator, get_encoder, get_model
 from search.sim.capacity import Slo, Summary, summarize
 from search.sim.step_time import StepHardware
 from search.sim.trace_sim import SimConfig, SimResult, simulate
@@ -271,9 +270,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one seed, shorter mixes")
     parser.add_argument("--only-mixes", action="store_true", help="skip the burst workloads")
     args = parser.parse_args()
-    hw = StepHardware(
-        get_model("mha-7b"), get_encoder("siglip-so400m-14-384"), get_accelerator("h100")
-    )
+    hw = lumpy_mixes.preset_hardware()
     title = (
         f"lumpy admission: {hw.model.name} on {hw.accel.name}, text at {TEXT_RATE:g}/s for "
         f"{DURATION_S:g} s + bursts of {NUM_BURST} 4x13-tile requests "

@@ -24,7 +24,6 @@ from collections import Counter
 from benchmarks.lib.common import table, write_result
 from benchmarks.serving import lumpy_mixes
 from scheduler.config import SchedulerConfig
-from search.costmodel.presets import get_accelerator, get_encoder, get_model
 from search.sim.capacity import Slo
 from search.sim.shaped_traces import shaped_trace
 from search.sim.step_time import StepHardware
@@ -172,9 +171,7 @@ def main() -> None:
     names = [s.name for s in lumpy_mixes.SHAPES]
     parser.add_argument("--shapes", nargs="*", choices=names, default=names)
     args = parser.parse_args()
-    hw = StepHardware(
-        get_model("mha-7b"), get_encoder("siglip-so400m-14-384"), get_accelerator("h100")
-    )
+    hw = lumpy_mixes.preset_hardware()
     slo = lumpy_mixes.SLO
     print(
         f"lumpy admission, held-out seeds {args.seeds}: {hw.model.name} on {hw.accel.name}, "

@@ -14,6 +14,7 @@ import dataclasses
 import time
 
 from scheduler.config import SloConfig
+from search.costmodel.presets import get_accelerator, get_encoder, get_model
 from search.sim.capacity import Slo, summarize
 from search.sim.shaped_traces import INDEPENDENT, TraceShape, shaped_trace
 from search.sim.step_time import StepHardware
@@ -35,6 +36,15 @@ SHAPES = (
                output_scale=64.0, output_shape=1.0),
 )  # fmt: skip
 GOAL_GOODPUT_RATIO = 1.15
+
+
+def preset_hardware() -> StepHardware:
+    """The card the lumpy benchmarks simulate: H100, MHA-7B, SigLIP So400m (§17)."""
+    return StepHardware(
+        get_model("mha-7b"), get_encoder("siglip-so400m-14-384"), get_accelerator("h100")
+    )
+
+
 # The SLO attainment goal: the share of requests that can finish at all (never-fits are
 # refused) served within the SLO, as DistServe states its targets (e.g. 90% of requests
 # within both TTFT and TPOT). FCFS "misses the SLO" on a mix when it attains less than

@@ -253,9 +253,9 @@ def measure_real(seed: int) -> dict:
             "wall_s": wall_s, "num_steps": steps, "other_cpu_share": other.share}  # fmt: skip
 
 
-def simulate_variants(real: dict, bare: dict, served: dict) -> tuple[dict, dict, SimConfig]:
+def simulate_variants(real: dict, bare: dict, served: dict) -> tuple[dict, dict]:
     """TTFT per class of the real run and of its trace under each step-time model; the
-    front-end latency measured; the final variant's SimConfig."""
+    front-end latency measured."""
     trace = as_trace([m for m in real["measured"] if m not in real["failed"]])
     hw_served = embedded_hardware(served["cost"], served["preprocess_s_per_tile"])
     front = front_end_latency(real["probes"], real["server"], hw_served)
@@ -266,16 +266,18 @@ def simulate_variants(real: dict, bare: dict, served: dict) -> tuple[dict, dict,
             sim_config(),
         ),
         "in-server": (hw_served, sim_config()),
-        FINAL: (
-            hw_served,
-            sim_config(front["ingress_s"], front["egress_s"], front["ingress_s_per_image"]),
-        ),  # fmt: skip
+        FINAL: (hw_served, final_config(front)),
     }
     runs = {"real": ttft_stats([(m.request_class, m.ttft_s) for m in real["measured"]])}
     for name, (hw, config) in variants.items():
         sim = simulate(trace, hw, config)
         runs[name] = ttft_stats([(r.request_class, r.ttft_s) for r in sim.records])
-    return runs, front, variants[FINAL][1]
+    return runs, front
+
+
+def final_config(front: dict) -> SimConfig:
+    """The server's settings plus the front-end latency measured on the idle server."""
+    return sim_config(front["ingress_s"], front["egress_s"], front["ingress_s_per_image"])
 
 
 def ratio_rows(runs: dict) -> list[dict]:
@@ -325,12 +327,12 @@ def run_repeat(seed: int, index: int, bare: dict) -> dict:
     """One in-server calibration and one real run, and the simulator on its trace."""
     served = calibrate_in_server(seed + 1000 * (index + 1))
     real = measure_real(seed)  # the same load each time
-    runs, front, config = simulate_variants(real, bare, served)
+    runs, front = simulate_variants(real, bare, served)
     load = os.getloadavg()
     print_repeat(index, served, front, real, load)
     repeat = {"in_server_fit": served, "front_end": front | {"server": real["server"]},
-              "real": real, "ttft": runs, "rows": ratio_rows(runs), "load_average": load,
-              "config": config}  # fmt: skip
+              "real": real, "ttft": runs, "rows": ratio_rows(runs),
+              "load_average": load}  # fmt: skip
     print(table(repeat["rows"], ["class", "n", "real_p50_ms", f"{FINAL}_p50_ms",
                                  f"{FINAL}_p50_ratio", f"{FINAL}_p90_ratio"]))  # fmt: skip
     repeat["disturbed"] = max(served["other_cpu_share"],
@@ -369,11 +371,9 @@ def main() -> int:
             repeats.append(repeat)
             if not repeat["disturbed"]:
                 break
-            print(f"  repeat {index} disturbed by other work: attempt {attempt + 2} of "
-                  f"{args.attempts}" if attempt + 1 < args.attempts else "")  # fmt: skip
-    config = repeats[-1].pop("config")
-    for r in repeats:
-        r.pop("config", None)
+            if attempt + 1 < args.attempts:
+                print(f"  repeat {index} disturbed by other work: attempt {attempt + 2} of "
+                      f"{args.attempts}")  # fmt: skip
     all_disturbed = all(r["disturbed"] for r in repeats)
     quiet = repeats if all_disturbed else [r for r in repeats if not r["disturbed"]]
     rows = median_rows([r["rows"] for r in quiet])
@@ -389,12 +389,12 @@ def main() -> int:
               <= row[f"{FINAL}_p50_ratio"] <= TARGET_P50_RATIO for row in rows}  # fmt: skip
     print("checks:", ", ".join(f"{k}={'pass' if v else 'FAIL'}" for k, v in checks.items()))
     path = write_result("sim_vs_real", result_json(args, bare, repeats, quiet, rows, checks,
-                                                   config, load_start))  # fmt: skip
+                                                   load_start))  # fmt: skip
     print(f"wrote {path}")
     return 0
 
 
-def result_json(args, bare, repeats, quiet, rows, checks, config, load_start) -> dict:
+def result_json(args, bare, repeats, quiet, rows, checks, load_start) -> dict:
     def fit_json(fit: dict) -> dict:
         return fit | {"cost": dataclasses.asdict(fit["cost"])}
 
@@ -413,7 +413,10 @@ def result_json(args, bare, repeats, quiet, rows, checks, config, load_start) ->
             "images_per_burst_request": IMAGES_PER_BURST_REQUEST, "image_size": IMAGE_SIZE,
             "calibration_load": {"duration_s": CALIBRATION_DURATION_S,
                                  "bursts_at": CALIBRATION_BURSTS_AT},
-            "seed": args.seed, "repeats": args.repeats, "sim_config": dataclasses.asdict(config),
+            "seed": args.seed, "repeats": args.repeats,
+            # The final variant's, with the last repeat's front end (each repeat's own is
+            # in its "front_end").
+            "sim_config": dataclasses.asdict(final_config(repeats[-1]["front_end"])),
         },
         "load_average_at_start": load_start,
         "bare_engine_fit": fit_json(bare),

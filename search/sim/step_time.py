@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from scheduler.config import kv_cache_groups
+from scheduler.lump_budget import StepShape, add_shapes, chunk_shape
 from search.costmodel import cost_model as cm
 from search.costmodel.presets import Accelerator, ModelShape, VisionEncoder
 from search.image_budget import ImageAssumptions, vit_flops
@@ -44,7 +45,7 @@ class StepWork:
     num_tiles_encoded: int = 0  # ViT tiles run this step (encoder-cache misses only)
     num_seqs: int = 0  # sequences scheduled (host work per sequence: tables, sampling)
     # The same two counts for the model's sliding-window layers (Gemma 3), clipped to its
-    # window (`window_attention_pairs`, min(context after the step, window) per sequence),
+    # window (a row's pairs and a sequence's context each at most the window),
     # as `count_work` makes them. None: not counted (a caller that does not know the
     # window); those layers are then priced as global ones, an upper bound.
     num_kv_tokens_read_in_window: int | None = None
@@ -196,12 +197,6 @@ def chunk_attention_pairs(num_computed: int, num_new: int) -> int:
     return num_new * (num_computed + num_new)
 
 
-def window_attention_pairs(num_computed: int, num_new: int, window: int) -> int:
-    """`chunk_attention_pairs` in a sliding-window layer: every row priced at the chunk's
-    context as there, but at most `window` keys (what a row of that layer attends)."""
-    return num_new * min(num_computed + num_new, window)
-
-
 def sliding_window_of(model: ModelShape) -> int | None:
     """The window of `model`'s sliding layers; None when it has none."""
     return model.sliding_window if model.num_sliding_layers else None
@@ -211,23 +206,14 @@ def count_work(
     chunks: Iterable[tuple[int, int, bool]], num_tiles: int = 0, window: int | None = None
 ) -> StepWork:
     """A step's work from (tokens computed before, new tokens, is a decode) per scheduled
-    sequence: how the simulator and the engine's calibration count a plan. `window`: the
+    sequence: how the simulator and the engine's calibration count a plan, by the
+    scheduler's own count (`scheduler.lump_budget.chunk_shape`: a chunk's pairs priced at
+    its whole context, a sliding layer's at most `window` keys a row). `window`: the
     model's sliding window (`sliding_window_of`), which adds the windowed counts."""
-    prefill = decode = pairs = kv = pairs_w = kv_w = num_seqs = 0
+    shape = StepShape()
     for start, n, is_decode in chunks:
-        if is_decode:
-            decode += 1
-        else:
-            prefill += n
-        pairs += chunk_attention_pairs(start, n)
-        kv += start + n
-        num_seqs += 1
-        if window is not None:
-            pairs_w += window_attention_pairs(start, n, window)
-            kv_w += min(start + n, window)
-    if window is None:
-        return StepWork(prefill, decode, pairs, kv, num_tiles, num_seqs)
-    return StepWork(prefill, decode, pairs, kv, num_tiles, num_seqs, kv_w, pairs_w)
+        shape = add_shapes(shape, chunk_shape(start, n, 0, is_decode, window))
+    return StepWork(*shape._replace(num_tiles_encoded=num_tiles))
 
 
 def _sliding_layers(work: StepWork, model: ModelShape) -> int:

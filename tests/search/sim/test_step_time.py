@@ -18,7 +18,6 @@ from search.sim.step_time import (
     kv_pool_blocks,
     kv_windows,
     step_time,
-    window_attention_pairs,
 )
 
 H100 = StepHardware(MODELS["mha-7b"], ENCODERS["siglip-so400m-14-384"], ACCELERATORS["h100-sxm"])
@@ -229,7 +228,8 @@ def brute_force_pairs(num_computed: int, num_new: int, window: int | None) -> in
 
 def test_window_pairs_of_a_chunk_crossing_the_window_match_a_count_over_rows():
     for c, n in [(600, 700), (0, 1500), (1023, 1), (5000, 1), (0, 300), (1024, 0)]:
-        assert window_attention_pairs(c, n, 1024) == brute_force_pairs(c, n, 1024), (c, n)
+        windowed = count_work([(c, n, False)], 0, 1024).num_attention_pairs_in_window
+        assert windowed == brute_force_pairs(c, n, 1024), (c, n)
         assert chunk_attention_pairs(c, n) == brute_force_pairs(c, n, None)
     work = count_work(CHUNKS, 0, 1024)
     assert work.num_attention_pairs_in_window == sum(
