@@ -64,3 +64,21 @@ def select_backend(
     elif preferred is not None:
         raise ValueError(f"attention backend {preferred!r} runs on a CPU device, not {device.type}")
     return TorchPagedAttention()
+
+
+def choose_prefill_path(
+    backend: AttentionBackend,
+    preferred: str | None,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Under "auto", once the model's head shape is known: a CPU backend's prefills go to
+    the C++ prefill kernel or to torch's SDPA, whichever was faster on this CPU in `dtype`
+    at this head shape (kernels/calibration.py). A backend asked for by name is kept."""
+    if preferred not in (None, "auto"):
+        return
+    if isinstance(backend, cpu_attention.CpuPagedAttention) and backend.prefill_kernel:
+        if not cpu_attention.prefill_kernel_wins(dtype, num_heads, num_kv_heads, head_dim):
+            backend.use_sdpa_for_prefills()

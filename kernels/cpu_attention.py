@@ -21,6 +21,11 @@ found the build fails once, `available()` says why, and `select_backend` keeps t
 backend; where the CPU has neither vector set, `prefill_available()` says so and prefills
 keep SDPA.
 
+Which of the two runs prefills is measured on the CPU that runs them
+(`prefill_kernel_wins`, kernels/calibration.py), per dtype and head shape: the bfloat16
+kernel ran at 4.5-6.1x torch's SDPA on a Zen 5 (AVX-512 BF16 dot products) and at
+0.36-0.60x on an AMX Xeon, where SDPA's bfloat16 GEMMs run on AMX tiles.
+
 Sliding windows and bidirectional spans (Gemma 3): both kernels take the window (keys
 before it are never read, whole blocks before it never touched); the prefill kernel also
 takes each token's key end (`key_ends`: the end of its image span, else its position + 1),
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_build
+from kernels import calibration, cpu_build
 from kernels.attention import (
     SMALL_QUERY_LEN,
     AttentionBatch,
@@ -65,6 +70,56 @@ def bf16_dot_available() -> bool:
     torch's CPU SDPA in bfloat16: `benchmarks/ops/prefill_attention.py --dtype bfloat16`;
     elsewhere it widens to float32)."""
     return prefill_available() is None and torch.ops.vlmserve_prefill.bf16_dot()
+
+
+# The prefill cases the calibration times, (cached prefix, new tokens): a fresh prompt and
+# a chunk on a prefix; at most this many KV heads (the query heads in the model's ratio).
+PREFILL_CASES = ((0, 1024), (512, 512))
+MAX_MEASURED_KV_HEADS = 2
+
+
+def prefill_kernel_wins(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether prefills run faster on the C++ prefill kernel than through torch's SDPA on
+    this CPU, in `dtype` at this head shape (calibrated once per CPU; False where the
+    kernel does not build)."""
+    if prefill_available() is not None:
+        return False
+    kv_heads = min(num_kv_heads, MAX_MEASURED_KV_HEADS)
+    heads = kv_heads * max(1, num_heads // num_kv_heads)
+    name = f"prefill_attention/{str(dtype).removeprefix('torch.')}/{heads}x{kv_heads}x{head_dim}"
+    return calibration.calibrated(
+        name,
+        lambda: _measure_prefill(dtype, heads, kv_heads, head_dim),
+        lambda m: calibration.decide_faster(m, "kernel", "sdpa"),
+    )
+
+
+def _measure_prefill(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> calibration.Measured:
+    """Seconds of one layer's attention (K/V write included) of each PREFILL_CASES
+    sequence through the kernel and through SDPA, each backend's `forward`, interleaved."""
+    gen = torch.Generator().manual_seed(0)
+    block, cpu = 16, torch.device("cpu")
+    backends = {"kernel": CpuPagedAttention(True), "sdpa": CpuPagedAttention(False)}
+    measured = []
+    for cached, new in PREFILL_CASES:
+        ctx = cached + new
+        num_blocks = -(-ctx // block)
+        cache = torch.randn(2, kv_heads, num_blocks * block, head_dim, generator=gen).to(dtype)
+        q = torch.randn(new, heads, head_dim, generator=gen).to(dtype)
+        k, v = (torch.randn(new, kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
+        batch = AttentionBatch([new], [ctx], [list(range(num_blocks))], block)
+        slots = torch.arange(cached, ctx)
+        paths = {}
+        for name, backend in backends.items():
+            meta = backend.build_metadata(batch, slots, cpu)
+            inputs = (q, k, v, cache, meta, head_dim**-0.5)
+            paths[name] = lambda b=backend, x=inputs: b.forward(*x)
+        measured.append({"cached": cached, "tokens": new, **calibration.time_paths(paths)})
+    return measured
 
 
 def tile_attention(qkv: torch.Tensor, num_tiles: int, num_heads: int, scale: float) -> torch.Tensor:
@@ -146,6 +201,11 @@ class CpuPagedAttention(TorchPagedAttention):
             raise ValueError(f"the CPU prefill attention kernel did not build: {why}")
         self.prefill_kernel = prefill_kernel
         self.name = "cpu" if prefill_kernel else "cpu-sdpa"
+
+    def use_sdpa_for_prefills(self) -> None:
+        """Prefills through torch's SDPA from the next step's metadata on ("cpu-sdpa")."""
+        self.prefill_kernel = False
+        self.name = "cpu-sdpa"
 
     def build_metadata(
         self, batch: AttentionBatch, slot_mapping: torch.Tensor, device: torch.device

@@ -12,57 +12,165 @@ checked against the plain layers in tests.
 
 The decoder's layers can also keep the plain [out, in] weight (`pack_linears(plain=True)`,
 a second copy of each weight) for the batch sizes oneDNN's packed GEMM is not the fastest
-at on a CPU (`benchmarks/ops/skinny_linear.py` measures the crossovers; its results file has
-the figures):
-- up to SKINNY_MAX_ROWS rows (decode steps of a few sequences) the skinny kernel
-  (kernels/csrc/skinny_linear_cpu.cpp), which streams each weight once;
+at on a CPU, each crossover measured on the CPU that runs it (kernels/calibration.py;
+`benchmarks/ops/calibration.py` prints the tables):
+- up to `skinny_max_rows` rows (decode steps of a few sequences; per dtype and layer
+  shape) the skinny kernel (kernels/csrc/skinny_linear_cpu.cpp), which streams each
+  weight once;
 - float32 only, from `mkl_min_rows()` rows (large prefill chunks) MKL on the plain weight,
-  where MKL beats oneDNN on this CPU (kernels/gemm_choice.py measures it once per CPU:
-  on a Zen 3 from ~1,536 rows, on a Zen 5 with AVX-512 never). Between the two, oneDNN's
-  packed GEMM is the fastest.
+  where MKL beats oneDNN on this CPU (on a Zen 3 from ~1,536 rows, on a Zen 5 with AVX-512
+  never). Between the two, oneDNN's packed GEMM.
 
-The LM head (`linear_float`) writes float32 logits straight from its float32 sums in
-bfloat16 too (the skinny kernel's float32 output, up to LOGITS_SKINNY_MAX_ROWS rows),
-instead of rounding them to bfloat16 and widening them back: sampling and logprobs read
-float32 logits.
+The LM head (`linear_float`, `LogitsHead`) writes float32 logits straight from the skinny
+kernel's float32 sums up to `head_choice`'s rows, instead of rounding them to bfloat16 and
+widening them back (sampling and logprobs read float32 logits); above them oneDNN's
+packed GEMM (AMX tiles where the CPU has them; a tied head gets a packed copy of the
+embedding for it) or F.linear on the plain weight, whichever was faster here.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_build, gemm_choice
+from kernels import calibration, cpu_build
 
 __all__ = [
-    "Activation", "PackedLinear", "linear_act", "linear_add", "linear_float", "pack_linears",
-    "skinny_linear",
+    "Activation", "LogitsHead", "PackedLinear", "linear_act", "linear_add", "linear_float",
+    "logits_head", "pack_linears", "skinny_linear",
 ]  # fmt: skip
 
-SKINNY_MAX_ROWS = 16
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# bfloat16: the skinny kernel up to this many rows (on a Zen 5 with AVX-512 BF16, single
-# thread: 1.1x oneDNN's packed bfloat16 GEMM at 1 row, even at 4, 0.8x at 16); no
-# plain-weight GEMM at prefill sizes (torch's bfloat16 F.linear is oneDNN too, on an
-# unpacked weight: no faster than the packed one at 512-2,048 rows;
-# benchmarks/engine/bf16_speedup.py, measured under heavy load).
-BF16_SKINNY_MAX_ROWS = 8
-# The bfloat16 LM head with float32 logits out: the skinny kernel up to this many rows
-# (a decode step's sampling rows), oneDNN's bfloat16 GEMM widened to float32 above
-# (benchmarks/ops/bf16_profile.py measures both).
-LOGITS_SKINNY_MAX_ROWS = 256
+# The sizes each choice is measured at (kernels/calibration.py). The decoder's linears:
+# decode steps' rows, per dtype and layer shape (the skinny kernel up to somewhere in 1-64
+# rows on the CPUs measured so far: 16 in float32, 8 in bfloat16 on a Zen 5).
+LINEAR_LADDER = (1, 2, 4, 8, 16, 32, 64)
+# The LM head: sampling rows (on a Zen 5 the skinny kernel won up to 256; on an AMX Xeon
+# oneDNN's bfloat16 GEMM ran [64 x 640] x [262,144 x 640] several times faster).
+HEAD_LADDER = (1, 4, 16, 64, 256)
+# A weight is measured on at most this many bytes of its output rows: the per-row cost of
+# a weight streamed from memory, in a bounded time (a 262k-token head is 335 MB).
+LINEAR_MAX_BYTES = 16 << 20
+HEAD_MAX_BYTES = 32 << 20
+LADDER_BUDGET_S = 1.5  # a ladder stops after this long (a loaded machine): decided on less
+# float32 prefill GEMMs: MKL on the plain weight against oneDNN's packed GEMM, one square
+# GEMM at 2,048 and 1,024 rows (MKL won from ~1,536 rows on a Zen 3 and never on a Zen 5,
+# where it runs its AVX2 code: benchmarks/ops/gemm_crossover.py).
+MKL_DIM = 1024
+MKL_ROWS = (2048, 1024)  # measured largest first: a loss at 2,048 ends it
+# The shape `plain_rows` reports without one (`vlmserve info` without a model).
+REPRESENTATIVE_SHAPE = (1024, 1024)
 
 
-def plain_rows(dtype: torch.dtype) -> tuple[int, int | None]:
+def plain_rows(dtype: torch.dtype, shape: tuple[int, int] | None = None) -> tuple[int, int | None]:
     """(the most rows the skinny kernel takes, the fewest a plain-weight GEMM takes, None:
-    never) for a layer holding its plain weight in `dtype` (float32: calibrated once per
-    CPU, kernels/gemm_choice.py)."""
-    if dtype == torch.bfloat16:
-        return BF16_SKINNY_MAX_ROWS, None
-    return SKINNY_MAX_ROWS, gemm_choice.mkl_min_rows()
+    never) for a layer of `shape` (in, out) holding its plain weight in `dtype`, as
+    calibrated on this CPU (float32 only: MKL on the plain weight; in bfloat16 torch's
+    F.linear is oneDNN on an unpacked weight, never ahead of the packed one)."""
+    in_features, out_features = shape or REPRESENTATIVE_SHAPE
+    skinny = skinny_max_rows(dtype, in_features, out_features)
+    return skinny, mkl_min_rows() if dtype == torch.float32 else None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _measured_rows(out_features: int, in_features: int, dtype: torch.dtype, cap: int) -> int:
+    return max(1, min(out_features, cap // (in_features * dtype.itemsize)))
+
+
+def skinny_max_rows(dtype: torch.dtype, in_features: int, out_features: int) -> int:
+    """The most rows the skinny kernel takes for an [out, in] weight in `dtype` (oneDNN's
+    packed GEMM above), calibrated on this CPU at that shape (0 where it cannot run)."""
+    if skinny_available() is not None:
+        return 0
+    out_m = _measured_rows(out_features, in_features, dtype, LINEAR_MAX_BYTES)
+    name = f"linear_skinny_max_rows/{_dtype_name(dtype)}/{in_features}x{out_m}"
+    return calibration.calibrated(
+        name,
+        lambda: _measure_ladder(dtype, in_features, out_m, LINEAR_LADDER, ("skinny", "onednn")),
+        lambda m: calibration.decide_max_rows(m, "skinny", "onednn"),
+    )
+
+
+def mkl_min_rows() -> int | None:
+    """The fewest rows a float32 layer with its plain weight sends to MKL on this CPU
+    (None: never), calibrated once per CPU."""
+    return calibration.calibrated(
+        f"mkl_min_rows/float32/{MKL_DIM}x{MKL_DIM}", _measure_mkl, calibration.decide_mkl
+    )
+
+
+def head_choice(dtype: torch.dtype, hidden: int, vocab: int) -> calibration.HeadChoice:
+    """How an LM head of [vocab, hidden] in `dtype` computes its logits on this CPU."""
+    if skinny_available() is not None:
+        return calibration.HeadChoice(0, "packed")
+    out_m = _measured_rows(vocab, hidden, dtype, HEAD_MAX_BYTES)
+    name = f"lm_head/{_dtype_name(dtype)}/{hidden}x{out_m}"
+    paths = ("skinny", "packed", "plain")
+    return calibration.calibrated(
+        name,
+        lambda: _measure_ladder(dtype, hidden, out_m, HEAD_LADDER, paths),
+        calibration.decide_head,
+    )
+
+
+def _measure_ladder(
+    dtype: torch.dtype, in_features: int, out_features: int, ladder: tuple[int, ...],
+    paths: tuple[str, ...],
+) -> calibration.Measured:  # fmt: skip
+    """Seconds per call of `paths` (of "skinny", "onednn" / "packed", "plain") for an
+    [out, in] weight in `dtype` at each row count of `ladder`, interleaved; stops after the
+    skinny kernel lost by MARGIN at two sizes in a row (larger sizes only widen the gap), or
+    after LADDER_BUDGET_S."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    out_dtype = torch.float32 if "plain" in paths else None  # the LM head: float32 logits
+    measured, losses, start = [], 0, time.perf_counter()
+    for rows in ladder:
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        run = {
+            "skinny": lambda x=x: skinny_linear(x, weight, None, out_dtype),
+            "onednn": lambda x=x: _onednn(x, packed),
+            "packed": lambda x=x: _onednn(x, packed).float(),
+            "plain": lambda x=x: F.linear(x, weight).float(),
+        }
+        seconds = calibration.time_paths({p: run[p] for p in paths})
+        measured.append({"rows": rows, **seconds})
+        best_gemm = min(seconds[p] for p in paths if p != "skinny")
+        losses = losses + 1 if seconds["skinny"] > calibration.MARGIN * best_gemm else 0
+        if losses == 2 or time.perf_counter() - start > LADDER_BUDGET_S:
+            break
+    return measured
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _measure_mkl() -> calibration.Measured:
+    """Seconds of an MKL_DIM-square float32 GEMM through oneDNN packed and MKL plain at
+    MKL_ROWS, interleaved; stops after the first size where oneDNN wins."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(MKL_DIM, MKL_DIM, generator=gen)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    measured = []
+    for rows in MKL_ROWS:
+        x = torch.randn(rows, MKL_DIM, generator=gen)
+        seconds = calibration.time_paths({
+            "onednn": lambda x=x: _onednn(x, packed),
+            "mkl": lambda x=x: F.linear(x, weight),
+        })  # fmt: skip
+        measured.append({"rows": rows, **seconds})
+        if seconds["onednn"] < calibration.MARGIN * seconds["mkl"]:  # MKL lost: done
+            break
+    return measured
 
 
 # The activations a packed layer can fuse: exact GELU (erf) and the tanh approximation.
@@ -88,8 +196,10 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         keep = plain and skinny_available() is None
         self.plain = weight.contiguous() if keep else None
-        # (calibrated only where a plain weight is kept: the tower's layers never ask)
-        self.skinny_rows, self.plain_rows = plain_rows(weight.dtype) if keep else (0, None)
+        # Calibrated only where a plain weight is kept (the tower's layers never ask), at
+        # construction: the step never measures.
+        shape = (self.in_features, self.out_features)
+        self.skinny_rows, self.plain_rows = plain_rows(weight.dtype, shape) if keep else (0, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain is not None:
@@ -98,6 +208,10 @@ class PackedLinear(nn.Module):
                 return skinny_linear(x, self.plain, self.bias)
             if self.plain_rows is not None and rows >= self.plain_rows:
                 return F.linear(x, self.plain, self.bias)
+        return self.forward_packed(x)
+
+    def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T + b on oneDNN's packed weight, whatever the rows."""
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def forward_act(self, x: torch.Tensor, act: Activation) -> torch.Tensor:
@@ -128,20 +242,76 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
 
 def linear_float(layer: nn.Module | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The LM head: `layer(x)` (or x @ weight.T where `layer` is None: tied embeddings) as
-    float32. A bfloat16 CPU head writes its float32 sums as they are, through the skinny
-    kernel, up to LOGITS_SKINNY_MAX_ROWS rows (a packed layer's plain weight, or the tied
-    embedding itself: no copy); past that, or elsewhere, the layer's output widened."""
+    float32. A `LogitsHead` computes them its calibrated way; so does a CPU head with a
+    plain weight (a packed layer's, or the tied embedding itself: no copy), calibrated on
+    first use; otherwise the layer's output, widened."""
+    if isinstance(layer, LogitsHead):
+        return layer(x)
     plain = weight if layer is None else getattr(layer, "plain", None)
-    if (
-        x.dtype == torch.bfloat16
-        and plain is not None
-        and plain.device.type == "cpu"
-        and x.numel() // x.shape[-1] <= LOGITS_SKINNY_MAX_ROWS
-        and skinny_available() is None
-    ):
-        return skinny_linear(x, plain, getattr(layer, "bias", None), torch.float32)
+    if can_choose_head(plain, x.dtype):
+        choice = head_choice(x.dtype, plain.shape[1], plain.shape[0])
+        packed = layer if isinstance(layer, PackedLinear) else None
+        return _logits(x, plain, packed, getattr(layer, "bias", None), choice)
     out = F.linear(x, weight) if layer is None else layer(x)
     return out.float()
+
+
+def can_choose_head(plain: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """Whether a head with this plain weight takes its calibrated paths on this CPU."""
+    return (
+        plain is not None
+        and plain.device.type == "cpu"
+        and plain.dtype == dtype
+        and dtype in PACKED_DTYPES
+        and torch.backends.mkldnn.is_available()
+        and skinny_available() is None
+    )
+
+
+def _logits(
+    x: torch.Tensor, plain: torch.Tensor, packed: PackedLinear | None,
+    bias: torch.Tensor | None, choice: calibration.HeadChoice,
+) -> torch.Tensor:  # fmt: skip
+    if x.numel() // x.shape[-1] <= choice.skinny_max_rows:
+        return skinny_linear(x, plain, bias, torch.float32)  # the float32 sums, unrounded
+    if choice.gemm == "packed" and packed is not None:
+        return packed.forward_packed(x).float()
+    return F.linear(x, plain, bias).float()
+
+
+class LogitsHead(nn.Module):
+    """A CPU LM head with its calibrated choice (`head_choice`), made once at load
+    (`logits_head`): float32 logits through the skinny kernel up to the chosen rows, then
+    oneDNN's packed GEMM or F.linear on the plain weight."""
+
+    def __init__(
+        self, plain: torch.Tensor, packed: PackedLinear | None, choice: calibration.HeadChoice
+    ) -> None:
+        super().__init__()
+        self.plain = plain  # [vocab, hidden]: the tied embedding itself, or the layer's
+        self.packed = packed
+        self.choice = choice
+        self.bias = None if packed is None else packed.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _logits(x, self.plain, self.packed, self.bias, self.choice)
+
+
+def logits_head(layer: nn.Module | None, embedding: torch.Tensor) -> nn.Module | None:
+    """The LM head a CPU decoder computes its logits with (after `pack_linears`): `layer`
+    (None: tied to `embedding`) as a LogitsHead where its paths can be chosen here, with
+    a packed copy of a tied embedding only where oneDNN's packed GEMM won (vocab x hidden
+    more memory); `layer` unchanged elsewhere."""
+    plain = embedding.detach() if layer is None else getattr(layer, "plain", None)
+    if not can_choose_head(plain, plain.dtype if plain is not None else torch.float64):
+        return layer
+    choice = head_choice(plain.dtype, plain.shape[1], plain.shape[0])
+    packed = layer if isinstance(layer, PackedLinear) else None
+    if packed is None and choice.gemm == "packed":
+        tied = nn.Linear(plain.shape[1], plain.shape[0], bias=False, device="meta")
+        tied.weight = nn.Parameter(plain, requires_grad=False)  # the embedding: no copy
+        packed = PackedLinear(tied)  # the packed copy
+    return LogitsHead(plain.contiguous(), packed, choice)
 
 
 def skinny_available() -> str | None:

@@ -146,16 +146,19 @@ def test_skinny_bf16_float_out_is_the_unrounded_float32_sum(rows, bias):
 
 @needs_skinny
 @pytest.mark.parametrize("tied", [False, True])
-def test_lm_head_gives_float32_logits_in_bf16(tied):
-    """`linear_float`, the decoder's LM head: the float32 sums up to
-    LOGITS_SKINNY_MAX_ROWS rows (a packed head's plain weight or the tied embedding),
-    oneDNN's bfloat16 output widened past it (one bfloat16 rounding)."""
+@pytest.mark.parametrize("gemm", ["packed", "plain"])
+def test_lm_head_gives_float32_logits_in_bf16(tied, gemm, monkeypatch):
+    """`linear_float`, the decoder's LM head: the float32 sums up to the calibrated rows
+    (a packed head's plain weight or the tied embedding), a bfloat16 GEMM's output widened
+    past them (one bfloat16 rounding)."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch without oneDNN")
+    limit = 16  # whatever this CPU's calibration chose
+    choice = packed_linear.calibration.HeadChoice(limit, gemm)
+    monkeypatch.setattr(packed_linear, "head_choice", lambda *a: choice)
     torch.manual_seed(6)
     head = nn.Linear(128, 500, bias=False).to(BF16)
     layer = None if tied else packed_linear.PackedLinear(head, plain=True)
-    limit = packed_linear.LOGITS_SKINNY_MAX_ROWS
     for rows, roundings in ((1, 0), (limit, 0), (limit + 1, 1)):
         x = torch.randn(rows, 128).to(BF16)
         logits = packed_linear.linear_float(layer, x, head.weight.detach())

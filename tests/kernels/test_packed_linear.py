@@ -7,9 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import gemm_choice
 from kernels.packed_linear import (
-    SKINNY_MAX_ROWS,
     PackedLinear,
     linear_act,
     linear_add,
@@ -118,12 +116,13 @@ def test_skinny_linear_refuses_what_it_cannot_read():
 
 
 @pytest.mark.usefixtures("needs_skinny")
-@pytest.mark.parametrize("rows", [1, 4, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 1536])
+@pytest.mark.parametrize("rows", [1, 4, 16, 17, 1536])
 def test_packed_linear_with_plain_weights_matches_linear_on_every_path(rows):
     torch.manual_seed(rows)
     linear = nn.Linear(96, 200)
     layer = PackedLinear(linear, plain=True)
-    layer.plain_rows = 1536  # MKL at 1,536 rows, whatever this CPU's calibration chose
+    # the skinny kernel to 16 rows, MKL from 1,536, whatever this CPU's calibration chose
+    layer.skinny_rows, layer.plain_rows = 16, 1536
     assert layer.plain is not None and torch.equal(layer.plain, linear.weight)
     x = torch.randn(rows, 96)
     torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
@@ -139,19 +138,13 @@ def test_pack_linears_keeps_plain_weights_only_when_asked():
     assert (model[0].plain is not None) == kept and (model[1][0].plain is not None) == kept
 
 
-def test_gemm_choice_takes_mkl_only_where_it_won_from_the_largest_size_down():
-    # rows -> (oneDNN seconds, MKL seconds)
-    assert gemm_choice.decide({2048: (1.0, 2.0)}) is None  # MKL lost at 2,048 (Zen 5)
-    assert gemm_choice.decide({2048: (1.0, 0.98)}) is None  # within the margin: noise
-    assert gemm_choice.decide({2048: (1.0, 0.8), 1024: (1.0, 0.8)}) == 1024
-    assert gemm_choice.decide({2048: (1.0, 0.8), 1024: (0.5, 0.6)}) == 1536  # (Zen 3)
-    assert gemm_choice.decide({2048: (1.0, 2.0), 1024: (1.0, 0.5)}) is None
+def test_the_mkl_calibration_measures_both_paths_and_stops_where_onednn_wins(monkeypatch):
+    from kernels import packed_linear
 
-
-def test_gemm_choice_measures_both_paths_and_stops_where_onednn_wins():
-    seconds = gemm_choice.measure((64, 32))
-    assert 1 <= len(seconds) <= 2 and 64 in seconds
-    assert all(a > 0 and b > 0 for a, b in seconds.values())
+    monkeypatch.setattr(packed_linear, "MKL_ROWS", (64, 32))
+    monkeypatch.setattr(packed_linear, "MKL_DIM", 128)
+    seconds = packed_linear._measure_mkl()
+    assert 1 <= len(seconds) <= 2 and seconds[0]["rows"] == 64
+    assert all(r["onednn"] > 0 and r["mkl"] > 0 for r in seconds)
     if len(seconds) == 1:  # stopped: oneDNN won at 64 rows
-        onednn, mkl = seconds[64]
-        assert onednn < gemm_choice.MARGIN * mkl
+        assert seconds[0]["onednn"] < packed_linear.calibration.MARGIN * seconds[0]["mkl"]

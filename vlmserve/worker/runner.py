@@ -22,9 +22,9 @@ from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
 from kernels.attention import AttentionBatch
-from kernels.backends import select_backend
+from kernels.backends import choose_prefill_path, select_backend
 from kernels.malloc_tuning import keep_freed_memory
-from kernels.packed_linear import pack_linears
+from kernels.packed_linear import logits_head, pack_linears
 from scheduler.config import kv_pool_num_blocks, seq_peak_blocks
 from scheduler.step_plan import ScheduledSeq, StepPlan
 from vlmserve.config import EngineConfig, kv_cache_torch_dtype
@@ -117,15 +117,20 @@ class ModelRunner:
         # (the one place this is decided; the engine reads it here).
         context = self.model.decoder.cfg.max_position_embeddings
         self.max_model_len = min(config.model.max_model_len or context, context)
+        # CPU kernel choices measured on this CPU at the model's shapes (kernels/calibration)
+        cfg = self.model.decoder.cfg
+        choose_prefill_path(self.backend, config.model.attention_backend, self.dtype,
+                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # fmt: skip
         if config.model.pack_weights and self.device.type == "cpu":
-            pack_linears(self.model.decoder, plain=config.model.plain_weights)
+            decoder = self.model.decoder
+            pack_linears(decoder, plain=config.model.plain_weights)
+            decoder.lm_head = logits_head(decoder.lm_head, decoder.embed_tokens.weight)
             if self.model.vision is not None:
                 self.model.vision.pack_weights()
         # The decoder takes its eager path wherever the kernels do not apply or build.
         self.model.decoder.fused = config.model.fused_ops
         self.nano_batcher: NanoBatcher | None = None
         self.num_nano_steps = 0
-        cfg = self.model.decoder.cfg
         # KV cache groups (scheduler/kv_blocks.py): one for a model whose layers all attend
         # alike; Gemma 3's global and sliding layers in groups of one kind, each group with
         # its own block tables and metadata (LayeredMetadata), sharing one pool.
