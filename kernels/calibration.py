@@ -232,11 +232,16 @@ def _jsonable(value: object) -> object:
     return value._asdict() if isinstance(value, tuple) and hasattr(value, "_asdict") else value
 
 
-def report() -> dict[str, Any]:
+def report(asked_only: bool = False) -> dict[str, Any]:
     """This machine's calibration as stored: the file, its key, and per choice the choice,
-    the measurements behind it and how long they took (what `vlmserve info` prints)."""
+    the measurements behind it and how long they took (what `vlmserve info` prints);
+    `asked_only`: the choices this process asked for, not every shape stored."""
     path = cache_path()
-    return {"cache": str(path), "key": machine_key(), "choices": _read(path)}
+    choices = _read(path)
+    if asked_only:
+        asked = {name for file, name in _entries if file == str(path)}
+        choices = {name: entry for name, entry in choices.items() if name in asked}
+    return {"cache": str(path), "key": machine_key(), "choices": choices}
 
 
 def forget() -> None:

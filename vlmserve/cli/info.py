@@ -1,5 +1,6 @@
 """What `vlmserve info` reports: versions, the PIL build, the device, the attention
-backend that would serve, and which implementation each decoder op uses."""
+backend that would serve, which implementation each decoder op uses, and on a CPU every
+kernel choice calibrated on it (kernels/calibration.py) with the measurements behind it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.backends import select_backend
+from kernels.backends import choose_prefill_path, select_backend
 from kernels.cpu_build import native_bf16
 from kernels.fused_ops import op_backends
 from vlmserve.config import checkpoint_dtype, choose_dtype, default_device
@@ -104,12 +105,67 @@ def build_kernels() -> tuple[dict[str, str], bool]:
     return report, not any(done["error"] for done in results.values())
 
 
-def collect(model_path: str | None = None, tp: int = 1) -> dict[str, object]:
+# The shapes calibrated without a model: a 1B-class decoder's (Llama 3.2 1B: hidden 2048,
+# 32 query / 8 KV heads of 64, intermediate 8192, 128k vocabulary).
+REPRESENTATIVE = {"hidden_size": 2048, "num_heads": 32, "num_kv_heads": 8, "head_dim": 64,
+                  "intermediate_size": 8192, "vocab_size": 128256}  # fmt: skip
+
+
+def model_shapes(model_path: str | None) -> dict[str, int]:
+    """The decoder shape the calibration is run at: the model's, else REPRESENTATIVE."""
+    if model_path is None:
+        return dict(REPRESENTATIVE)
+    from encoders.weights import read_config
+    from vlmserve.worker.models.loader import decoder_config
+
+    cfg = decoder_config(read_config(model_path))
+    return {key: getattr(cfg, key) for key in REPRESENTATIVE}
+
+
+def calibrate(shapes: dict[str, int], dtype: torch.dtype) -> dict[str, object]:
+    """Every CPU kernel choice a decoder of `shapes` in `dtype` takes on this CPU, measured
+    now where this machine has none cached (kernels/calibration.py): the skinny kernel's
+    rows per linear layer, float32 MKL, the LM head's paths, prefill attention; the cache
+    file, its key and each choice with its measurements."""
+    import time
+
+    from kernels import calibration, cpu_attention, packed_linear
+
+    start = time.perf_counter()
+    hidden, heads, kv_heads = shapes["hidden_size"], shapes["num_heads"], shapes["num_kv_heads"]
+    head_dim, inter = shapes["head_dim"], shapes["intermediate_size"]
+    layers = [(hidden, (heads + 2 * kv_heads) * head_dim), (heads * head_dim, hidden),
+              (hidden, 2 * inter), (inter, hidden)]  # fmt: skip
+    if packed_linear.skinny_available() is None and dtype in packed_linear.PACKED_DTYPES:
+        for shape in layers:
+            packed_linear.plain_rows(dtype, shape)
+        packed_linear.head_choice(dtype, hidden, shapes["vocab_size"])
+    cpu_attention.prefill_kernel_wins(dtype, heads, kv_heads, head_dim)
+    report = calibration.report(asked_only=True)
+    return {**report, "seconds_now": round(time.perf_counter() - start, 2)}
+
+
+def collect(
+    model_path: str | None = None, tp: int = 1, recalibrate: bool = False
+) -> dict[str, object]:
+    """`recalibrate`: drop this machine's calibration and measure every choice anew."""
     device = default_device()
     # --dtype auto for the model (without one: for a 16-bit checkpoint)
     marked = checkpoint_dtype(model_path) if model_path is not None else "bfloat16"
     choice = choose_dtype("auto", torch.device(device).type, marked, native_bf16())
-    attention = select_backend(torch.device(device), None, choice.dtype).name
+    backend = select_backend(torch.device(device), None, choice.dtype)
+    calibrated = None
+    if device == "cpu":
+        if recalibrate:
+            from kernels import calibration
+
+            calibration.forget()
+        shapes = model_shapes(model_path)
+        calibrated = calibrate(shapes, choice.dtype)
+        if model_path is not None:  # the prefill path this model would take here
+            choose_prefill_path(backend, None, choice.dtype, shapes["num_heads"],
+                                shapes["num_kv_heads"], shapes["head_dim"])  # fmt: skip
+    attention = backend.name
     info: dict[str, object] = {
         "python": platform.python_version(),
         **{name: dist_version(name) for name in ("vlmserve", "torch", "transformers", "timm")},
@@ -128,13 +184,33 @@ def collect(model_path: str | None = None, tp: int = 1) -> dict[str, object]:
         info["gpu"] = torch.cuda.get_device_name(0)
     if model_path is not None:
         info["tensor_parallel"] = tensor_parallel(model_path, tp)
+    if calibrated is not None:
+        info["calibration"] = calibrated
     return info
 
 
 def render(info: dict[str, object]) -> str:
     lines = []
     for key, value in info.items():
+        if key == "calibration":
+            lines += render_calibration(value)
+            continue
         if isinstance(value, dict):
             value = ", ".join(f"{k}={v}" for k, v in value.items())
         lines.append(f"{key:<18} {value}")
     return "\n".join(lines)
+
+
+def render_calibration(report: dict) -> list[str]:
+    """Each calibrated choice, then its measurements (milliseconds a call per path)."""
+    key = report["key"]
+    lines = [f"{'calibration':<18} {report['cache']} ({key['cpu']}; torch {key['torch']}, "
+             f"{key['threads']} threads; {report['seconds_now']} s now)"]  # fmt: skip
+    for name, entry in sorted(report["choices"].items()):
+        took = f"measured in {entry.get('seconds')} s, load {entry.get('load_average')}"
+        lines.append(f"  {name}: {entry.get('choice')} ({took})")
+        for record in entry.get("measured", []):
+            cells = [f"{k}={v}" if k in ("rows", "cached", "tokens") else f"{k}={v * 1e3:.3f}ms"
+                     for k, v in record.items()]  # fmt: skip
+            lines.append("      " + " ".join(cells))
+    return lines

@@ -18,7 +18,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from vlmserve.cli import info
 
     kernels, built = info.build_kernels() if args.build_kernels else ({}, True)
-    data = info.collect(args.model, args.tensor_parallel_size)
+    data = info.collect(args.model, args.tensor_parallel_size, args.recalibrate)
     if kernels:
         data["cpu_kernels"] = kernels
     print(json.dumps(data, indent=2) if args.json else info.render(data))
@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--build-kernels",
         action="store_true",
         help="build the C++ CPU kernels now (otherwise the first engine start builds them)",
+    )
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="measure every CPU kernel choice anew (as VLMSERVE_RECALIBRATE=1 does at start)",
     )
     p.set_defaults(func=cmd_info)
 
