@@ -86,9 +86,10 @@ class ModelConfig:
     # CPU float32: the decoder's and the vision encoder's linear layers in oneDNN's
     # prepacked layout (PackedLinear; the tower's GELU and residual adds fused into them).
     pack_weights: bool = True
-    # CPU float32, with pack_weights: the decoder's linears also keep their plain weights
-    # (a second copy) for the skinny kernel at <= 16 rows and MKL at >= 1,536 rows
-    # (kernels/packed_linear.py); off: half the decoder's weight memory, slower there.
+    # CPU, with pack_weights: the decoder's linears also keep their plain weights (a second
+    # copy) for the skinny kernel at decode rows and float32 MKL at large prefill chunks,
+    # where each wins on this CPU (kernels/packed_linear.py, calibrated); off: half the
+    # decoder's weight memory, slower there.
     plain_weights: bool = True
     # CPU float32: fused C++ RMSNorm + residual, RoPE and SiLU-mul (kernels/fused_ops.py).
     fused_ops: bool = True

@@ -1,5 +1,5 @@
 """float32 prefill GEMMs: oneDNN's packed GEMM against MKL on the plain weight, by rows,
-and what the engine's one-time calibration (kernels/gemm_choice.py) picks on this CPU.
+and what the engine's one-time calibration (kernels/calibration.py) picks on this CPU.
 
 One pass = one decoder layer's linears of the offline-throughput model (fused qkv, o,
 gate/up, down) at a row count; the two paths alternate pass by pass in the same run;
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from benchmarks.engine.offline_throughput import parse_args as offline_args
 from benchmarks.lib.common import environment, table, write_result
-from kernels import gemm_choice
+from kernels import calibration, packed_linear
 
 
 def layer_shapes(model: argparse.Namespace) -> list[tuple[int, int]]:
@@ -83,18 +83,15 @@ def main(argv: list[str] | None = None) -> dict:
     rows = sweep(model, [int(r) for r in args.rows.split(",")], args.rounds)
     print(table(rows, ["rows", "onednn_ms", "mkl_ms", "onednn_gflop_s", "mkl_gflop_s",
                        "mkl_over_onednn"]))  # fmt: skip
-    seconds = gemm_choice.measure()
-    chosen = gemm_choice.decide(seconds)
-    calibration = {
-        "measured": {r: {"onednn_s": a, "mkl_s": b} for r, (a, b) in seconds.items()},
-        "mkl_min_rows": chosen,
-    }
-    print(f"calibration: {calibration['measured']} -> MKL from {chosen} rows (None: never)")
+    measured = packed_linear._measure_mkl()
+    chosen = calibration.decide_mkl(measured)
+    calibrated = {"measured": measured, "mkl_min_rows": chosen}
+    print(f"calibration: {measured} -> MKL from {chosen} rows (None: never)")
     result = {
         "environment": environment(torch.device("cpu")), "threads": torch.get_num_threads(),
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "layer_shapes": layer_shapes(model), "rounds": args.rounds, "rows": rows,
-        "calibration": calibration,
+        "calibration": calibrated,
     }  # fmt: skip
     print(f"wrote {write_result(args.name, result)}")
     return result

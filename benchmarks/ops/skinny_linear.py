@@ -1,7 +1,7 @@
 """The decoder's linear layers at decode and prefill batch sizes: oneDNN's packed GEMM
 (the baseline, `PackedLinear` without plain weights) against `PackedLinear(plain=True)`,
-which takes the skinny kernel up to SKINNY_MAX_ROWS rows and MKL from the rows this CPU's
-calibration picked (kernels/gemm_choice.py; never, where oneDNN won).
+which takes the skinny kernel up to the rows this CPU's calibration picked for each layer's
+shape and MKL from the rows it picked (kernels/calibration.py; never, where oneDNN won).
 
 One pass = every linear of the offline-throughput decoder in layer order (12 layers of
 fused qkv, o, gate/up and down, then the LM head at decode sizes): 0.4 GB of weights, far
@@ -24,7 +24,7 @@ from torch import nn
 
 from benchmarks.engine.offline_throughput import parse_args as offline_args
 from benchmarks.lib.common import table, write_result
-from kernels.packed_linear import SKINNY_MAX_ROWS, PackedLinear, plain_rows, skinny_available
+from kernels.packed_linear import PackedLinear, plain_rows, skinny_available
 
 
 def decoder_linears(args: argparse.Namespace, plain: bool) -> list[PackedLinear]:
@@ -67,6 +67,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()}, {torch.get_num_threads()} threads, "
           f"weights {weight_bytes / 1e9:.2f} GB, plain read {read_gb_s:.1f} GB/s")  # fmt: skip
     mkl_min_rows = plain_rows(torch.float32)[1]
+    skinny_rows = sorted({layer.skinny_rows for layer in plain})  # calibrated per shape
     rows_out = []
     for rows in [int(r) for r in args.rows.split(",")]:
         inputs = {k: torch.randn(rows, k) for k in (model.hidden, model.intermediate)}
@@ -81,7 +82,9 @@ def main() -> None:
         params = sum(layer.plain.numel() for layer in pass_layers(plain, rows))
         path = "onednn"
         mkl = mkl_min_rows is not None and rows >= mkl_min_rows
-        path = "skinny" if rows <= SKINNY_MAX_ROWS else "mkl" if mkl else path
+        if rows <= skinny_rows[-1]:
+            path = "skinny" if rows <= skinny_rows[0] else "skinny / onednn"
+        path = "mkl" if mkl else path
         rows_out.append({
             "rows": rows, "path": path, "onednn_ms": base * 1e3, "vlmserve_ms": ours * 1e3,
             "speedup": base / ours, "onednn_gb_s": weight_bytes / base / 1e9,
@@ -93,7 +96,7 @@ def main() -> None:
     path = write_result("skinny_linear", {
         "loadavg": os.getloadavg(), "threads": torch.get_num_threads(),
         "weight_bytes": weight_bytes, "plain_read_gb_s": read_gb_s,
-        "skinny_max_rows": SKINNY_MAX_ROWS, "mkl_min_rows": mkl_min_rows, "rows": rows_out,
+        "skinny_max_rows": skinny_rows, "mkl_min_rows": mkl_min_rows, "rows": rows_out,
     })  # fmt: skip
     print(f"wrote {path}")
 
