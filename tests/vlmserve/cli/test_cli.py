@@ -70,6 +70,47 @@ def test_info_names_the_dtype_a_model_would_run_in(llama_path, capsys):
     assert info["dtype"].startswith("float32 (checkpoint is float32")  # the random ones
 
 
+def test_info_prints_each_calibrated_choice_and_recalibrates(llama_path, capsys, monkeypatch,
+                                                             tmp_path):  # fmt: skip
+    """On a CPU, `info --model` lists every kernel choice at the model's shapes with the
+    measurements behind it and the cache file; `--recalibrate` measures them anew."""
+    from kernels import calibration, cpu_attention, packed_linear
+
+    if packed_linear.skinny_available() or cpu_attention.prefill_available():
+        pytest.skip("the CPU kernels did not build here")
+    monkeypatch.setattr(calibration, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(calibration, "_entries", {})
+    monkeypatch.setattr(cpu_attention, "PREFILL_CASES", ((0, 64), (32, 32)))  # quick
+    monkeypatch.setattr(packed_linear, "MKL_DIM", 64)
+    assert main(["info", "--json", "--model", str(llama_path)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    if info["device"] != "cpu":
+        pytest.skip("not a CPU device")
+    report = info["calibration"]
+    assert report["cache"].startswith(str(tmp_path)) and Path(report["cache"]).is_file()
+    assert report["key"]["torch"] and report["key"]["flags"] and report["key"]["cpu"]
+    # llama random: hidden 64, 4 heads / 2 KV of 16, intermediate 128, vocab 256, float32
+    names = set(report["choices"])
+    assert {"linear_skinny_max_rows/float32/64x128", "linear_skinny_max_rows/float32/64x256",
+            "linear_skinny_max_rows/float32/128x64", "lm_head/float32/64x256",
+            "mkl_min_rows/float32/64x64", "prefill_attention/float32/4x2x16"} <= names  # fmt: skip
+    head = report["choices"]["lm_head/float32/64x256"]
+    assert head["choice"] == calibration.decide_head(head["measured"])._asdict()
+    assert all(r["skinny"] > 0 and r["packed"] > 0 and r["plain"] > 0 for r in head["measured"])
+    attention = report["choices"]["prefill_attention/float32/4x2x16"]
+    assert info["attention_backend"] == ("cpu" if attention["choice"] else "cpu-sdpa")
+    stamp = Path(report["cache"]).stat().st_mtime_ns
+    timed = []
+    time_paths = calibration.time_paths
+    monkeypatch.setattr(calibration, "time_paths", lambda p: timed.append(1) or time_paths(p))
+    assert main(["info", "--model", str(llama_path)]) == 0  # cached: nothing measured
+    text = capsys.readouterr().out
+    assert not timed and "lm_head/float32/64x256" in text and report["cache"] in text
+    assert main(["info", "--json", "--recalibrate", "--model", str(llama_path)]) == 0
+    capsys.readouterr()
+    assert len(timed) >= 6 and Path(report["cache"]).stat().st_mtime_ns > stamp
+
+
 @pytest.mark.slow
 def test_info_build_kernels_builds_each_cpu_kernel_ahead_of_the_engine():
     from kernels import cpu_build
