@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from encoders.siglip_fused import check_plain_block, fused_states
+from encoders.siglip_fused import check_plain_block, fused_states, tile_kernel
 from encoders.weights import CheckpointError, load_into, take
 from kernels.packed_linear import Activation, pack_linears
 
@@ -98,6 +98,9 @@ class SiglipTower(torch.nn.Module):
         self.post_norm = post_norm
         self.fused = fused
         self.tiles_per_chunk = tiles_per_chunk
+        # Attention on the C++ kernel or SDPA, as calibrated on this CPU at `pack` (None:
+        # asked at each forward, kernels/cpu_attention.tile_kernel_wins).
+        self.tile_kernel: bool | None = None
         # int(hidden * ratio) must give intermediate_size exactly (e.g. 1152 -> 4304).
         mlp_ratio = (config.intermediate_size + 0.5) / config.hidden_size
         self.vit = VisionTransformer(
@@ -129,8 +132,13 @@ class SiglipTower(torch.nn.Module):
 
     def pack(self) -> int:
         """Prepack the blocks' CPU float32 linears (oneDNN layout, fused epilogues);
-        returns how many. Both forwards keep working; the plain weights are dropped."""
-        return pack_linears(self.vit.blocks)
+        returns how many. Both forwards keep working; the plain weights are dropped. The
+        attention's kernel choice is settled here too, at the tower's own shape."""
+        count = pack_linears(self.vit.blocks)
+        embed = self.vit.pos_embed  # [1, num_patches, hidden]
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        self.tile_kernel = tile_kernel(embed[0], head_dim, embed.shape[1])
+        return count
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Last hidden state (after the post-norm when the tower has one)."""
@@ -164,7 +172,9 @@ class SiglipTower(torch.nn.Module):
 
     def _fused_states(self, pixel_values: torch.Tensor, wanted: list[int]) -> dict:
         act = _ACT_LAYERS[self.config.hidden_act]
-        return fused_states(self.vit, pixel_values, wanted, act, self.tiles_per_chunk)
+        return fused_states(
+            self.vit, pixel_values, wanted, act, self.tiles_per_chunk, self.tile_kernel
+        )
 
 
 def _tower_prefix_names(num_layers: int, post_norm: bool) -> dict[str, list[str]]:

@@ -36,13 +36,16 @@ def check_plain_block(block: Block) -> None:
     assert getattr(block.attn, "gate", None) is None, "gated attention is not supported"
 
 
-def fused_block(block: Block, x: torch.Tensor, num_tiles: int, act: Activation) -> torch.Tensor:
-    """One pre-norm ViT block. x: [num_tiles * num_patches, hidden], tile-major rows."""
+def fused_block(
+    block: Block, x: torch.Tensor, num_tiles: int, act: Activation, kernel: bool | None = None
+) -> torch.Tensor:
+    """One pre-norm ViT block. x: [num_tiles * num_patches, hidden], tile-major rows.
+    `kernel`: the calibrated attention choice (`tile_kernel`)."""
     attn = block.attn
     num_rows, hidden = x.shape
     num_patches = num_rows // num_tiles
     qkv = attn.qkv(block.norm1(x))  # [rows, 3 * hidden], columns (q|k|v, head, head_dim)
-    if tile_kernel(x, attn.head_dim, num_patches):
+    if tile_kernel(x, attn.head_dim, num_patches, kernel):
         out = cpu_attention.tile_attention(qkv, num_tiles, attn.num_heads, attn.scale)
     else:
         # 3 x [tiles, heads, patches, head_dim] strided views; SDPA reads the strides
@@ -55,21 +58,23 @@ def fused_block(block: Block, x: torch.Tensor, num_tiles: int, act: Activation) 
     return linear_add(block.mlp.fc2, linear_act(block.mlp.fc1, block.norm2(x), act), x)
 
 
-# float32 towers of at least this many patches a tile take the prefill kernel too: ahead of
-# torch's SDPA on Gemma 3's 4,096-patch tiles, level with it at LLaVA-OneVision's 729.
-FLOAT32_MIN_PATCHES = 1024
-
-
-def tile_kernel(x: torch.Tensor, head_dim: int, num_patches: int) -> bool:
+def tile_kernel(
+    x: torch.Tensor, head_dim: int, num_patches: int, calibrated: bool | None = None
+) -> bool:
     """Whether a block's attention runs on the C++ prefill kernel instead of torch's SDPA:
-    bfloat16 (even head dims) on a CPU with AVX-512 BF16 dot products (several times SDPA
-    there: `benchmarks/ops/prefill_attention.py --dtype bfloat16`); float32 on large
-    tiles. SDPA otherwise."""
+    where the kernel runs (a CPU, bfloat16 at even head dims or float32) and won this
+    CPU's calibration at the tower's shape (`calibrated`, `SiglipTower.pack`:
+    kernels/cpu_attention.tile_kernel_wins); an unpacked tower asks the calibration here."""
     if x.device.type != "cpu" or cpu_attention.prefill_available() is not None:
         return False
-    if x.dtype == torch.bfloat16:
-        return head_dim % 2 == 0 and cpu_attention.bf16_dot_available()
-    return x.dtype == torch.float32 and num_patches >= FLOAT32_MIN_PATCHES
+    if x.dtype not in (torch.float32, torch.bfloat16) or (
+        x.dtype == torch.bfloat16 and head_dim % 2
+    ):
+        return False
+    if calibrated is not None:
+        return calibrated
+    num_heads = x.shape[-1] // head_dim
+    return cpu_attention.tile_kernel_wins(x.dtype, num_heads, head_dim, num_patches)
 
 
 def default_tiles_per_chunk(device: torch.device, num_tiles: int) -> int:
@@ -83,11 +88,13 @@ def fused_states(
     wanted: Sequence[int],
     act: Activation,
     tiles_per_chunk: int | None = None,
+    kernel: bool | None = None,
 ) -> dict[int, torch.Tensor]:
     """Hidden states `wanted` (0 = embeddings, i = after block i; each in
     [0, num_blocks]) of `pixel_values` [tiles, 3, H, W], as {i: [tiles, patches, hidden]}.
 
-    `tiles_per_chunk`: tiles run through the blocks together (None: the default above)."""
+    `tiles_per_chunk`: tiles run through the blocks together (None: the default above);
+    `kernel`: the calibrated attention choice (`tile_kernel`)."""
     num_tiles = pixel_values.shape[0]
     tiles_per_chunk = tiles_per_chunk or default_tiles_per_chunk(pixel_values.device, num_tiles)
     last = max(wanted)
@@ -99,7 +106,7 @@ def fused_states(
         x = x.reshape(chunk * num_patches, hidden)
         for i in range(last + 1):
             if i:
-                x = fused_block(vit.blocks[i - 1], x, chunk, act)
+                x = fused_block(vit.blocks[i - 1], x, chunk, act, kernel)
             if i in chunks:
                 chunks[i].append(x.view(chunk, num_patches, hidden))
     return {i: parts[0] if len(parts) == 1 else torch.cat(parts) for i, parts in chunks.items()}

@@ -122,6 +122,40 @@ def _measure_prefill(
     return measured
 
 
+def tile_kernel_wins(dtype: torch.dtype, num_heads: int, head_dim: int, num_patches: int) -> bool:
+    """Whether a vision tower's attention within tiles of `num_patches` runs faster on the
+    prefill kernel (`tile_attention`) than through torch's SDPA on this CPU, in `dtype` at
+    this head shape (calibrated once per CPU; False where the kernel does not build). The
+    float32 kernel was ahead of SDPA on 4,096-patch tiles and level at 729 on a Zen 5."""
+    if prefill_available() is not None:
+        return False
+    heads = min(num_heads, 2 if num_patches <= 2048 else 1)  # a bounded measurement
+    name = f"tile_attention/{str(dtype).removeprefix('torch.')}/{heads}x{head_dim}x{num_patches}"
+    return calibration.calibrated(
+        name,
+        lambda: _measure_tile(dtype, heads, head_dim, num_patches),
+        lambda m: calibration.decide_faster(m, "kernel", "sdpa"),
+    )
+
+
+def _measure_tile(
+    dtype: torch.dtype, heads: int, head_dim: int, patches: int
+) -> calibration.Measured:
+    """Seconds of one tile's attention through `tile_attention` and through SDPA, as the
+    tower's fused block calls them (encoders/siglip_fused.py), interleaved."""
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(patches, 3 * heads * head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+
+    def sdpa() -> torch.Tensor:
+        q, k, v = qkv.view(1, patches, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        return out.transpose(1, 2).reshape(patches, heads * head_dim)
+
+    paths = {"kernel": lambda: tile_attention(qkv, 1, heads, scale), "sdpa": sdpa}
+    return [{"tokens": patches, **calibration.time_paths(paths)}]
+
+
 def tile_attention(qkv: torch.Tensor, num_tiles: int, num_heads: int, scale: float) -> torch.Tensor:
     """Full attention within each tile of a vision tower: qkv [tiles * patches, 3 * hidden]
     (columns q|k|v, head, head_dim), float32 or bfloat16; returns [tiles * patches, hidden]

@@ -124,3 +124,31 @@ def test_default_chunking_is_per_tile_on_one_cpu_thread_only():
         assert default_tiles_per_chunk(torch.device("meta"), 7) == 7  # a GPU: every tile
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_onednn
+@pytest.mark.parametrize("wins", [True, False])
+def test_packing_settles_the_towers_attention_path_as_calibrated(monkeypatch, wins):
+    """`pack` asks the calibration once at the tower's shape (dtype, heads, head dim,
+    patches) and every block's attention then takes that path: the C++ kernel or SDPA."""
+    from kernels import cpu_attention
+
+    if cpu_attention.prefill_available() is not None:
+        pytest.skip("the prefill kernel did not build here")
+    asked, calls = [], []
+    monkeypatch.setattr(
+        cpu_attention, "tile_kernel_wins", lambda *shape: asked.append(shape) or wins
+    )
+    tile_attention = cpu_attention.tile_attention
+    monkeypatch.setattr(
+        cpu_attention, "tile_attention", lambda *a: calls.append(1) or tile_attention(*a)
+    )
+    hf = hf_tower(64)
+    tower = our_tower(hf, post_norm=True, packed=True)
+    assert asked == [(torch.float32, 2, 64, 16)] and tower.tile_kernel is wins
+    pixel_values = torch.randn(2, 3, 36, 36)
+    with torch.no_grad():
+        out = tower(pixel_values)
+        expected = hf(pixel_values).last_hidden_state
+    assert len(calls) == (3 if wins else 0) and len(asked) == 1  # one per block
+    close(out, expected, packed=True)
