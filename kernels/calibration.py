@@ -6,7 +6,8 @@ attention kernel ran at 4.5-6.1x torch's SDPA on a Zen 5 and at 0.36-0.60x on an
 where oneDNN's bfloat16 GEMM (AMX tiles) also beats the skinny kernel on the LM head at a
 few dozen rows. So each choice site (kernels/packed_linear.py: the skinny kernel's rows per
 dtype and layer shape, the LM head's paths, float32 MKL from how many rows;
-kernels/cpu_attention.py: the prefill attention kernel or SDPA per dtype and head shape)
+kernels/cpu_attention.py: the prefill attention kernel or SDPA per dtype and head shape,
+in the decoder and in the vision tower's tiles)
 times its candidates here (`time_paths`: interleaved, a few rounds, robust to a shared
 machine's lost time slices; the load average is kept beside them) and hands
 the measurements to a pure rule below (`decide_*`, tested on their own). `calibrated`
@@ -215,6 +216,10 @@ def calibrated(name: str, measure: Callable[[], Measured], decide: Callable[[Mea
     entry = _entries.get(memo)
     if entry is None and os.environ.get(RECALIBRATE_ENV) != "1":
         entry = _read(path).get(name)
+        try:  # a stored entry the rule cannot read (edited, truncated): measured again
+            decide(entry["measured"]) if entry is not None else None
+        except (KeyError, TypeError, ValueError):
+            entry = None
     if entry is None:
         load = os.getloadavg()[0]  # beside the measurements: a loaded machine's are noisy
         start = time.perf_counter()

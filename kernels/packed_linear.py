@@ -208,7 +208,7 @@ class PackedLinear(nn.Module):
                 return skinny_linear(x, self.plain, self.bias)
             if self.plain_rows is not None and rows >= self.plain_rows:
                 return F.linear(x, self.plain, self.bias)
-        return self.forward_packed(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T + b on oneDNN's packed weight, whatever the rows."""
