@@ -56,7 +56,10 @@ HEAD_LADDER = (1, 4, 16, 64, 256)
 # a weight streamed from memory, in a bounded time (a 262k-token head is 335 MB).
 LINEAR_MAX_BYTES = 16 << 20
 HEAD_MAX_BYTES = 32 << 20
-LADDER_BUDGET_S = 1.5  # a ladder stops after this long (a loaded machine): decided on less
+# A ladder stops after this long (a loaded machine), decided on the sizes measured: the LM
+# head, the largest choice at stake (half a decode step on an AMX Xeon), gets longer.
+LADDER_BUDGET_S = 1.5
+HEAD_BUDGET_S = 5.0
 # float32 prefill GEMMs: MKL on the plain weight against oneDNN's packed GEMM, one square
 # GEMM at 2,048 and 1,024 rows (MKL won from ~1,536 rows on a Zen 3 and never on a Zen 5,
 # where it runs its AVX2 code: benchmarks/ops/gemm_crossover.py).
@@ -115,19 +118,19 @@ def head_choice(dtype: torch.dtype, hidden: int, vocab: int) -> calibration.Head
     paths = ("skinny", "packed", "plain")
     return calibration.calibrated(
         name,
-        lambda: _measure_ladder(dtype, hidden, out_m, HEAD_LADDER, paths),
+        lambda: _measure_ladder(dtype, hidden, out_m, HEAD_LADDER, paths, HEAD_BUDGET_S),
         calibration.decide_head,
     )
 
 
 def _measure_ladder(
     dtype: torch.dtype, in_features: int, out_features: int, ladder: tuple[int, ...],
-    paths: tuple[str, ...],
+    paths: tuple[str, ...], budget_s: float = LADDER_BUDGET_S,
 ) -> calibration.Measured:  # fmt: skip
     """Seconds per call of `paths` (of "skinny", "onednn" / "packed", "plain") for an
     [out, in] weight in `dtype` at each row count of `ladder`, interleaved; stops after the
     skinny kernel lost by MARGIN at two sizes in a row (larger sizes only widen the gap), or
-    after LADDER_BUDGET_S."""
+    after `budget_s`."""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -145,7 +148,7 @@ def _measure_ladder(
         measured.append({"rows": rows, **seconds})
         best_gemm = min(seconds[p] for p in paths if p != "skinny")
         losses = losses + 1 if seconds["skinny"] > calibration.MARGIN * best_gemm else 0
-        if losses == 2 or time.perf_counter() - start > LADDER_BUDGET_S:
+        if losses == 2 or time.perf_counter() - start > budget_s:
             break
     return measured
 

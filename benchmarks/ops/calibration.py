@@ -66,7 +66,8 @@ def lm_head(dtype: torch.dtype, m: dict[str, int], full: bool) -> dict:
     rows_m = packed_linear._measured_rows(vocab, hidden, dtype, packed_linear.HEAD_MAX_BYTES)
     paths = ("skinny", "packed", "plain")
     ladder = packed_linear.HEAD_LADDER
-    measured = packed_linear._measure_ladder(dtype, hidden, rows_m, ladder, paths)
+    budget = packed_linear.HEAD_BUDGET_S
+    measured = packed_linear._measure_ladder(dtype, hidden, rows_m, ladder, paths, budget)
     choice = calibration.decide_head(measured)
     print(f"\nLM head [{hidden} -> {vocab}] ({rows_m} rows measured): {choice} (ms)")
     print(table(ms(measured), ["rows", *paths]))
