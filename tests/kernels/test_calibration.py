@@ -176,11 +176,11 @@ def test_recalibration_is_forced_by_the_env_var_and_by_forget(cache_dir, monkeyp
 
     calibration.calibrated("probe", measure, decide)
     monkeypatch.setattr(calibration, "_entries", {})
-    monkeypatch.setenv(calibration.RECALIBRATE_ENV, "1")
+    monkeypatch.setenv("VLMSERVE_RECALIBRATE", "1")  # the documented name
     calibration.calibrated("probe", measure, decide)
     calibration.calibrated("probe", measure, decide)  # once per process
     assert len(calls) == 2
-    monkeypatch.delenv(calibration.RECALIBRATE_ENV)
+    monkeypatch.delenv("VLMSERVE_RECALIBRATE")
     calibration.forget()
     assert not calibration.cache_path().exists()
     calibration.calibrated("probe", measure, decide)
