@@ -19,6 +19,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from encoders.siglip_fused import check_plain_block, fused_states, tile_kernel
 from encoders.weights import CheckpointError, load_into, take
+from kernels import cpu_attention
 from kernels.packed_linear import Activation, pack_linears
 
 # HF `hidden_act` -> timm `act_layer`; only the ones that stay bit-exact. The fused forward
@@ -98,8 +99,8 @@ class SiglipTower(torch.nn.Module):
         self.post_norm = post_norm
         self.fused = fused
         self.tiles_per_chunk = tiles_per_chunk
-        # Attention on the C++ kernel or SDPA, as calibrated on this CPU at `pack` (None:
-        # asked at each forward, kernels/cpu_attention.tile_kernel_wins).
+        # Attention on the C++ kernel or SDPA, as calibrated on this CPU at `pack`
+        # (kernels/cpu_attention.tile_kernel_wins; None: not packed, SDPA).
         self.tile_kernel: bool | None = None
         # int(hidden * ratio) must give intermediate_size exactly (e.g. 1152 -> 4304).
         mlp_ratio = (config.intermediate_size + 0.5) / config.hidden_size
@@ -135,9 +136,13 @@ class SiglipTower(torch.nn.Module):
         returns how many. Both forwards keep working; the plain weights are dropped. The
         attention's kernel choice is settled here too, at the tower's own shape."""
         count = pack_linears(self.vit.blocks)
-        embed = self.vit.pos_embed  # [1, num_patches, hidden]
-        head_dim = self.config.hidden_size // self.config.num_attention_heads
-        self.tile_kernel = tile_kernel(embed[0], head_dim, embed.shape[1])
+        embed = self.vit.pos_embed[0]  # [num_patches, hidden]
+        heads = self.config.num_attention_heads
+        head_dim = self.config.hidden_size // heads
+        can_run = tile_kernel(embed, head_dim, embed.shape[0], calibrated=True)
+        self.tile_kernel = can_run and cpu_attention.tile_kernel_wins(
+            embed.dtype, heads, head_dim, embed.shape[0]
+        )
         return count
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -62,19 +62,15 @@ def tile_kernel(
     x: torch.Tensor, head_dim: int, num_patches: int, calibrated: bool | None = None
 ) -> bool:
     """Whether a block's attention runs on the C++ prefill kernel instead of torch's SDPA:
-    where the kernel runs (a CPU, bfloat16 at even head dims or float32) and won this
-    CPU's calibration at the tower's shape (`calibrated`, `SiglipTower.pack`:
-    kernels/cpu_attention.tile_kernel_wins); an unpacked tower asks the calibration here."""
-    if x.device.type != "cpu" or cpu_attention.prefill_available() is not None:
+    where the kernel runs (a CPU, bfloat16 at even head dims or float32), as this CPU's
+    calibration chose at the tower's shape when it was packed (`calibrated`,
+    `SiglipTower.pack`: kernels/cpu_attention.tile_kernel_wins; None without one, as for an
+    unpacked tower, the plain path: SDPA)."""
+    if not calibrated or x.device.type != "cpu" or cpu_attention.prefill_available() is not None:
         return False
-    if x.dtype not in (torch.float32, torch.bfloat16) or (
-        x.dtype == torch.bfloat16 and head_dim % 2
-    ):
-        return False
-    if calibrated is not None:
-        return calibrated
-    num_heads = x.shape[-1] // head_dim
-    return cpu_attention.tile_kernel_wins(x.dtype, num_heads, head_dim, num_patches)
+    if x.dtype == torch.bfloat16:
+        return head_dim % 2 == 0  # bfloat16 pairs
+    return x.dtype == torch.float32
 
 
 def default_tiles_per_chunk(device: torch.device, num_tiles: int) -> int:
