@@ -55,7 +55,13 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--model",
         default=str(DEFAULT_MODEL_DIR),
-        help="checkpoint folder (default: the embedded model trained on generated scenes)",
+        help="checkpoint folder, or a GGUF file (or a folder holding one), dequantized at "
+        "load (default: the embedded model trained on generated scenes)",
+    )
+    group.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a GGUF model's tokenizer: a HF tokenizer folder instead of the file's vocabulary",
     )
     group.add_argument(
         "--device", type=device, default=None, help="cpu, cuda (default: $VLMSERVE_DEVICE)"
@@ -331,6 +337,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags describe. Raises ValueError naming the flags."""
     model = ModelConfig(
         args.model,
+        tokenizer=args.tokenizer,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_images_per_request=args.max_images_per_request,
