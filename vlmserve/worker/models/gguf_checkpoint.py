@@ -31,7 +31,7 @@ from vlmserve.worker.models.gguf_weights import ARCHITECTURES, unsupported_archi
 log = logging.getLogger(__name__)
 
 CACHE_DIR = Path.home() / ".cache" / "vlmserve" / "gguf"
-SIDECAR_VERSION = 2
+SIDECAR_VERSION = 3
 WEIGHTS_LINK = "model.gguf"
 INFO_FILE = "gguf.json"  # what `vlmserve info` prints: source, architecture, block types
 # Turn-ending tokens that stop generation beside the file's EOS (llama.cpp's end-of-
@@ -58,6 +58,7 @@ GEMMA3_CHAT_TEMPLATE = (
     "{{'<start_of_turn>model\n'}}{%- endif -%}"
 )
 _BUILTIN_TEMPLATES = {"gemma3": GEMMA3_CHAT_TEMPLATE}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -143,6 +144,7 @@ def _build(gguf: Path, tokenizer: str | None, out: Path) -> None:
     types = Counter(GGMLQuantizationType(t.qtype).name for t in file.tensors)
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).to_dict()
     config["model_type"] = ARCHITECTURES[arch]
+    config["architectures"] = [_HF_CLASSES[arch]]  # what other engines read off config.json
     config["torch_dtype"] = _dtype_of(types)
     if arch == "gemma3":
         _gemma3_fields(config, file)
