@@ -5,6 +5,7 @@ table (`UNSUPPORTED_FIELDS`), and why (`docs/gen/api_notes.py`)."""
 
 from __future__ import annotations
 
+import json
 import re
 import types
 import typing
@@ -119,8 +120,11 @@ def _default(info) -> str:
 
 
 def _declared_rows(model: type[BaseModel]) -> list[tuple]:
+    """The model's fields, its own first, then those it shares (SamplingFields)."""
+    own = model.__dict__.get("__annotations__", {})
+    fields = sorted(model.model_fields.items(), key=lambda item: item[0] not in own)
     rows = []
-    for name, info in model.model_fields.items():
+    for name, info in fields:
         what = type_name(info.annotation)
         limits = bounds(info)
         rows.append((
@@ -136,7 +140,7 @@ def _extra_rows(model: type[BaseModel], names: list[str], refused: dict) -> list
         if name in model.model_fields:
             continue
         if name in refused:
-            allowed = ", ".join(code(repr(v)) for v in refused[name])
+            allowed = ", ".join(code(json.dumps(v)) for v in refused[name])
             rows.append((code(name), "JSON", "none", f"{STATUSES['refused']} unless {allowed}",
                          note(model, name)))  # fmt: skip
         else:
@@ -186,6 +190,20 @@ def render() -> str:
         "naming the field; a value the sampler cannot use is a 400 naming it. Any field not "
         "listed here is accepted and ignored, so newer clients keep working.\n",
     ]
+    chat = _models()["POST /v1/chat/completions"]
+    refused_rows = [
+        (code("POST /v1/chat/completions"), code(name),
+         ", ".join(code(json.dumps(v)) for v in allowed), note(chat, name))
+        for name, allowed in UNSUPPORTED_FIELDS.items()
+    ]  # fmt: skip
+    for endpoint, model in _models().items():
+        refused_rows += [
+            (code(endpoint), code(name), "unset or empty", note(model, name))
+            for name in model.model_fields
+            if status(model, name) == "refused"
+        ]
+    head = ("endpoint", "field", "accepted only as", "why")
+    out += ["## Refused fields\n", table(head, refused_rows)]
     nested_done: list[type[BaseModel]] = []
     for endpoint, model in _models().items():
         out.append(f"## `{endpoint}`\n")

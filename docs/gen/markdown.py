@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,13 +20,18 @@ def header(title: str, source: str) -> str:
 
 
 def cell(text: object) -> str:
-    """One table cell: a single line, `|` escaped."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """One table cell: a single line, each `|` not yet escaped escaped."""
+    return re.sub(r"(?<!\\)\|", r"\\|", " ".join(str(text).split()))
 
 
 def code(text: object) -> str:
-    """`text` as inline code (a backtick inside it widens the fence)."""
+    """`text` as inline code (a backtick inside it widens the fence). A `|` is left out of
+    the code spans, escaped between them (`a`\\|`b`): GitHub and Python-Markdown read an
+    escaped pipe inside a code span in a table differently, outside it alike."""
     text = str(text)
+    if "|" in text:
+        parts = text.split("|")
+        return "\\|".join(p.replace(p.strip(), code(p.strip()), 1) for p in parts)
     fence = "``" if "`" in text else "`"
     pad = " " if text.startswith("`") or text.endswith("`") else ""
     return f"{fence}{pad}{text}{pad}{fence}"

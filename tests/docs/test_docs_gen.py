@@ -83,7 +83,7 @@ def test_the_refusal_table_is_read_from_the_code(monkeypatch):
     monkeypatch.setitem(protocol.UNSUPPORTED_FIELDS, "web_search_options", (None,))
     monkeypatch.setitem(api_fields.api_notes.NOTES, "web_search_options", "No search.")
     page = api_fields.render()
-    assert "| `web_search_options` | JSON | none | **refused** (400) unless `None` |" in page
+    assert "| `web_search_options` | JSON | none | **refused** (400) unless `null` |" in page
 
 
 def test_every_metrics_series_is_listed():

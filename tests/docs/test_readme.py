@@ -48,6 +48,13 @@ def test_the_readme_is_short():
     assert len(README.splitlines()) <= MAX_LINES
 
 
+def test_every_relative_link_in_the_readme_exists():
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README)
+    assert links
+    for link in links:
+        assert (ROOT / link).exists(), link
+
+
 def test_the_two_setup_commands_are_the_dev_scripts():
     setup = code_blocks("bash")[0].splitlines()
     assert [line.split("#")[0].strip() for line in setup] == ["./dev demo", "./dev test"]
