@@ -150,7 +150,7 @@ def render() -> str:
         own = [a for a in _visible(sub) if a not in engine]
         anchor = line.replace(" ", "-")
         toc.append(f"- [`{line}`](#{anchor}): {cell(help_text or '')}")
-        body = [f"## `{line}` {{#{anchor}}}\n"]
+        body = [f"## `{line}`\n"]  # anchor: the slug of its text, as GitHub's
         if help_text:
             body.append(f"{help_text[0].upper()}{help_text[1:]}.\n")
         if own:
