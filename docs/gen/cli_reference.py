@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,29 +65,42 @@ def show_default(action: argparse.Action) -> str:
         return "required" if action.required else "none"
     if isinstance(default, (list, tuple)) and not default:
         return "none"
-    text = str(default)
-    root, home = str(REPO_ROOT), str(Path.home())
-    if text.startswith(root + os.sep):
-        text = text[len(root) + 1 :]
-    elif text.startswith(home + os.sep):
+    text, home = str(default), str(Path.home())
+    for root in _roots():
+        if text.startswith(root + os.sep):
+            return code(text[len(root) + 1 :])
+    if text.startswith(home + os.sep):
         text = "~" + text[len(home) :]
     return code(text)
 
 
+def _roots() -> list[str]:
+    """Where the project's files are: this checkout, and wherever `vlmserve` was imported
+    from (an installed copy), so a default path reads the same from either."""
+    import vlmserve
+
+    return [str(REPO_ROOT), str(Path(vlmserve.__file__).resolve().parents[1])]
+
+
 def _invocation(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
-    formatter = parser._get_formatter()
-    if isinstance(action, argparse.BooleanOptionalAction):
+    """`--flag METAVAR, --alias METAVAR` as argparse up to Python 3.12 writes it (3.13
+    changed the format: built here so the page does not depend on the Python version)."""
+    if not action.option_strings:
+        return code(action.metavar or action.dest)
+    if action.nargs == 0:
         return ", ".join(code(s) for s in action.option_strings)
-    text = formatter._format_action_invocation(action)
-    return ", ".join(code(part) for part in text.split(", "))
+    args = parser._get_formatter()._format_args(action, action.dest.upper())
+    return ", ".join(code(f"{s} {args}") for s in action.option_strings)
 
 
 def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     if not action.help or action.help == argparse.SUPPRESS:
         return ""
     help_text = parser._get_formatter()._expand_help(action)
-    root = str(REPO_ROOT)
-    return help_text.replace(root + os.sep, "").replace(str(Path.home()), "~")
+    help_text = re.sub(r"\x1b\[[0-9;]*m", "", help_text)  # Python 3.14's colours
+    for root in _roots():
+        help_text = help_text.replace(root + os.sep, "")
+    return help_text.replace(str(Path.home()), "~")
 
 
 def _rows(parser: argparse.ArgumentParser, actions: list[argparse.Action]) -> list[tuple]:
