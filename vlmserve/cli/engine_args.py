@@ -202,7 +202,7 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
         help="plan the next step while the forward pass runs on its own thread; a request "
         "that stops is noticed a step late (one extra token computed, never sent); outputs "
         "are unchanged. Off by default: on a CPU the forward's Python shares the GIL with "
-        "the planner's (README, 'Async scheduling'). Speculation always runs synchronously",
+        "the planner's (docs/engine.md, 'Async scheduling'). Speculation always runs synchronously",
     )
     group.add_argument(
         "--slo-ttft-ms",
