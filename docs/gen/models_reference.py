@@ -69,6 +69,7 @@ def families() -> list[tuple]:
 
 
 def render() -> str:
+    from vlmserve.worker.models.gguf_weights import ARCHITECTURES as GGUF_ARCHS
     from vlmserve.worker.models.loader import SUPPORTED_FAMILIES
 
     rows = families()
@@ -93,7 +94,9 @@ def render() -> str:
         "local Hugging Face checkpoint folder: `config.json`, the weights as `*.safetensors` "
         "(sharded with `model.safetensors.index.json` too), the tokenizer and, for a "
         "vision model, `preprocessor_config.json`. The family is read from `config.json`'s "
-        "`model_type`; anything else is refused at start with this list.\n",
+        "`model_type`; anything else is refused at start with this list. `--model` also "
+        f"takes a GGUF file (architectures {', '.join(code(a) for a in sorted(GGUF_ARCHS))}), "
+        "dequantized at load: see [GGUF files](../models.md#gguf-files).\n",
         "## Families\n",
         table(("family", "`model_type`", "architectures", "image tiling", "notes"),
               family_rows),  # fmt: skip

@@ -15,6 +15,7 @@ from kernels.backends import select_backend
 from kernels.cpu_build import native_bf16
 from kernels.fused_ops import op_backends
 from vlmserve.config import checkpoint_dtype, choose_dtype, default_device
+from vlmserve.worker.models.gguf_weights import ARCHITECTURES as GGUF_ARCHITECTURES
 from vlmserve.worker.models.loader import SUPPORTED_FAMILIES
 
 
@@ -155,7 +156,8 @@ def collect(
         "attention_backend": attention,
         "ops": op_backends(torch.device(device), attention, dtype=choice.dtype),
         "threads": torch.get_num_threads(),
-        "model_families": ", ".join(SUPPORTED_FAMILIES),
+        "model_families": ", ".join(SUPPORTED_FAMILIES)
+        + f"; GGUF files of {', '.join(sorted(GGUF_ARCHITECTURES))}",
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)

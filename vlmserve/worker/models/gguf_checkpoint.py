@@ -58,7 +58,11 @@ GEMMA3_CHAT_TEMPLATE = (
     "{{'<start_of_turn>model\n'}}{%- endif -%}"
 )
 _BUILTIN_TEMPLATES = {"gemma3": GEMMA3_CHAT_TEMPLATE}
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 
 def find_gguf(path: str | Path) -> Path | None:

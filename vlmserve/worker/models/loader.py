@@ -56,7 +56,6 @@ _MODEL_TYPES = {"smolvlm": "idefics3"}
 # What `vlmserve info` and the refusal name.
 SUPPORTED_FAMILIES = (
     "LLaVA-OneVision", "Idefics3/SmolVLM", "Gemma 3 (image-text and text)", "Llama", "Qwen2",
-    "GGUF files of Llama, Qwen2 and Gemma 3 (text)",
 )  # fmt: skip
 
 
