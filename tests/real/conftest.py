@@ -16,7 +16,7 @@ PROMPTS = [
     "The capital of France is",
     "In 1969, the first humans to walk on the Moon were",
     "Photosynthesis is the process by which plants",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "The three primary colors are",
     "Once upon a time, in a small village by the sea, there lived",
     "To make a cup of tea, first",
