@@ -134,3 +134,15 @@ def test_unsupported_architecture_and_ambiguous_folders_are_refused(tmp_path, co
     garbage.write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match="not a"):
         resolve_model_path(str(garbage))
+
+
+def test_info_door_prints_what_the_file_holds(converted, capsys):
+    from vlmserve.cli.main import main
+
+    arch, hf, gguf_file = converted
+    assert main(["info", "--model", str(gguf_file), "--tokenizer", str(hf), "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["gguf"] == str(Path(gguf_file).resolve())
+    assert model["layers"] == read_config(hf)["num_hidden_layers"]
+    counts = dict(part.split(":") for part in model["gguf_blocks"].split())
+    assert sum(map(int, counts.values())) == len(read_gguf_tensors(gguf_file, read_config(hf)))
