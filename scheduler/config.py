@@ -239,7 +239,7 @@ class SpeculativeConfig:
     """n-gram speculative decoding (article §15). Off unless num_speculative_tokens > 0."""
 
     # Off unless asked for: benchmarks/engine/spec_decode.py did not show adaptive γ never slower
-    # than off at every load (README, "Speculation").
+    # than off at every load (docs/engine.md, "Speculation").
     num_speculative_tokens: int = 0  # γ_max: drafts per sequence per step; 0 = off
     # Suffix lengths the n-gram proposer tries, longest first.
     min_n: int = 2

@@ -9,7 +9,7 @@ policy once, when it is loaded, so the choice is the process's, made from its co
   iterations (about 0.2 s on a 3 GHz core; Intel OpenMP's default KMP_BLOCKTIME, which
   vLLM's CPU build runs with, is 0.2 s) before they sleep: a thread that sleeps between
   the regions is woken for every one, which made served decode steps and offline runs
-  measurably slower (the README's "OpenMP waiting" paragraph has the figures).
+  measurably slower (docs/hardware.md's "OpenMP waiting" has the figures).
 - Anything else (the library, the tests) waits passively: on a CPU shared with other
   processes (a busy CI machine, a notebook beside a server) spinning threads take the
   cores the working threads need, and every parallel region waits for a descheduled

@@ -16,6 +16,7 @@ from encoders.config import EncoderConfig
 from kernels.cpu_build import native_bf16
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.sample.structured import StructuredConfig
+from vlmserve.worker.models.gguf_checkpoint import resolve_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *_DTYPES)
@@ -101,10 +102,12 @@ class ModelConfig:
     # cached); or a schedule JSON (search/nanoflow/schedule.py) or a folder of them, one per dense
     # batch size.
     nano_batch: str = "off"
+    # A GGUF file's tokenizer: a HF tokenizer folder instead of the file's own vocabulary.
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
-        if not Path(self.path).is_dir():
-            raise ValueError(f"model path {self.path!r} is not a directory")
+        # A GGUF file (or a folder holding one) is served through its sidecar folder.
+        object.__setattr__(self, "path", resolve_model_path(self.path, self.tokenizer))
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {list(DTYPE_CHOICES)}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -111,6 +111,70 @@ def write_text_workload(root: Path, args: argparse.Namespace) -> dict:
     return _save(root, spec)
 
 
+REAL_PROMPT_TOKENS = (128, 1024)  # uniform, both ends included
+REAL_OUTPUT_TOKENS = (64, 256)
+# Real prose for the real checkpoint's prompts: the project's own documentation.
+REAL_TEXT = ("README.md", "benchmarks/README.md", "docs")
+
+
+def real_corpus_ids(tokenizer) -> list[int]:
+    repo = Path(__file__).resolve().parents[2]
+    files = []
+    for name in REAL_TEXT:
+        path = repo / name
+        files += sorted(path.glob("*.md")) if path.is_dir() else [path]
+    text = "\n\n".join(f.read_text() for f in files)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def write_real_workload(root: Path, dtype: str, num_requests: int, seed: int = 0) -> dict:
+    """The real checkpoint (Gemma 3 270M, its bfloat16 HF folder: the same weights for both
+    engines) on `num_requests` real-text prompts of 128-1,024 tokens (BOS + a slice of the
+    project's docs), 64-256 output tokens each, greedy, ignore_eos."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.lib.real_model import fetch_hf_dir
+
+    model = fetch_hf_dir()
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    corpus = real_corpus_ids(tokenizer)
+    rng = random.Random(seed)
+
+    def draw(n: int, low: int, high: int) -> list[tuple[list[int], int]]:
+        out = []
+        for _ in range(n):
+            length = rng.randint(low, high)
+            start = rng.randrange(len(corpus) - length)
+            ids = [tokenizer.bos_token_id] + corpus[start : start + length - 1]
+            out.append((ids, rng.randint(*REAL_OUTPUT_TOKENS)))
+        return out
+
+    requests = draw(num_requests, *REAL_PROMPT_TOKENS)
+    warmup = [(ids[:64], 4) for ids, _ in draw(2, 64, 64)]
+    config = json.loads((model / "config.json").read_text())
+    elem = 2 if dtype == "bfloat16" else 4
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"]
+    per_token *= config["head_dim"] * elem
+    tokens = sum(len(ids) + n for ids, n in requests)
+    pool = (tokens // BLOCK_SIZE + 64) * BLOCK_SIZE * per_token
+    root.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "model": str(model),
+        "workload": "real",
+        "requests": [{"prompt_token_ids": ids, "max_tokens": n} for ids, n in requests],
+        "warmup": [{"prompt_token_ids": ids, "max_tokens": n} for ids, n in warmup],
+        "prompt_lens_estimate": [len(ids) for ids, _ in requests],
+        "engine": {
+            "max_model_len": 2048,
+            "max_num_batched_tokens": 2048,
+            "max_num_seqs": 256,
+            "kv_cache_gib": max(1, math.ceil(pool / 2**30)),
+            "dtype": dtype,
+        },
+    }
+    return _save(root, spec)
+
+
 def write_image_workload(
     root: Path,
     args: argparse.Namespace,

@@ -161,7 +161,7 @@ def vlmserve_worker(spec_path: str, result_path: str) -> None:
             SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
             for r in items
         ]
-        if spec["workload"] == "text":
+        if "prompt_token_ids" in items[0]:  # the text and real workloads
             return [
                 Request(prompt_token_ids=r["prompt_token_ids"], sampling=s)
                 for r, s in zip(items, sampling, strict=True)
@@ -264,9 +264,11 @@ def _first(spec: dict, n: int | None) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
-        "--workload", choices=("text", "image", "all", "gemma3"), default="all",
-        help="all: text and image; gemma3: the image workload on a Gemma 3 shape (its own file)",
+        "--workload", choices=("text", "image", "all", "gemma3", "real"), default="all",
+        help="all: text and image; gemma3: the image workload on a Gemma 3 shape (its own "
+        "file); real: the real Gemma 3 270M on real text (vs_vllm_real*.json)",
     )  # fmt: skip
+    p.add_argument("--real-requests", type=int, default=64, help="requests of --workload real")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per workload")
     p.add_argument(
         "--quick",
@@ -335,10 +337,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--rounds {args.rounds} must be >= 1")
     if args.serve_repeats < 1:
         p.error(f"--serve-repeats {args.serve_repeats} must be >= 1")
-    if args.serve and args.workload == "gemma3":
-        p.error("--workload gemma3 is offline only (the serving part runs text and image)")
+    if args.serve and args.workload in ("gemma3", "real"):
+        p.error(f"--workload {args.workload} is offline only (the serving part: text, image)")
     base = "vs_vllm_serve" if args.serve else "vs_vllm"
-    base += "_gemma3" if args.workload == "gemma3" else ""
+    base += f"_{args.workload}" if args.workload in ("gemma3", "real") else ""
     base += "_bf16" if args.dtype == "bfloat16" else ""
     args.name = args.name or (base + "_quick" if args.quick else base)
     return args
@@ -369,6 +371,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         for name in names:  # every checkpoint and spec on disk before the first round
             if name == "text":
                 specs[name] = workloads.write_text_workload(root / name, text_args)
+            elif name == "real":
+                specs[name] = workloads.write_real_workload(
+                    root / name, args.dtype, 8 if args.quick else args.real_requests
+                )
             elif name == "gemma3":
                 specs[name] = workloads.write_gemma3_workload(
                     root / name, text_args, args.image_requests, args.image_output,

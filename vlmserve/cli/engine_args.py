@@ -55,7 +55,13 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--model",
         default=str(DEFAULT_MODEL_DIR),
-        help="checkpoint folder (default: the embedded model trained on generated scenes)",
+        help="checkpoint folder, or a GGUF file (or a folder holding one), dequantized at "
+        "load (default: the embedded model trained on generated scenes)",
+    )
+    group.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a GGUF model's tokenizer: a HF tokenizer folder instead of the file's vocabulary",
     )
     group.add_argument(
         "--device", type=device, default=None, help="cpu, cuda (default: $VLMSERVE_DEVICE)"
@@ -196,7 +202,7 @@ def _add_cache_args(group: argparse._ArgumentGroup) -> None:
         help="plan the next step while the forward pass runs on its own thread; a request "
         "that stops is noticed a step late (one extra token computed, never sent); outputs "
         "are unchanged. Off by default: on a CPU the forward's Python shares the GIL with "
-        "the planner's (README, 'Async scheduling'). Speculation always runs synchronously",
+        "the planner's (docs/engine.md, 'Async scheduling'). Speculation always runs synchronously",
     )
     group.add_argument(
         "--slo-ttft-ms",
@@ -331,6 +337,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags describe. Raises ValueError naming the flags."""
     model = ModelConfig(
         args.model,
+        tokenizer=args.tokenizer,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_images_per_request=args.max_images_per_request,

@@ -5,6 +5,7 @@ kernel choice calibrated on it (kernels/calibration.py) with the measurements be
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import json
 import platform
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from kernels.backends import choose_prefill_path, select_backend
 from kernels.cpu_build import native_bf16
 from kernels.fused_ops import op_backends
 from vlmserve.config import checkpoint_dtype, choose_dtype, default_device
+from vlmserve.worker.models.gguf_weights import ARCHITECTURES as GGUF_ARCHITECTURES
 from vlmserve.worker.models.loader import SUPPORTED_FAMILIES
 
 
@@ -145,11 +147,44 @@ def calibrate(shapes: dict[str, int], dtype: torch.dtype) -> dict[str, object]:
     return {**report, "seconds_now": round(time.perf_counter() - start, 2)}
 
 
+def model_summary(model_path: str) -> dict[str, object]:
+    """The decoder's shape and, for a GGUF file, what the file holds (its sidecar's record)."""
+    from encoders.weights import read_config
+    from vlmserve.worker.models.gguf_checkpoint import INFO_FILE, weights_file
+    from vlmserve.worker.models.loader import decoder_config, family_of
+
+    config = read_config(model_path)
+    cfg = decoder_config(config)
+    summary: dict[str, object] = {
+        "family": family_of(config).family,
+        "layers": cfg.num_layers,
+        "hidden": cfg.hidden_size,
+        "heads": f"{cfg.num_heads} q / {cfg.num_kv_heads} kv x {cfg.head_dim}",
+        "vocab": cfg.vocab_size,
+    }
+    if weights_file(model_path) is not None:
+        gguf = json.loads((Path(model_path) / INFO_FILE).read_text())
+        summary["gguf"] = gguf["source"]
+        summary["gguf_blocks"] = " ".join(f"{k}:{v}" for k, v in gguf["tensor_types"].items())
+        summary["gguf_tokenizer"] = gguf["tokenizer"]
+        summary["chat_template"] = gguf["chat_template"]
+        summary["eos_token_ids"] = gguf["eos_token_ids"]
+        summary["sidecar"] = model_path
+    return summary
+
+
 def collect(
-    model_path: str | None = None, tp: int = 1, recalibrate: bool = False
+    model_path: str | None = None,
+    tp: int = 1,
+    tokenizer: str | None = None,
+    recalibrate: bool = False,
 ) -> dict[str, object]:
     """`recalibrate`: drop this machine's calibration and measure every choice anew."""
+    from vlmserve.worker.models.gguf_checkpoint import resolve_model_path
+
     device = default_device()
+    if model_path is not None:
+        model_path = resolve_model_path(model_path, tokenizer)
     # --dtype auto for the model (without one: for a 16-bit checkpoint)
     marked = checkpoint_dtype(model_path) if model_path is not None else "bfloat16"
     choice = choose_dtype("auto", torch.device(device).type, marked, native_bf16())
@@ -178,11 +213,13 @@ def collect(
         "attention_backend": attention,
         "ops": op_backends(torch.device(device), attention, dtype=choice.dtype),
         "threads": torch.get_num_threads(),
-        "model_families": ", ".join(SUPPORTED_FAMILIES),
+        "model_families": ", ".join(SUPPORTED_FAMILIES)
+        + f"; GGUF files of {', '.join(sorted(GGUF_ARCHITECTURES))}",
     }
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)
     if model_path is not None:
+        info["model"] = model_summary(model_path)
         info["tensor_parallel"] = tensor_parallel(model_path, tp)
     if calibrated is not None:
         info["calibration"] = calibrated

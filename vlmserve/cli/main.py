@@ -18,7 +18,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from vlmserve.cli import info
 
     kernels, built = info.build_kernels() if args.build_kernels else ({}, True)
-    data = info.collect(args.model, args.tensor_parallel_size, args.recalibrate)
+    data = info.collect(args.model, args.tensor_parallel_size, args.tokenizer, args.recalibrate)
     if kernels:
         data["cpu_kernels"] = kernels
     print(json.dumps(data, indent=2) if args.json else info.render(data))
@@ -84,7 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="versions, PIL build, device, attention backend")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--model", help="checkpoint folder: also how --tensor-parallel-size splits it")
+    p.add_argument(
+        "--model",
+        help="checkpoint folder or GGUF file: what it holds, and how --tensor-parallel-size "
+        "splits it",
+    )
+    p.add_argument("--tokenizer", default=None, help="a GGUF model's HF tokenizer folder")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N")
     p.add_argument(
         "--build-kernels",

@@ -176,9 +176,9 @@ def test_flag_defaults_are_the_config_dataclasses_defaults(door):
     assert config.model == dataclasses.replace(model_defaults, attention_backend="auto")
 
 
-def _readme_flag_defaults() -> dict[str, str]:
-    """`--flag` N pairs the README's "Engine flags" section states (`--a/-b` x/y: both)."""
-    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+def _docs_flag_defaults() -> dict[str, str]:
+    """`--flag` N pairs docs/engine.md's "Engine flags" section states (`--a/-b` x/y: both)."""
+    text = (Path(__file__).resolve().parents[3] / "docs" / "engine.md").read_text()
     section = text.split("## Engine flags", 1)[1].split("\n## ", 1)[0]
     stated = {}
     for flags, value in re.findall(r"`(--[a-z-/]+)(?: N)?`,? \(?(\d+(?:/\d+)?)\b", section):
@@ -192,8 +192,8 @@ def _readme_flag_defaults() -> dict[str, str]:
     return stated
 
 
-def test_the_readme_states_the_flags_real_defaults():
-    stated = _readme_flag_defaults()
+def test_the_docs_state_the_flags_real_defaults():
+    stated = _docs_flag_defaults()
     assert {"--kv-cache-mb", "--block-size", "--max-num-seqs", "--encoder-cache-mb"} <= set(stated)
     parser = build_parser()
     serve = parser.parse_args(DOORS["serve"])

@@ -15,7 +15,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from search.costmodel.presets import CACHE_PRECISIONS, ENCODERS, WEIGHT_PRECISIONS
+from search.costmodel.presets import (
+    ACCELERATORS,
+    CACHE_PRECISIONS,
+    ENCODERS,
+    MODELS,
+    WEIGHT_PRECISIONS,
+)
 from search.image_budget import TILING_RULES
 from vlmserve.cli.estimate import capacity as estimate_capacity
 from vlmserve.cli.estimate import labs
@@ -39,13 +45,13 @@ def _common(default_model: str, default_workspace_gb: float) -> argparse.Argumen
     p.add_argument(
         "--model",
         default=default_model,
-        help="preset (llama-2-7b, llama-3-8b, mistral-7b, llama-3-70b, mha-7b, qwen2-7b, "
-        "gemma-3-4b, gemma-3-27b) or a path to an HF config.json (default: %(default)s)",
+        help=f"preset ({', '.join(sorted(MODELS))}) or a path to an HF config.json "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--accelerator",
         default="h100-sxm",
-        help="a100-80gb, h100-sxm, h200, l40s, b200, or cpu (measured now); default: %(default)s",
+        help=f"{', '.join(sorted(ACCELERATORS))}, or cpu (measured now); default: %(default)s",
     )
     p.add_argument("--kv-dtype", choices=sorted(CACHE_PRECISIONS), default="bf16")
     p.add_argument(

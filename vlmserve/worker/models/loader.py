@@ -1,4 +1,5 @@
-"""Load a served model from a local HF checkpoint folder (config.json + *.safetensors).
+"""Load a served model from a local HF checkpoint folder (config.json + *.safetensors), or
+a GGUF file's sidecar folder (gguf_checkpoint.py; weights from the file).
 
 Families: LLaVA-OneVision (SigLIP + Qwen2), Idefics3 / SmolVLM (SigLIP + Llama), Gemma 3
 (SigLIP + Gemma 3, and its text-only form), and the text-only Llama / Qwen2 decoders.
@@ -15,6 +16,8 @@ from encoders.weights import CheckpointError, load_tensors, read_config
 from kernels.attention import AttentionBackend
 from vlmserve.worker.models.decoder import Decoder, DecoderConfig
 from vlmserve.worker.models.gemma3 import gemma3_decoder_config
+from vlmserve.worker.models.gguf_checkpoint import weights_file
+from vlmserve.worker.models.gguf_weights import read_gguf_tensors
 from vlmserve.worker.parallel.sharding import ShardedWeights, TPShard
 
 Family = Literal["llava_onevision", "idefics3", "gemma3", "gemma3_text", "llama", "qwen2"]
@@ -112,7 +115,8 @@ def load_model(
     spec = family_of(config)
     text_config = config.get("text_config", config) if spec.multimodal else config
     decoder_cfg = decoder_config(config)
-    tensors = load_tensors(path)
+    gguf = weights_file(path)  # a GGUF file's sidecar: weights dequantized from the file
+    tensors = read_gguf_tensors(gguf, text_config) if gguf else load_tensors(path)
     embed = _pick(tensors, tuple(p + "embed_tokens.weight" for p in spec.decoder_prefixes), "")
     prefix = embed[: -len("embed_tokens.weight")]
     lm_head = next((n for n in spec.lm_head_names if n in tensors), spec.lm_head_names[0])

@@ -1,0 +1,1 @@
+"""The documentation site's sources (mkdocs.yml at the root) and its generator, `docs.gen`."""

@@ -1,0 +1,122 @@
+"""A GGUF file's tensors under the HF names our decoders load, dequantized.
+
+GGUF names a decoder's tensors `blk.N.<part>` (llama.cpp's convert_hf_to_gguf.py wrote
+them from a HF checkpoint); this module undoes that conversion for the families served
+from GGUF (llama, qwen2, gemma3):
+- names: the table below, per family (Gemma 3's four norms a layer have names of their own);
+- llama's q/k rows: the converter interleaves each head's two rotary halves for ggml's
+  "normal" RoPE; HF's rotate-half layout takes them back apart (`_unpermute`);
+- Gemma's norms: the converter stored (1 + w) (ggml has no Gemma RMSNorm); w = stored - 1.
+Blocks (read by gguf_file.py) are dequantized by `gguf.quants.dequantize` (the reference
+llama.cpp's Python package ships; transformers' GGUF path uses it too), one tensor at a
+time, straight into float32 torch tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from encoders.weights import CheckpointError
+from vlmserve.worker.models.gguf_file import GGUFFile, TensorInfo
+
+# GGUF `general.architecture` -> the HF model_type our loader serves from it.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+
+_LAYER_PARTS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+}
+_FAMILY_PARTS = {
+    "llama": {"ffn_norm": "post_attention_layernorm"},
+    "qwen2": {"ffn_norm": "post_attention_layernorm"},
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str, arch: str) -> str | None:
+    """The HF name of a GGUF tensor (None: not one our decoders load, e.g. rope_freqs)."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if stem in _TOP:
+        return f"{_TOP[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    part = _FAMILY_PARTS[arch].get(parts[2], _LAYER_PARTS.get(parts[2]))
+    return None if part is None else f"model.layers.{parts[1]}.{part}.{suffix}"
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k permutation undone: per head, rows (pairs, 2) -> (2, pairs)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    w = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+def dequantized(file: GGUFFile, info: TensorInfo) -> np.ndarray:
+    """One tensor's values as float32 [rows, cols] (or [n]), whatever its block type."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(info.qtype)
+    raw = file.raw(info)
+    if qtype == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(info.shape).copy()  # the file is mapped read-only
+    try:
+        values = dequantize(raw, qtype)
+    except NotImplementedError as exc:
+        raise CheckpointError(
+            f"GGUF tensor {info.name} is stored as {qtype.name}, a block type this gguf "
+            "package cannot dequantize: requantize the file (llama-quantize) to Q8_0, Q6_K, "
+            "Q5_K, Q4_K, Q5_0 or Q4_0"
+        ) from exc
+    return values.astype(np.float32, copy=False).reshape(info.shape)
+
+
+def read_gguf_tensors(path: str | Path, config: dict) -> dict[str, torch.Tensor]:
+    """Every tensor the decoder loads, by its HF name, as float32. `config`: the HF config
+    the checkpoint's metadata gave (heads for llama's un-permutation)."""
+    file = GGUFFile(path)
+    arch = str(file.field("general.architecture"))
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(unsupported_architecture(arch))
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    tensors: dict[str, torch.Tensor] = {}
+    for info in file.tensors:
+        name = hf_name(info.name, arch)
+        if name is None:
+            continue
+        values = dequantized(file, info)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            values = _unpermute(values, heads if "q_proj" in name else kv_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            values = values - np.float32(1.0)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(values))
+    return tensors
+
+
+def unsupported_architecture(arch: str) -> str:
+    return (
+        f"GGUF architecture {arch!r} is not served: vlmserve runs GGUF files of "
+        f"{', '.join(sorted(ARCHITECTURES))}; for another family serve its HF checkpoint "
+        "folder (config.json + *.safetensors)"
+    )
