@@ -42,3 +42,27 @@ def test_a_step_with_work_resets_the_count_and_ordinary_traffic_is_never_named()
     plan = scheduler.schedule()
     assert scheduler.never_starts(plan) is None and scheduler._num_idle_plans == 0
     assert scheduler.never_starts(StepPlan([])) is None  # running now: not idle
+
+
+def test_fcfs_a_stuck_head_holds_the_queue_until_it_is_named():
+    """FCFS: nobody passes the head, so a head that never starts keeps the request behind
+    it waiting too: plans stay empty, the head (not the one behind it) is named after the
+    aging bound, and once it is gone the next one starts. (Lumpy lets it pass at once.)"""
+    for admission, passes in (("fcfs", False), ("lumpy", True)):
+        scheduler = make_scheduler(max_wait_steps=5, admission=admission)
+        scheduler.admission = RefusesOne(scheduler.admission)
+        scheduler.add(make_request("bad", 8), 12)
+        scheduler.add(make_request("next", 8), 12)
+        plan = scheduler.schedule()
+        assert [item.request_id for item in plan.scheduled] == (["next"] if passes else [])
+        if passes:
+            continue
+        assert scheduler.never_starts(plan) is None
+        for _ in range(5):  # the aging bound: the queue stays held, nobody named yet
+            plan = scheduler.schedule()
+            assert plan.is_empty and scheduler.never_starts(plan) is None
+        plan = scheduler.schedule()
+        stuck = scheduler.never_starts(plan)
+        assert plan.is_empty and stuck is not None and stuck.request_id == "bad"
+        scheduler.finish(stuck)  # as the engine fails it
+        assert [item.request_id for item in scheduler.schedule().scheduled] == ["next"]

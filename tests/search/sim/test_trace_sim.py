@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from scheduler.config import SchedulerConfig, SloConfig
+from scheduler.config import SloConfig
 from search.costmodel.presets import ACCELERATORS, ENCODERS, MODELS
 from search.image_budget import ImageAssumptions
 from search.sim.capacity import Slo, find_max_rate, percentile, summarize
@@ -14,7 +14,6 @@ from search.sim.step_time import (
     StepHardware,
     StepWork,
     chunk_attention_pairs,
-    count_work,
     step_time,
 )
 from search.sim.trace_sim import EncoderCacheModel, SimConfig, _Sim, simulate, step_cost_of
@@ -179,22 +178,48 @@ def test_a_sliding_window_model_counts_its_kv_cache_groups():
     assert bm.num_free_blocks == bm.num_usable_blocks
 
 
+def brute_force_work(chunks, window: int) -> StepWork:
+    """A step's work counted row by row and key by key, with no help from `count_work` or
+    `chunk_shape`: each chunk of (tokens computed before, new tokens, is a decode) prices
+    every row at the chunk's whole context (the full variant), a sliding layer's row at
+    the keys of its last `window` positions; a sequence reads its context, a sliding
+    layer the window's part of it."""
+    prefill = decode = pairs = kv = pairs_w = kv_w = 0
+    for start, n, is_decode in chunks:
+        end = start + n
+        keys = range(end)
+        in_window = [k for k in keys if k >= end - window]
+        for _row in range(n):
+            pairs += len(keys)
+            pairs_w += len(in_window)
+        kv, kv_w = kv + len(keys), kv_w + len(in_window)
+        decode, prefill = (decode + n, prefill) if is_decode else (decode, prefill + n)
+    return StepWork(prefill, decode, pairs, kv, 0, len(chunks), kv_w, pairs_w)
+
+
+GEMMA_WINDOW = 1024  # Gemma 3 4B's sliding layers (its config.json's sliding_window)
+
+
 def test_a_sliding_window_model_decodes_at_its_windowed_step_time():
     """Gemma 3 4B, one 8,000-token prompt: every decode step is priced with its sliding
-    layers over the window (1,024 keys read and attended), under the all-global price."""
+    layers over the window (1,024 keys read and attended), under the all-global price.
+    The reference counts each step's keys one by one (not by the simulator's count)."""
     gemma = StepHardware(MODELS["gemma-3-4b"], ENCODERS["siglip-so400m-14-896"], H100.accel)
+    assert gemma.model.sliding_window == GEMMA_WINDOW
     rec = by_id(simulate([make_request(text=8000, out=4)], gemma))["r0"]
-    windowed = [step_time(count_work([(c, 1, True)], 0, 1024), gemma).total_s
+    windowed = [step_time(brute_force_work([(c, 1, True)], GEMMA_WINDOW), gemma).total_s
                 for c in (8000, 8001, 8002)]  # fmt: skip
-    all_global = [step_time(count_work([(c, 1, True)]), gemma).total_s for c in (8000, 8001)]
-    assert rec.tpot_s == pytest.approx(sum(windowed) / 3)
+    all_global = [step_time(StepWork(0, 1, c + 1, c + 1, 0, 1), gemma).total_s
+                  for c in (8000, 8001)]  # fmt: skip
+    assert rec.tpot_s == pytest.approx(sum(windowed) / 3, rel=1e-12)
     assert rec.tpot_s < min(all_global)
 
 
 def test_the_scheduler_prices_a_sliding_window_models_steps_as_the_clock_does():
     """Gemma 3 4B, prompts past the window decoding beside others' chunks, with a TPOT
     target (the guard prices the steps it plans): the shape the scheduler reports for
-    every plan costs what the clock charges for it."""
+    every plan costs what the clock charges for it, and both are the price of the plan's
+    work counted row by row and key by key (`brute_force_work`)."""
     gemma = StepHardware(MODELS["gemma-3-4b"], ENCODERS["siglip-so400m-14-896"], H100.accel)
     trace = [make_request(f"r{i}", 0.02 * i, text=3000, out=30) for i in range(6)]
     config = SimConfig(admission="lumpy", slo=SloConfig(tpot_s=0.05))
@@ -203,15 +228,25 @@ def test_the_scheduler_prices_a_sliding_window_models_steps_as_the_clock_does():
 
     def step(plan) -> None:
         shape = sim.scheduler.step_shape(plan)
-        pairs.append((cost(shape), step_time(sim.price(plan), gemma).total_s, shape))
+        chunks = []
+        for item in plan.scheduled:
+            start, n = item.num_computed_tokens, item.num_new_tokens
+            prompt = sim.scheduler.seqs[item.request_id].num_prompt_tokens
+            chunks.append((start, n, n == 1 and start >= prompt))
+        brute = step_time(brute_force_work(chunks, GEMMA_WINDOW), gemma).total_s
+        pairs.append((cost(shape), step_time(sim.price(plan), gemma).total_s, brute, shape))
         original(plan)
 
     sim.step = step
     assert sim.run().num_lost == 0
-    assert all(guard == pytest.approx(clock, rel=1e-12) for guard, clock, _ in pairs)
-    windowed = [s for _, _, s in pairs if s.num_kv_tokens_read_in_window is not None]
+    for guard, clock, brute, shape in pairs:
+        assert guard == pytest.approx(brute, rel=1e-12), shape
+        assert clock == pytest.approx(brute, rel=1e-12), shape
+    windowed = [s for *_, s in pairs if s.num_kv_tokens_read_in_window is not None]
     assert len(windowed) == len(pairs)
     assert any(s.num_kv_tokens_read_in_window < s.num_kv_tokens_read for s in windowed)
+    # Steps with a chunk or context past the window, and both kinds of row, were priced.
+    assert any(s.num_prefill_tokens and s.num_decode_rows for s in windowed)
 
 
 def test_same_trace_same_result():
@@ -222,14 +257,12 @@ def test_same_trace_same_result():
     ]
 
 
-def test_unknown_admission_is_refused_until_the_scheduler_has_it():
-    fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
-    if "admission" in fields:
-        result = simulate([make_request()], H100, SimConfig(admission="lumpy"))
+def test_an_unknown_admission_or_option_is_refused_by_name():
+    for admission in ("fcfs", "lumpy"):
+        result = simulate([make_request()], H100, SimConfig(admission=admission))
         assert result.num_lost == 0
-    else:
-        with pytest.raises(ValueError, match="lumpy"):
-            simulate([make_request()], H100, SimConfig(admission="lumpy"))
+    with pytest.raises(ValueError, match="'nope'"):
+        simulate([make_request()], H100, SimConfig(admission="nope"))
     with pytest.raises(ValueError, match="no_such_option"):
         simulate([make_request()], H100, SimConfig(scheduler_options=(("no_such_option", 1),)))
 

@@ -211,11 +211,18 @@ def test_each_preparer_thread_tokenises_with_its_own_copy():
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_request_that_never_starts_fails_and_the_others_finish(llama_path, async_scheduling):
+@pytest.mark.parametrize("admission", ["fcfs", "lumpy"])
+def test_a_request_that_never_starts_fails_and_the_others_finish(
+    llama_path, admission, async_scheduling
+):
     """Nothing running, every waiting request ready, and still no step: the engine fails
-    the request it cannot start (500) instead of spinning on it forever; the request
-    queued behind it (FCFS: nobody passes) then runs as it runs alone."""
-    engine = make_engine(llama_path, scheduler={"async_scheduling": async_scheduling})
+    the request it cannot start (500) instead of spinning on it forever. FCFS: nobody
+    passes, so the stuck first request holds the queue, and the request queued behind it
+    starts only once that one failed, then runs as it runs alone. Lumpy: the request behind
+    it overtakes at once and finishes first; the stuck one fails once the engine is idle."""
+    engine = make_engine(
+        llama_path, scheduler={"async_scheduling": async_scheduling, "admission": admission}
+    )
     text = Request(prompt="red green blue", sampling=GREEDY_8)
     want = alone(engine, text)
     engine.scheduler.admission = RefusesOne(engine.scheduler.admission)
@@ -224,12 +231,26 @@ def test_a_request_that_never_starts_fails_and_the_others_finish(llama_path, asy
         engine.add_request(dataclasses.replace(text, request_id="text")),
     ]
     outputs = {rid: engine._states[rid].output for rid in ids}
-    for _ in range(engine.config.scheduler.max_wait_steps + 40):  # bounded: no hang here
+    bad_failed_at = text_first_at = text_done_at = None
+    max_wait = engine.config.scheduler.max_wait_steps
+    for step in range(max_wait + 40):  # bounded: no hang here
         if not engine.has_unfinished():
             break
-        engine.step()
+        for out in engine.step():
+            if out.request_id == "bad" and out.finished:
+                bad_failed_at = step
+            if out.request_id == "text" and out.token_ids and text_first_at is None:
+                text_first_at = step
+            if out.request_id == "text" and out.finished:
+                text_done_at = step
     assert not engine.has_unfinished()
     assert outputs["bad"].error_status == 500 and outputs["bad"].token_ids == []
     assert outputs["text"].error is None and outputs["text"].token_ids == want
+    assert None not in (bad_failed_at, text_first_at, text_done_at)
+    if admission == "fcfs":  # the queue was held: "text" waited out the aging bound
+        assert max_wait < bad_failed_at < text_first_at
+    else:  # "text" overtook and finished before the engine went idle on "bad"
+        assert text_done_at < bad_failed_at
+        assert bad_failed_at > text_done_at + max_wait
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks

@@ -9,7 +9,10 @@ and defines the `<tool_call>` format (so "auto" is served). Its answers are nois
 the grammar shapes. Termination: every schema here is bounded (strings with maxLength,
 integers with a range, arrays with maxItems), so the longest valid answer is a few
 hundred bytes and max_tokens=MAX_TOKENS (> that many byte tokens) always lets the
-grammar close: the tests assert finish_reason "stop", never "length"."""
+grammar close: the tests assert finish_reason "stop", never "length" (json_object, any
+object, is unbounded: there most answers must close, and every one that closed must parse).
+In tool_choice "auto" the model is unconstrained; a guided_regex sent beside it makes the
+random model write `<tool_call>` blocks, which the server must parse."""
 
 from __future__ import annotations
 
@@ -37,8 +40,11 @@ TOOL_TEMPLATE = (
     "{{ t['function']['name'] }} {{ t['function']['parameters'] | tojson }} {% endfor %}"
     'Answer with <tool_call> {"name": ..., "arguments": ...} </tool_call><|im_end|> '
     "{% endif %}{% for m in messages %}<|im_start|> {{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }} {% else %}"
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image> "
-    "{% else %}{{ p['text'] }} {% endif %}{% endfor %}<|im_end|> {% endfor %}"
+    "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endif %}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call> {{ c['function'] | tojson }} </tool_call> "
+    "{% endfor %}<|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
 )
 
@@ -179,24 +185,50 @@ def test_regex_and_choice_always_match(server, field, value, check):
         assert len(set(texts)) > 1  # temperature 1 picks more than one
 
 
-def test_json_object_and_strict_schema(server):
+@pytest.mark.parametrize("strict", [False, True])
+def test_json_object_and_json_schema_strict_or_not(server, strict):
+    """A json_schema answer follows its schema whether `strict` is true or false (the
+    server reads no `strict`: it always constrains, extra properties refused as strict
+    mode does); json_object answers are JSON objects, every one that finished."""
     api = client(server)
     schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
-    answer = api.chat.completions.create(
-        model="rel", messages=messages(1, image=False), max_tokens=MAX_TOKENS, seed=3,
-        response_format={"type": "json_schema",
-                         "json_schema": {"name": "x", "schema": schema, "strict": False}},
-    )  # fmt: skip
-    assert json.loads(answer.choices[0].message.content)["a"] in (1, 2)
-    answer = api.chat.completions.create(
-        model="rel", messages=messages(2, image=False), max_tokens=48, seed=4,
-        response_format={"type": "json_object"},
-    )  # fmt: skip
-    text, reason = answer.choices[0].message.content, answer.choices[0].finish_reason
-    # Any object is unbounded: it closes, or max_tokens cut it while still an object.
-    assert text.startswith("{")
-    if reason == "stop":
-        assert isinstance(json.loads(text), dict)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}}
+
+    def ask(seed: int):
+        return api.chat.completions.create(
+            model="rel", messages=messages(seed, image=False), max_tokens=MAX_TOKENS,
+            seed=seed, temperature=1.0, response_format=fmt,
+        )  # fmt: skip
+
+    for answer in run_all(ask, range(8)):
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        value = json.loads(choice.message.content)
+        assert set(value) == {"a"} and value["a"] in (1, 2), value
+    if strict:
+        return
+
+    def ask_object(seed: int):
+        return api.chat.completions.create(
+            model="rel", messages=messages(seed, image=False), max_tokens=MAX_TOKENS,
+            seed=seed, temperature=1.0, response_format={"type": "json_object"},
+        )  # fmt: skip
+
+    # Any object is unbounded: a string may run long, so most (measured: all 16 at
+    # temperature 1, up to 204 tokens) but not necessarily every answer closes within
+    # MAX_TOKENS. Every one that closed is an object; one cut is cut at MAX_TOKENS.
+    answers = run_all(ask_object, range(16))
+    closed = [a for a in answers if a.choices[0].finish_reason == "stop"]
+    assert len(closed) >= 12, [a.choices[0].finish_reason for a in answers]
+    for answer in answers:
+        text = answer.choices[0].message.content
+        assert text.startswith("{")
+        if answer not in closed:
+            assert answer.choices[0].finish_reason == "length"
+            assert answer.usage.completion_tokens == MAX_TOKENS
+    objects = [json.loads(a.choices[0].message.content) for a in closed]
+    assert all(isinstance(o, dict) for o in objects)
+    assert any(o for o in objects)  # not only {}: the model wrote members too
 
 
 def _check_call(call, tools_by_name):
@@ -279,21 +311,88 @@ def test_streaming_agrees_with_non_streaming(server, extra):
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
 
 
-def test_auto_renders_tools_and_parses_tool_call_blocks(server):
+_CITY_CALL = (
+    r'<tool_call> \{"name": "get_weather", "arguments": '
+    r'\{"city": "[a-z]{1,8}", "unit": "[cf]", "days": [1-7]\}\} </tool_call>'
+)
+_SEARCH_CALL = (
+    r'<tool_call> \{"name": "search", "arguments": '
+    r'\{"query": "[a-z ]{1,12}", "top": (true|false)\}\} </tool_call>'
+)
+# What the model writes in "auto" (a regex makes the random model write it; "auto" is
+# otherwise unconstrained), and what the server must make of it: (content, call names).
+AUTO_CASES = {
+    "one call after text": (r"Checking\. " + _CITY_CALL, "Checking.", ["get_weather"]),
+    "two calls": (_CITY_CALL + " " + _SEARCH_CALL, None, ["get_weather", "search"]),
+    "no call": (r"[a-z]{2,8}", "text", []),
+    "a block that is not a call": (r'<tool_call> \{"oops": [1-9]\} </tool_call>', "text", []),
+}
+
+
+def _written(content: str | None, calls: list[tuple[str, str]]) -> str:
+    """The text the model wrote, put back together from the parsed message."""
+    blocks = [f'<tool_call> {{"name": "{n}", "arguments": {a}}} </tool_call>' for n, a in calls]
+    return " ".join([content] * (content is not None) + blocks)
+
+
+@pytest.mark.parametrize("case", list(AUTO_CASES))
+def test_auto_renders_tools_and_parses_tool_call_blocks(server, case):
+    """tool_choice "auto": the tools go through the chat template into the prompt, and the
+    `<tool_call>` blocks the model writes come back as tool_calls (the text around them
+    as content, finish_reason "tool_calls"), streamed (one chunk at the end) and not,
+    alike; text with no call, or a block that is not a call, stays content."""
     api = client(server)
+    regex, content, names = AUTO_CASES[case]
+    tools = [WEATHER, SEARCH]
+    by_name = {t["function"]["name"]: t for t in tools}
+    kw = dict(model="rel", messages=messages(3), max_tokens=MAX_TOKENS, temperature=1.0,
+              tools=tools, tool_choice="auto", extra_body={"guided_regex": regex})  # fmt: skip
     plain = api.chat.completions.create(model="rel", messages=messages(3), max_tokens=4)
-    auto = api.chat.completions.create(
-        model="rel", messages=messages(3), max_tokens=4, tools=[WEATHER], tool_choice="auto"
-    )
-    # The template rendered the tools into the prompt.
-    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 20
-    # A tool-calling turn and the tool's answer go back through the template.
+
+    def ask(seed: int):
+        return api.chat.completions.create(**kw, seed=seed), _streamed(api, **kw, seed=seed)
+
+    arguments = set()
+    for whole, (s_content, s_calls, s_reason) in run_all(ask, range(4)):
+        # The template rendered the tools into the prompt.
+        assert whole.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+        choice = whole.choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert [n for n, _ in calls] == names
+        assert choice.finish_reason == ("tool_calls" if names else "stop")
+        if content == "text":  # all of it: what the model wrote stays as it was
+            assert re.fullmatch(regex, choice.message.content), choice.message.content
+        else:
+            assert choice.message.content == content
+        assert re.fullmatch(regex, _written(choice.message.content, calls))
+        for call in choice.message.tool_calls or []:
+            _check_call(call, by_name)
+            arguments.add(call.function.arguments)
+        if len(calls) > 1:
+            assert len({c.id for c in choice.message.tool_calls}) == len(calls)
+        # Streamed: the same message and finish reason (the calls in one chunk at the end).
+        assert s_reason == choice.finish_reason
+        assert s_content == (choice.message.content or "")
+        assert [(c["name"], c["arguments"]) for _, c in sorted(s_calls.items())] == calls
+    assert len(arguments) > 1 or not names  # the model's arguments, not one fixed call
+
+
+def test_a_tool_calling_turn_goes_back_through_the_template(server):
+    """An assistant turn's tool_calls and the tool's answer reach the chat template (the
+    prompt the engine runs holds both), and the server answers such a history."""
+    api = client(server)
     history = [
         *messages(3),
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
          "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "12 C"},
     ]  # fmt: skip
+    r = httpx.post(server.url + "/tokenize", json={"messages": history}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=60)
+    prompt = r.json()["prompt"]
+    assert "<tool_call>" in prompt and "get_weather" in prompt and "Oslo" in prompt, prompt
+    assert "tool 12 C" in prompt, prompt
     again = api.chat.completions.create(
         model="rel", messages=history, max_tokens=4, tools=[WEATHER]
     )
