@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels import sampling_cpu
 from vlmserve.sample.controls import apply_controls
 from vlmserve.sample.ops import (
     draw,
@@ -178,7 +179,11 @@ def _run(logits: torch.Tensor, batch: _Batch, greedy_rows: list[int]) -> list[in
     parts = []
     if greedy_rows:
         every = greedy_rows == list(range(logits.shape[0]))
-        parts.append((logits if every else logits.index_select(0, dev["greedy_rows"])).argmax(-1))
+        rows = None if every else dev["greedy_rows"]
+        if sampling_cpu.can_run(logits):  # torch's argmax, without its slow index reduction
+            parts.append(sampling_cpu.argmax(logits, rows))
+        else:
+            parts.append(sampling_cpu.argmax_eager(logits, rows))
     if batch.rows:
         parts += _draw_batch(logits, batch, dev)
     return torch.cat(parts).tolist()
