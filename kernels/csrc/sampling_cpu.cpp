@@ -276,8 +276,10 @@ at::Tensor argmax_rows(const at::Tensor& logits, const at::Tensor& rows) {
   std::vector<ChunkMax> found(n * num_chunks);
   const float* data = logits.data_ptr<float>();
   const int64_t stride = logits.stride(0);
-  // At least 4 chunks (or rows) a thread: less is over before the threads are woken.
-  at::parallel_for(0, n * num_chunks, 4, [&](int64_t begin, int64_t end) {
+  // At least 1M columns a thread (~0.1 ms): less is over before a thread is woken, and on
+  // a busy machine waking one can cost a scheduler tick.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::min(vocab, kChunk));
+  at::parallel_for(0, n * num_chunks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t r = u / num_chunks, start = (u % num_chunks) * kChunk;
       const int64_t len = vocab - start < kChunk ? vocab - start : kChunk;
