@@ -3,8 +3,8 @@
 Each eager function here is the plain-torch definition the decoder used before fusion;
 the fused ones (kernels/csrc/fused_ops_cpu.cpp) read their inputs once and write their
 outputs once and are tested against these. At a large prefill chunk the eager RMSNorms,
-residual adds, RoPE and SiLU·mul, each a pass over memory, are a noticeable share of the
-step on a CPU.
+residual adds, RoPE and SiLU·mul (GELU-tanh·mul for Gemma), each a pass over memory, are
+a noticeable share of the step on a CPU.
 The fused path runs for float32 and bfloat16 CPU tensors where the kernels build
 (bfloat16 in and out, float32 inside: within a bfloat16 rounding or two of the eager ops,
 which round after every op; tests/kernels/test_bf16.py); on a GPU the residual
@@ -55,6 +55,11 @@ def silu_and_mul_eager(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul_eager(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 # -- dispatching ops --------------------------------------------------------------------
 
 
@@ -101,6 +106,15 @@ def silu_and_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
+    """gelu_tanh(gate) * up for gate_up = [gate | up] on the last dim (Gemma's MLP)."""
+    if not (fused and can_fuse(gate_up)):
+        return gelu_tanh_and_mul_eager(gate_up)
+    out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    torch.ops.vlmserve_fused.gelu_tanh_and_mul(out, gate_up)
+    return out
+
+
 def op_backends(
     device: torch.device, attention: str, fused: bool = True, dtype: torch.dtype = torch.float32
 ) -> dict[str, str]:
@@ -114,6 +128,7 @@ def op_backends(
         "rope": "triton, fused into the K/V cache write" if triton_rope else _impl(cpu, False),
         "add_rms_norm": _impl(cpu, gpu),
         "silu_and_mul": _impl(cpu, False),
+        "gelu_tanh_and_mul": _impl(cpu, False),
         "linear": _linear_impl(device, fused, dtype),
         "cuda_graphs": "decode, per batch-size bucket" if gpu and attention == "triton" else "off",
     }

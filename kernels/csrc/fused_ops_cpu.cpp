@@ -176,15 +176,19 @@ inline void store_first(bf16* p, vec::vfloat v, int64_t n) {
 }
 #endif
 
-// out [rows, n] = silu(gate_up[:, :n]) * gate_up[:, n:], silu(x) = x / (1 + e^-x) (bfloat16:
-// in float32, rounded once).
-void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
+// out [rows, n] = act(gate_up[:, :n]) * gate_up[:, n:] (bfloat16: in float32, rounded once)
+// for act(x) = x / (1 + e^-z(x)): SiLU (z = x) or GELU-tanh (z = 2 sqrt(2/pi) (x + 0.044715
+// x^3), since 0.5 (1 + tanh(y)) = 1 / (1 + e^-2y): Gemma's gated MLP).
+template <bool kGelu>
+void act_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up", gate_up.scalar_type());
   check_rows(out, "out", gate_up.scalar_type());
   const int64_t n = out.size(1);
   TORCH_CHECK(gate_up.size(1) == 2 * n && gate_up.size(0) == out.size(0),
-              "silu_and_mul: gate_up [rows, 2n], out [rows, n]");
+              "act_and_mul: gate_up [rows, 2n], out [rows, n]");
   const int64_t gs = gate_up.stride(0), os = out.stride(0);
+  // 2 sqrt(2 / pi) and 2 sqrt(2 / pi) 0.044715: z = x (kA + kB x^2)
+  constexpr float kA = 1.5957691216057308f, kB = 0.0713548162726009f;
   dispatch(out, [&](auto t) {
     using T = decltype(t);
     const T* gp = gate_up.data_ptr<T>();
@@ -198,19 +202,29 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
         const vec::vfloat one = vec::set1(1.f);
         for (int64_t i = 0; i < n; i += vec::kLanes) {
           const vec::vfloat x = load_first(g + i, n - i);
-          const vec::vfloat silu =
-              vec::div(x, vec::add(one, vec::exp_ps(vec::sub(vec::zero(), x))));
-          store_first(o + i, vec::mul(silu, load_first(u + i, n - i)), n - i);
+          vec::vfloat z = x;
+          if constexpr (kGelu) z = vec::mul(x, vec::add(vec::set1(kA), vec::mul(vec::set1(kB),
+                                                                              vec::mul(x, x))));
+          const vec::vfloat act = vec::div(x, vec::add(one, vec::exp_ps(vec::sub(vec::zero(), z))));
+          store_first(o + i, vec::mul(act, load_first(u + i, n - i)), n - i);
         }
 #else
         for (int64_t i = 0; i < n; ++i) {
           const float x = static_cast<float>(g[i]);
-          o[i] = round_to<T>(x / (1.f + std::exp(-x)) * static_cast<float>(u[i]));
+          const float z = kGelu ? x * (kA + kB * (x * x)) : x;
+          o[i] = round_to<T>(x / (1.f + std::exp(-z)) * static_cast<float>(u[i]));
         }
 #endif
       }
     });
   });
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
+  act_and_mul<false>(out, gate_up);
+}
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
+  act_and_mul<true>(out, gate_up);
 }
 
 }  // namespace
@@ -220,6 +234,7 @@ TORCH_LIBRARY(vlmserve_fused, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve_fused, CPU, m) {
@@ -227,4 +242,5 @@ TORCH_LIBRARY_IMPL(vlmserve_fused, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
 }

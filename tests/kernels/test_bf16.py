@@ -284,3 +284,14 @@ def test_tile_attention_in_float32():
     got = cpu_attention.tile_attention(qkv, tiles, heads, dim**-0.5).double()
     exact, _ = tile_reference(qkv, tiles, heads, dim)
     torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-6)
+
+
+@needs_fused
+def test_gelu_tanh_and_mul_bf16_rounds_once():
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(9, 2 * 300, generator=gen) * 4).to(BF16)  # 300: a vector tail
+    out = fused_ops.gelu_tanh_and_mul(gate_up, fused=True)
+    exact = fused_ops.gelu_tanh_and_mul_eager(gate_up.double())
+    within(out, exact, roundings=1.05, floor=1e-6)  # exp_ps: ~2 float32 ulp
+    eager = fused_ops.gelu_tanh_and_mul_eager(gate_up)  # rounds twice: no closer
+    assert (out.double() - exact).abs().sum() <= (eager.double() - exact).abs().sum()

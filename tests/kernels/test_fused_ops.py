@@ -74,3 +74,19 @@ def test_other_dtypes_take_the_eager_path() -> None:
     weight = torch.ones(64, dtype=torch.bfloat16)
     out = fused_ops.rms_norm(x, weight, 1e-6, fused=True)
     assert torch.equal(out, fused_ops.rms_norm_eager(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("width", [16, 100, 2048])
+def test_gelu_tanh_and_mul_matches_eager(width: int) -> None:
+    """Gemma's MLP: GELU-tanh as x / (1 + e^-2y), y its tanh argument, fused with the mul."""
+    gen = torch.Generator().manual_seed(width)
+    gate_up = torch.randn(19, 2 * width, generator=gen) * 6  # well into both tails of gelu
+    gate_up[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -0.0, -3e4, 3e4])
+    want = fused_ops.gelu_tanh_and_mul_eager(gate_up)
+    got = fused_ops.gelu_tanh_and_mul(gate_up, fused=True)
+    exact = fused_ops.gelu_tanh_and_mul_eager(gate_up.double())
+    torch.testing.assert_close(got.double(), exact, rtol=4e-6, atol=1e-12)  # 1e-12: float64 tanh
+    # The eager float32 op is further off where gate << 0: 1 + tanh(y) cancels there.
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert ((got - want).abs() <= 2e-6 * want.abs() + 1.2e-7 * (gate * up).abs()).all()
+    assert torch.equal(fused_ops.gelu_tanh_and_mul(gate_up, fused=False), want)

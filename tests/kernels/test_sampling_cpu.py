@@ -107,3 +107,55 @@ def test_temperature_weights_are_bitwise_the_plain_ops(temperature: float) -> No
         ok = torch.isfinite(top.squeeze(-1))  # the failed rows' weights mean nothing
         assert torch.equal(got[ok], want[ok])  # bitwise, -inf lanes exactly 0
         assert (got[1][logits[1] == float("-inf")] == 0).all()
+
+
+def hard_rows(vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows argmax can get wrong: ties (inside a vector, across vectors and 16k chunks),
+    NaNs before and after the maximum, nothing but -inf, +inf, -0.0 against 0.0."""
+    rows = torch.randn(12, vocab, generator=gen) * 4
+    last, mid = vocab - 1, vocab // 2
+    rows[0, [last, mid, 3 % vocab]] = 50.0  # three ties: the first wins
+    rows[1, mid] = float("nan")  # NaN wins over any value, the first NaN
+    rows[1, last] = float("nan")
+    rows[1, 0] = 90.0
+    rows[2] = float("-inf")  # nothing but -inf: index 0
+    rows[3, last] = float("nan")  # a NaN in the tail after the maximum
+    rows[4, [mid, last]] = float("inf")
+    rows[5] = 0.0
+    rows[5, : vocab // 3] = -0.0  # -0.0 == 0.0: the first zero
+    rows[6] = rows[6].round()  # many ties among the values
+    rows[7, torch.rand(vocab, generator=gen) < 0.9] = float("-inf")  # a masked row
+    rows[8, [last]] = 1e30
+    if vocab > 40000:  # ties in different chunks (16,384 columns a chunk) and lanes
+        rows[9, [16384 + 5, 3 * 16384, 2 * 16384 + 1]] = 77.0
+        rows[10, [16383, 16384]] = 77.0
+        rows[11, 200_000] = float("nan")
+    return rows
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 63, 64, 100, 1000, 32000, 262144])
+def test_argmax_is_torchs_argmax(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = hard_rows(vocab, gen)
+    want = logits.argmax(-1)
+    assert torch.equal(sampling_cpu.argmax(logits), want)
+    assert torch.equal(sampling_cpu.argmax_eager(logits), want)
+    rows = torch.tensor([11, 0, 0, 7, 2, 1])  # a subset, repeated, out of order
+    assert torch.equal(sampling_cpu.argmax(logits, rows), want[rows])
+    wide = torch.randn(12, vocab + 33, generator=gen)
+    wide[:, :vocab] = logits
+    assert torch.equal(sampling_cpu.argmax(wide[:, :vocab]), want)  # strided rows
+
+
+def test_argmax_on_many_rows_of_a_large_vocabulary() -> None:
+    """64 rows of 262,144 (the real model's decode step): every row a unit, or 16."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 262144, generator=gen)
+    logits[::3, 100_000] = 9.0  # a tie with a later chunk's maximum in some rows
+    logits[::5, 250_000] = 9.0
+    assert torch.equal(sampling_cpu.argmax(logits), logits.argmax(-1))
+
+
+def test_argmax_refuses_bad_rows() -> None:
+    with pytest.raises(RuntimeError, match="outside"):
+        sampling_cpu.argmax(torch.zeros(2, 8), torch.tensor([2]))

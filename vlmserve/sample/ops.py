@@ -24,7 +24,8 @@ BLOCK_SIZE = 256
 # Top-p on the CPU looks at this many candidates first (a topk) and widens only the rows
 # whose nucleus is larger: a full sort of 32000 columns costs ~20x a topk of 128 there.
 CPU_TOP_P_CANDIDATES = 128
-# Each widening multiplies the candidates by this.
+# Each widening multiplies the candidates by this (on the CPU, where the kernel runs, the
+# widened rows take at once as many as their nuclei need: `sampling_cpu.nucleus_sizes`).
 WIDEN = 8
 
 
@@ -72,7 +73,7 @@ def filter_top_k_top_p_(
     (None: every row). top_k: [len(rows)] long, 0 for off (also for k >= vocab), or None
     when no row has one; top_p: [len(rows)] float32, 1 for off, or None when no row has
     one; num_candidates >= every top_k. A row whose nucleus reaches past its candidates
-    is redone with WIDEN times as many."""
+    is redone with more (`_wider`). The result does not depend on num_candidates."""
     vocab = weights.shape[-1]
     num = min(num_candidates, vocab)
     while True:
@@ -86,7 +87,17 @@ def filter_top_k_top_p_(
         rows = more if rows is None else rows[more]
         assert top_p is not None, "only a top-p cut widens"
         top_k = None if top_k is None else top_k[more]
-        top_p, num = top_p[more], min(vocab, WIDEN * num)
+        top_p = top_p[more]
+        num = min(vocab, _wider(weights, rows, top_p, num))
+
+
+def _wider(weights: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor, num: int) -> int:
+    """How many candidates the `rows` whose nuclei outgrew `num` take next: on the CPU (one
+    pass of the kernel, bounding each nucleus from its weights' histogram) at once what
+    they need; elsewhere WIDEN times as many (no host sync to size it)."""
+    if sampling_cpu.can_run(weights):
+        return max(num + 1, int(sampling_cpu.nucleus_sizes(weights, top_p, rows).max()))
+    return WIDEN * num
 
 
 def _cut_(

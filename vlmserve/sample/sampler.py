@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels import sampling_cpu
 from vlmserve.sample.controls import apply_controls
 from vlmserve.sample.ops import (
     draw,
@@ -33,6 +34,9 @@ from vlmserve.sample.ops import (
 from vlmserve.sample.params import SamplerState
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+# On the CPU a batch of sampling rows holds at most this many bytes of float32 weights
+# (`rows_per_batch`): 8 rows at a 262,144-token vocabulary, 65 at 32,000.
+BATCH_BYTES = 8 << 20
 
 
 class RowGroup(NamedTuple):
@@ -178,7 +182,11 @@ def _run(logits: torch.Tensor, batch: _Batch, greedy_rows: list[int]) -> list[in
     parts = []
     if greedy_rows:
         every = greedy_rows == list(range(logits.shape[0]))
-        parts.append((logits if every else logits.index_select(0, dev["greedy_rows"])).argmax(-1))
+        rows = None if every else dev["greedy_rows"]
+        if sampling_cpu.can_run(logits):  # torch's argmax, without its slow index reduction
+            parts.append(sampling_cpu.argmax(logits, rows))
+        else:
+            parts.append(sampling_cpu.argmax_eager(logits, rows))
     if batch.rows:
         parts += _draw_batch(logits, batch, dev)
     return torch.cat(parts).tolist()
@@ -188,21 +196,37 @@ def _draw_all(
     logits: torch.Tensor, draws: list[_Draws], greedy_rows: list[int], progressive: bool
 ) -> list[int]:
     """Draw the sampling groups' rows (their results land in `draws`); returns the greedy
-    rows' argmaxes. One batch of every row, or (progressive) one per draft position."""
+    rows' argmaxes. One batch of every row, or (progressive) one per draft position; on
+    the CPU each in batches of at most `rows_per_batch` rows."""
     vocab = logits.shape[-1]
     depth = max((d.num_rows for d in draws), default=1) if progressive else 1
+    most = rows_per_batch(logits.device, vocab)
     greedy_tokens: list[int] = []
     for position in range(depth):
-        batch = _Batch()
+        batches = [_Batch()]
         for d in draws:
             for p in [position] if progressive else range(d.num_rows):
                 if not d.done and p < d.num_rows:
-                    batch.add(d, p, vocab)
-        flat = _run(logits, batch, greedy_rows if position == 0 else [])
-        if position == 0:
-            greedy_tokens, flat = flat[: len(greedy_rows)], flat[len(greedy_rows) :]
-        batch.hand_out(flat)
+                    if len(batches[-1].rows) == most:
+                        batches.append(_Batch())
+                    batches[-1].add(d, p, vocab)
+        for i, batch in enumerate(batches):
+            first = position == 0 and i == 0
+            flat = _run(logits, batch, greedy_rows if first else [])
+            if first:
+                greedy_tokens, flat = flat[: len(greedy_rows)], flat[len(greedy_rows) :]
+            batch.hand_out(flat)
     return greedy_tokens
+
+
+def rows_per_batch(device: torch.device, vocab: int) -> int | None:
+    """The most sampling rows drawn in one batch: on the CPU so many that a [rows, vocab]
+    float32 temporary stays under BATCH_BYTES (a step's rows at a 262k vocabulary would
+    make each 64 MiB: fresh pages from the kernel every step, and out of every cache);
+    None (no limit) on an accelerator, where each batch costs a host sync."""
+    if device.type != "cpu":
+        return None
+    return max(1, BATCH_BYTES // (4 * vocab))
 
 
 def sample_rows(

@@ -48,7 +48,8 @@ def test_info_reports_versions_pil_device_and_backend():
         assert info["attention_backend"] in ("triton", "flashinfer")
     ops = info["ops"]
     assert ops["attention"] == info["attention_backend"]
-    keys = {"attention", "rope", "add_rms_norm", "silu_and_mul", "linear", "cuda_graphs"}
+    keys = {"attention", "rope", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "linear",
+            "cuda_graphs"}  # fmt: skip
     assert set(ops) == keys
     from kernels import fused_ops, packed_linear
 

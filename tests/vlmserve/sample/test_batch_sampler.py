@@ -111,6 +111,32 @@ def test_drawing_by_draft_position_gives_the_tokens_of_one_batch(device):
     assert {(3, True), (3, False), (1, False)} <= outcomes  # all held; late and early misses
 
 
+@pytest.mark.parametrize("by_position", [True, False])
+def test_batches_of_a_few_rows_draw_the_tokens_of_one_batch(monkeypatch, by_position):
+    """On the CPU the sampling rows go in batches of bounded memory (8 rows at a 262k
+    vocabulary); here 3 rows at a time against one batch of every row."""
+    import vlmserve.sample.sampler as sampler
+
+    vocab = 1000
+    groups = random_batch(5, vocab, 30, 0)
+    logits = torch.randn(num_rows(groups), vocab, generator=torch.Generator().manual_seed(5))
+    for g in groups[::2]:  # likely drafts: runs of them accepted
+        for i, draft in enumerate(g.draft_token_ids):
+            logits[g.first_row + i, draft] += 7.0
+
+    def run() -> list:
+        again = [g._replace(state=seeded(g.state.params, g.state.params.seed)) for g in groups]
+        return sample_rows(logits, again, by_position=by_position)
+
+    assert sampler.rows_per_batch(torch.device("cpu"), 262144) == 8
+    assert sampler.rows_per_batch(torch.device("cuda"), 262144) is None
+    whole = run()
+    monkeypatch.setattr(sampler, "BATCH_BYTES", 3 * 4 * vocab)
+    assert sampler.rows_per_batch(torch.device("cpu"), vocab) == 3
+    assert run() == whole
+    assert sum(len(r.token_ids) for r in whole) > 40  # many rows, most groups sampled
+
+
 def test_a_seeded_request_repeats_over_steps():
     logits = torch.randn(20, 4, 500, generator=torch.Generator().manual_seed(3))
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import vlmserve.sample.ops as sampling_ops
+from kernels import sampling_cpu
 from vlmserve.sample.ops import (
     draw,
     filter_top_k_top_p_,
@@ -149,3 +151,56 @@ def test_draw_accepts_with_p_of_the_draft_and_resamples_without_it(device, chi_s
     plain = torch.bincount(tokens[1::2], minlength=6)
     assert chi_square(plain, probs) > 1e-3
     assert chi_square(residual, probs) < 1e-6  # the test has the power to see it
+
+
+def test_filters_match_the_reference_at_a_262k_vocabulary():
+    """The real Gemma 3's vocabulary: top-k on a candidate set, top-p nuclei of thousands of
+    tokens (temperature 3) that outgrow the first guess, against full-sort references."""
+    logits = torch.randn(len(MIXED), 262144, generator=torch.Generator().manual_seed(5)) * 3
+    num = num_top_candidates(logits.device, 262144, [p.top_k for p in MIXED], top_p=True)
+    got = filtered(logits, MIXED, num)
+    want = torch.stack([filtered_probs(row, p) for row, p in zip(logits, MIXED, strict=True)])
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert got[8].count_nonzero() > 1000  # the wide nucleus was reached
+
+
+def test_widening_to_the_nucleus_size_cuts_as_widening_8x_does(monkeypatch):
+    """On the CPU a row whose nucleus outgrows its candidates takes as many as the kernel's
+    bound at once; the weights are bitwise those of widening 8x at a time."""
+    if sampling_cpu.available() is not None:
+        pytest.skip("the sampling kernels did not build")
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 20000, generator=gen) * torch.tensor([[0.5], [3], [6], [1], [9]])
+    weights, _ = temperature_weights(logits, torch.full((5,), 1.5))
+    top_k = torch.tensor([0, 0, 3000, 0, 0])
+    top_p = torch.tensor([0.99, 0.9, 0.95, 0.5, 0.999])
+    calls = []
+    bounded = weights.clone()
+    wider = sampling_ops._wider
+    monkeypatch.setattr(sampling_ops, "_wider", lambda *a: calls.append(wider(*a)) or calls[-1])
+    filter_top_k_top_p_(bounded, None, top_k, top_p, 128)
+    assert len(calls) == 1 and calls[0] > 1024  # one widening, past what 8x would take
+    monkeypatch.setattr(sampling_ops, "_wider", lambda w, r, p, num: 8 * num)
+    widened = weights.clone()
+    filter_top_k_top_p_(widened, None, top_k, top_p, 128)
+    assert torch.equal(bounded, widened)
+
+
+@pytest.mark.parametrize("vocab", [1000, 262144])
+def test_nucleus_sizes_hold_the_nucleus_and_little_more(vocab):
+    if sampling_cpu.available() is not None:
+        pytest.skip("the sampling kernels did not build")
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen) * torch.tensor([[0.3], [1], [2], [4], [8], [1]])
+    weights, _ = temperature_weights(logits, torch.ones(6))
+    weights[5, 7] = float("nan")  # a failed row: 1
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.99, 0.7, 0.9])
+    sizes = sampling_cpu.nucleus_sizes(weights, top_p).tolist()
+    sizes_of_rows = sampling_cpu.nucleus_sizes(weights, top_p[[3, 0]], torch.tensor([3, 0]))
+    assert sizes_of_rows.tolist() == [sizes[3], sizes[0]]
+    assert sizes[5] == 1
+    for row in range(5):  # the reference nucleus: sort, keep while the mass before < top_p
+        probs = (weights[row] / weights[row].sum()).sort(descending=True).values
+        kept = int(((probs.cumsum(-1) - probs) < top_p[row]).sum())
+        assert kept < sizes[row] <= min(vocab, kept * 1.15 + 16), (row, kept, sizes[row])

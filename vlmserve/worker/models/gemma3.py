@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import fused_ops
@@ -121,8 +120,7 @@ class Gemma3MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(fused_ops.gelu_tanh_and_mul(self.gate_up_proj(x), fused))
 
 
 class Gemma3DecoderLayer(nn.Module):
