@@ -5,14 +5,16 @@ One policy, three kinds (the benchmark's routers):
   * `prefix`: what SGLang's router and Ray Serve LLM's prefix-cache-affinity router do:
     the replica that most recently served the longest shared prefix of the prompt's
     *text* (images are invisible to them), unless that replica is overloaded.
-  * `cache_aware` (ours): a pinned session first; then the replica holding the most
-    cached work for this request: the images it most recently encoded (keyed by content,
-    weighted by their visual tokens) plus its longest shared prefix of block hashes
+  * `cache_aware` (ours): a pinned session first (`x-session-id` or `user`); then the
+    replica holding the most cached work for this request: the images it most recently
+    encoded (keyed by content, weighted by their visual tokens) plus its longest shared
+    prefix of block hashes
     computed as the prefix cache computes them (images by content).
 
 An affinity target is taken only while its queue is at most `max_imbalance` longer than
 the least-loaded replica's; otherwise power of two choices. The state (who served which
-image key, block hash and session) is three LRU maps, each bounded; a replica that goes
+image key, block hash and session) is three LRU maps, each bounded, of at most
+`max_holders` replicas a key (among equal matches the shorter queue wins); a replica that goes
 away (death, restart, scale-down) loses its entries, since its caches went with it.
 
 Pure and torch-free: Ray Serve's request router (`vlmserve/replicas/ray_router.py`) and
@@ -57,14 +59,20 @@ class RouterConfig:
     max_imbalance: int = 4
     max_keys: int = 200_000  # image keys + block hashes remembered (LRU)
     max_sessions: int = 50_000
+    # Replicas remembered per image key or block hash, most recent last: a prefix that
+    # spilled to a second replica spreads over both instead of piling onto the first.
+    max_holders: int = 4
 
     def __post_init__(self) -> None:
         if self.kind not in ROUTERS:
             raise ValueError(f"router kind {self.kind!r}: expected one of {', '.join(ROUTERS)}")
         if self.max_imbalance < 0:
             raise ValueError(f"max_imbalance={self.max_imbalance} must be >= 0")
-        if self.max_keys < 1 or self.max_sessions < 1:
-            raise ValueError(f"max_keys={self.max_keys}, max_sessions must be >= 1")
+        if min(self.max_keys, self.max_sessions, self.max_holders) < 1:
+            raise ValueError(
+                f"max_keys={self.max_keys}, max_sessions={self.max_sessions} and "
+                f"max_holders={self.max_holders} must be >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -97,17 +105,17 @@ class ReplicaRouter:
         bound = self.config.max_imbalance
         within = lambda r: r in loads and loads[r] - least <= bound
         kind = self.config.kind
-        if kind != "pow2" and keys.session is not None:
+        if kind == "cache_aware" and keys.session is not None:
             pinned = self._sessions.get(keys.session)
             if pinned is not None and within(pinned):
                 return Decision(pinned, "session")
         if kind != "pow2":
-            scores = self.affinity(keys, loads)
+            # Most cached work among the replicas within the bound; among equals the
+            # shorter queue. Past the bound a replica's cache cannot buy it more work.
+            scores = {r: v for r, v in self.affinity(keys, loads).items() if within(r)}
             if scores:
-                # Most cached work first; among equals the shorter queue.
                 best = max(scores, key=lambda r: (scores[r][0], -loads[r]))
-                if within(best):
-                    return Decision(best, scores[best][1], scores[best][0])
+                return Decision(best, scores[best][1], scores[best][0])
         return Decision(self._power_of_two(loads), "balance")
 
     def affinity(self, keys: RouteKeys, loads: Mapping[ReplicaId, int]) -> dict:
@@ -117,16 +125,17 @@ class ReplicaRouter:
         image_tokens: dict[ReplicaId, int] = {}
         hashes = keys.block_hashes if self.config.kind == "cache_aware" else keys.text_block_hashes
         for i, h in enumerate(hashes):
-            owner = self._blocks.get(h)
-            if owner is None:
+            holders = self._blocks.get(h)
+            if holders is None:
                 break  # a chained hash: nothing past the first unseen block can match
-            if owner in loads:
-                tokens[owner] = (i + 1) * keys.block_size  # the longest match so far
+            for owner in holders:
+                if owner in loads:
+                    tokens[owner] = (i + 1) * keys.block_size  # the longest match so far
         if self.config.kind == "cache_aware":
             for key, weight in keys.image_keys:
-                owner = self._images.get(key)
-                if owner in loads:
-                    image_tokens[owner] = image_tokens.get(owner, 0) + weight
+                for owner in self._images.get(key, ()):
+                    if owner in loads:
+                        image_tokens[owner] = image_tokens.get(owner, 0) + weight
         out = {}
         for r in tokens.keys() | image_tokens.keys():
             reason = "image" if image_tokens.get(r, 0) > 0 else "prefix"
@@ -144,25 +153,32 @@ class ReplicaRouter:
         """`replica` now serves `keys`: it is the most recent holder of each."""
         if self.config.kind == "pow2":
             return  # stateless
-        if keys.session is not None:
-            _put(self._sessions, keys.session, replica, self.config.max_sessions)
-        hashes = keys.block_hashes if self.config.kind == "cache_aware" else keys.text_block_hashes
+        cfg = self.config
+        if keys.session is not None and cfg.kind == "cache_aware":
+            _put(self._sessions, keys.session, replica, cfg.max_sessions)
+        hashes = keys.block_hashes if cfg.kind == "cache_aware" else keys.text_block_hashes
         for h in hashes:
-            _put(self._blocks, h, replica, self.config.max_keys)
-        if self.config.kind == "cache_aware":
+            _add_holder(self._blocks, h, replica, cfg.max_keys, cfg.max_holders)
+        if cfg.kind == "cache_aware":
             for key, _ in keys.image_keys:
-                _put(self._images, key, replica, self.config.max_keys)
+                _add_holder(self._images, key, replica, cfg.max_keys, cfg.max_holders)
 
     def remove_replica(self, replica: ReplicaId) -> None:
         """Forget what `replica` held (it died or was replaced: its caches are gone)."""
-        for table in (self._images, self._blocks, self._sessions):
-            for key in [k for k, r in table.items() if r == replica]:
-                del table[key]
+        for table in (self._images, self._blocks):
+            for key in [k for k, held in table.items() if replica in held]:
+                rest = tuple(r for r in table[key] if r != replica)
+                if rest:
+                    table[key] = rest
+                else:
+                    del table[key]
+        for session in [s for s, r in self._sessions.items() if r == replica]:
+            del self._sessions[session]
 
     def keep_only(self, live: set) -> None:
         """Forget every replica not in `live` (a fresh replica list from the cluster)."""
-        gone = {r for t in (self._images, self._blocks, self._sessions) for r in t.values()}
-        for replica in gone - live:
+        known = {r for t in (self._images, self._blocks) for held in t.values() for r in held}
+        for replica in (known | set(self._sessions.values())) - live:
             self.remove_replica(replica)
 
 
@@ -171,3 +187,9 @@ def _put(table: OrderedDict, key, replica: ReplicaId, limit: int) -> None:
     table.move_to_end(key)
     while len(table) > limit:
         table.popitem(last=False)
+
+
+def _add_holder(table: OrderedDict, key, replica: ReplicaId, limit: int, holders: int) -> None:
+    """`replica` becomes `key`'s most recent holder (of at most `holders`)."""
+    held = tuple(r for r in table.get(key, ()) if r != replica)
+    _put(table, key, (*held[-(holders - 1) :], replica) if holders > 1 else (replica,), limit)

@@ -51,9 +51,7 @@ def keys_from_sequence(
     return RouteKeys(images, hashes, _chain(text, block_size, _TEXT_ROOT), block_size, session)
 
 
-def keys_from_body(
-    body: Mapping[str, Any], headers: Mapping[str, str] | None = None
-) -> RouteKeys:
+def keys_from_body(body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> RouteKeys:
     """Keys of a `/v1/chat/completions` or `/v1/completions` body; malformed parts are
     skipped (the replica answers them with its own 400)."""
     stream: list[int | tuple[bytes, int]] = []

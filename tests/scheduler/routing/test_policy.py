@@ -122,3 +122,12 @@ def test_config_refuses_bad_values():
         RouterConfig(max_imbalance=-1)
     with pytest.raises(ValueError, match="no replica"):
         router().choose(RouteKeys(), {})
+
+
+def test_equal_matches_go_to_the_shorter_queue_and_holders_are_bounded():
+    r = router(max_holders=2)
+    for replica in ("r1", "r2", "r3"):  # r1 is dropped: two holders, most recent kept
+        r.record(RouteKeys(block_hashes=(H[0],)), replica)
+    d = r.choose(RouteKeys(block_hashes=(H[0],)), {"r1": 0, "r2": 2, "r3": 1})
+    assert (d.replica, d.reason) == ("r3", "prefix")
+    assert r._blocks[H[0]] == ("r2", "r3")
