@@ -111,7 +111,9 @@ def start_replicas(engine: EngineConfig, server: Any, config: ReplicaConfig) -> 
         graceful_shutdown_timeout_s=5.0,
         request_router_config=router,
     )
-    return serve.run(deployment.bind(engine, server), name=APP_NAME, route_prefix=None)
+    handle = serve.run(deployment.bind(engine, server), name=APP_NAME, route_prefix=None)
+    handle.metrics.remote().result(timeout_s=60)  # the request router now exists here
+    return handle
 
 
 def _init_kwargs(config: ReplicaConfig) -> dict[str, Any]:
