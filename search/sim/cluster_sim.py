@@ -36,6 +36,22 @@ class ClusterResult:
     hang: bool = False
     records: list = field(default_factory=list)
 
+    def merged(self) -> SimResult:
+        """The replicas as one SimResult (records of all, counts summed, the KV pool and
+        timeline of replica 0) for `search.sim.capacity.summarize`."""
+        first = self.replicas[0]
+        return SimResult(
+            records=self.records,
+            num_blocks=first.num_blocks,
+            num_steps=sum(r.num_steps for r in self.replicas),
+            end_s=max(r.end_s for r in self.replicas),
+            num_preemptions=sum(r.num_preemptions for r in self.replicas),
+            num_recomputed_tokens=sum(r.num_recomputed_tokens for r in self.replicas),
+            num_tiles_encoded=sum(r.num_tiles_encoded for r in self.replicas),
+            hang=self.hang,
+            timeline=first.timeline,
+        )
+
     def summary(self) -> dict:
         """The benchmark's figures: cache hit rates, TTFT p50/p99 (s), throughput
         (output tokens/s over the run), load imbalance (max / mean requests a replica)."""

@@ -32,7 +32,8 @@ def test_the_image_key_is_the_blake2b_16_of_the_raw_bytes():
 
 def test_the_same_system_prompt_shares_its_blocks_and_the_image_splits_ours_not_text():
     question = "What colour is the square in the top left corner, and what is written on it?"
-    a, b = keys_from_body(chat(b"image one", question)), keys_from_body(chat(b"image two", question))
+    a = keys_from_body(chat(b"image one", question))
+    b = keys_from_body(chat(b"image two", question))
     # The byte stream: "\0system\0" + SYSTEM, then "\0user\0", the image, the question.
     shared = (len("\0system\0") + len(SYSTEM) + len("\0user\0")) // BYTES_PER_BLOCK
     assert shared >= 3
@@ -57,8 +58,18 @@ def test_the_session_header_wins_over_the_user_field():
 
 
 def test_malformed_parts_are_skipped_not_raised():
-    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 3},
-                                                      "junk", {"type": "text", "text": 5}]}]}
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": 3},
+                    "junk",
+                    {"type": "text", "text": 5},
+                ],
+            }
+        ]
+    }
     keys = keys_from_body(body)
     assert keys.image_keys == ()
     assert keys_from_body({"messages": "nope"}).block_hashes == ()
