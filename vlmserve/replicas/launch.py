@@ -32,6 +32,9 @@ __all__ = [
 APP_NAME = "vlmserve"
 DEPLOYMENT_NAME = "vlmserve-engine"
 LOCAL = "local"
+# Ray Serve imports the request router by name (and pickles its module by value, so the
+# registry below lives here, not there).
+ROUTER_CLASS = "vlmserve.replicas.ray_router.CacheAwareRequestRouter"
 _ROUTERS: dict[str, Any] = {}  # deployment name -> the request router this process holds
 
 
@@ -82,7 +85,6 @@ def start_replicas(engine: EngineConfig, server: Any, config: ReplicaConfig) -> 
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from vlmserve.replicas.ray_router import ROUTER_CLASS
     from vlmserve.replicas.replica import EngineReplica
 
     if not ray.is_initialized():

@@ -28,10 +28,9 @@ from ray.serve.request_router import (
 from scheduler.routing.policy import ReplicaRouter, RouteKeys, RouterConfig
 from vlmserve.replicas.launch import register_router
 
-__all__ = ["ROUTER_CLASS", "CacheAwareRequestRouter"]
+__all__ = ["CacheAwareRequestRouter"]
 
 log = logging.getLogger(__name__)
-ROUTER_CLASS = "vlmserve.replicas.ray_router.CacheAwareRequestRouter"
 
 
 class CacheAwareRequestRouter(RequestRouter):
