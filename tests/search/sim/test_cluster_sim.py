@@ -12,7 +12,7 @@ from search.image_budget import ImageAssumptions
 from search.sim.affinity_trace import AffinityShape, affinity_trace
 from search.sim.cluster_sim import simulate_cluster
 from search.sim.step_time import StepHardware
-from search.sim.trace_sim import SimConfig, simulate
+from search.sim.trace_sim import simulate
 from search.sim.traces import TraceImage, TraceRequest, read_jsonl, to_jsonl
 
 HW = StepHardware(get_model("llama-3-8b"), get_encoder("siglip-so400m-14-384"),
@@ -73,7 +73,7 @@ def test_the_affinity_trace_continues_conversations_and_round_trips_jsonl(tmp_pa
     assert chats and max(len(t) for t in turns.values()) == 3
     for t in chats:
         assert len({(r.system_prompt_id, r.images) for r in t}) == 1
-        assert all(a.num_text_tokens < b.num_text_tokens for a, b in zip(t, t[1:]))
+        assert all(a.num_text_tokens < b.num_text_tokens for a, b in zip(t, t[1:], strict=False))
     assert {im.content_hash for r in trace for im in r.images} <= {f"img{k}" for k in range(10)}
     path = tmp_path / "t.jsonl"
     path.write_text(to_jsonl(trace))
