@@ -35,6 +35,8 @@ class ClusterResult:
     num_image_hits: int = 0
     hang: bool = False
     records: list = field(default_factory=list)
+    # (image lookups, hits) per request in arrival order: the steady state is the later half
+    image_hits_by_request: list[tuple[int, int]] = field(default_factory=list)
 
     def merged(self) -> SimResult:
         """The replicas as one SimResult (records of all, counts summed, the KV pool and
@@ -61,11 +63,13 @@ class ClusterResult:
         end = max(s.end_s for s in self.replicas)
         start = min(r.arrival_s for r in self.records)
         mean = sum(self.num_routed) / len(self.num_routed)
+        half = len(self.image_hits_by_request) // 2  # past the caches' cold start
         return {
             "num_replicas": len(self.replicas),
             "num_requests": len(self.records),
             "num_finished": len(done),
             "encoder_cache_hit_rate": self.num_image_hits / max(1, self.num_image_lookups),
+            "encoder_cache_hit_rate_2nd_half": _rate(self.image_hits_by_request[half:]),
             "prefix_cache_hit_rate": sum(r.num_cached_tokens for r in done) / max(1, prompt),
             "ttft_p50_s": _quantile(ttfts, 0.50),
             "ttft_p99_s": _quantile(ttfts, 0.99),
@@ -76,6 +80,10 @@ class ClusterResult:
             "tiles_encoded": sum(s.num_tiles_encoded for s in self.replicas),
             "hang": self.hang,
         }
+
+
+def _rate(lookups_hits: list[tuple[int, int]]) -> float:
+    return sum(h for _, h in lookups_hits) / max(1, sum(n for n, _ in lookups_hits))
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -108,6 +116,7 @@ def simulate_cluster(
     routed = [0] * num_replicas
     reasons: dict[str, int] = {}
     lookups = hits = 0
+    by_request: list[tuple[int, int]] = []
     hang = False
     for index, req in enumerate(sorted(trace, key=lambda r: r.arrival_s)):
         for sim in sims:
@@ -119,15 +128,16 @@ def simulate_cluster(
         chosen = sims[decision.replica]
         reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
         routed[decision.replica] += 1
-        lookups += len(seq.images)
-        hits += sum(chosen.encoder_cache.contains(img.content_hash) for img in seq.images)
+        found = sum(chosen.encoder_cache.contains(img.content_hash) for img in seq.images)
+        lookups, hits = lookups + len(seq.images), hits + found
+        by_request.append((len(seq.images), found))
         chosen.pending.insert(0, req)
     results = []
     for sim in sims:
         hang |= sim.advance(math.inf)
         results.append(sim.result(hang))
     records = [r for res in results for r in res.records]
-    return ClusterResult(results, routed, reasons, lookups, hits, hang, records)
+    return ClusterResult(results, routed, reasons, lookups, hits, hang, records, by_request)
 
 
 def _queue(sim: _Sim) -> int:

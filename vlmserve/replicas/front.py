@@ -80,15 +80,15 @@ def create_front_app(
         )  # fmt: skip
         try:
             head = await call.__anext__()
-        except Exception as e:  # noqa: BLE001 - a dead replica, or no replica at all
-            return _lost(e)
-        status = head["status"]
-        out_headers = {k: v for k, v in head["headers"] if k.lower() not in _HOP}
-        if out_headers.get("content-type", "").startswith("text/event-stream"):
-            return StreamingResponse(_stream(call), status, out_headers)
-        try:
+            status = head["status"]
+            out_headers = {k: v for k, v in head["headers"] if k.lower() not in _HOP}
+            if out_headers.get("content-type", "").startswith("text/event-stream"):
+                return StreamingResponse(_stream(call), status, out_headers)
             content = b"".join([chunk async for chunk in call])
-        except Exception as e:  # noqa: BLE001
+        except asyncio.CancelledError:  # the client left: the replica stops too
+            call.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - a dead replica, or no replica at all
             return _lost(e)
         return Response(content, status, out_headers)
 
@@ -110,13 +110,19 @@ async def _keys(body: bytes, request: HTTPRequest) -> RouteKeys:
 
 
 async def _stream(call: Any) -> AsyncIterator[bytes]:
+    done = False
     try:
         async for chunk in call:
             yield chunk
+        done = True
     except Exception as e:  # noqa: BLE001 - the replica died mid-stream
+        done = True
         log.warning("a replica failed mid-stream: %r", e)
         error = error_body(503, _REPLICA_LOST.format(type(e).__name__))
         yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        if not done:  # the client left mid-stream: the replica's engine aborts it
+            call.cancel()
 
 
 def _lost(e: BaseException) -> JSONResponse:
