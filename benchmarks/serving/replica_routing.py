@@ -9,10 +9,10 @@ interleaved rounds. Reported per router (median over rounds): encoder-cache hit 
 reports), TTFT p50/p99 at the client, output tokens/s, imbalance (max / mean requests
 a replica served, from its labelled /metrics); then the issue's checks.
 
-The replicas' encoder cache is sized (`--encoder-cache-mb`, default 1) to hold a share
-of the 40 scenes like the share of 300 images the engine's default 256 MB holds for a
-7B VLM (about 55 there): with the default 256 MB every scene fits in every replica and
-affinity can only save first encodes.
+The replicas' encoder cache is sized (`--encoder-cache-mb`, default 1: about 11 of the 40
+scenes of 13 tiles) to hold a share of the images like the share of the simulator's 300
+the engine's default 256 MB holds for a 7B VLM (about 55): with 256 MB every scene fits in
+every replica and affinity could only save first encodes.
 
     python -m benchmarks.serving.replica_routing  # → benchmarks/results/replica_routing.json
 """
@@ -41,7 +41,7 @@ WORDS = ("where is the red star and how many blue circles are on the left of a g
          "square yellow triangle big small top bottom right word").split()  # fmt: skip
 SHAPE = AffinityShape(num_images=40, num_system_prompts=4, system_tokens=(30, 60),
                       max_turns=3, question_tokens=(4, 10), max_tokens=(8, 24))  # fmt: skip
-IMAGE_SIZE = (144, 96)  # InternVL 3x2 grid + thumbnail: 7 tiles
+IMAGE_SIZE = (192, 144)  # InternVL 4x3 grid + thumbnail: 13 tiles, 117 tokens, ~90 KB pooled
 
 
 def plan(num_requests: int, rate: float, seed: int) -> list[Planned]:
@@ -151,7 +151,7 @@ def summarize(router: str, measured: list[Measured], metrics: dict, wall: float)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=160)
-    p.add_argument("--rate", type=float, default=2.5, help="arrivals/s over both replicas")
+    p.add_argument("--rate", type=float, default=2.0, help="arrivals/s over both replicas")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--encoder-cache-mb", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

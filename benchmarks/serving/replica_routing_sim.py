@@ -65,8 +65,8 @@ def checks(rows: dict[str, dict]) -> dict[str, bool]:
 
 
 def run(n: int, args: argparse.Namespace) -> dict:
-    trace = affinity_trace(n * args.requests_per_replica, n * args.rate_per_replica,
-                           AffinityShape(), seed=args.seed)  # fmt: skip
+    num = min(n * args.requests_per_replica, args.max_requests)
+    trace = affinity_trace(num, n * args.rate_per_replica, AffinityShape(), seed=args.seed)
     config = SimConfig(encoder_cache_bytes=args.encoder_cache_mb * 2**20)
     rows: dict[str, dict] = {}
     for kind in ROUTERS:
@@ -100,6 +100,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 8, 64])
     p.add_argument("--requests-per-replica", type=int, default=150)
+    p.add_argument("--max-requests", type=int, default=6000, help="cap (64 replicas: 94 each)")
     p.add_argument("--rate-per-replica", type=float, default=8.0, help="arrivals/s per replica")
     p.add_argument("--encoder-cache-mb", type=float, default=256.0)
     p.add_argument("--max-imbalance", type=int, default=2)
@@ -111,6 +112,7 @@ def main() -> None:
     path = write_result(args.name, {
         "hardware": "qwen2-7b + siglip-so400m-14-384 on h100-sxm (simulated)",
         "trace": {"shape": shape.__dict__, "requests_per_replica": args.requests_per_replica,
+                  "max_requests": args.max_requests,
                   "rate_per_replica": args.rate_per_replica, "seed": args.seed},
         "encoder_cache_mb": args.encoder_cache_mb,
         "max_imbalance": args.max_imbalance,
