@@ -107,9 +107,16 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="replica_routing_sim")
     args = p.parse_args()
-    results = [run(n, args) for n in args.replicas]
+    results = []
+    for n in args.replicas:  # the file is rewritten after each N: a cut run keeps its rows
+        results.append(run(n, args))
+        path = _write(args, results)
+    print(f"wrote {path}")
+
+
+def _write(args: argparse.Namespace, results: list[dict]):
     shape = AffinityShape()
-    path = write_result(args.name, {
+    return write_result(args.name, {
         "hardware": "qwen2-7b + siglip-so400m-14-384 on h100-sxm (simulated)",
         "trace": {"shape": shape.__dict__, "requests_per_replica": args.requests_per_replica,
                   "max_requests": args.max_requests,
@@ -118,7 +125,6 @@ def main() -> None:
         "max_imbalance": args.max_imbalance,
         "results": results,
     })  # fmt: skip
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

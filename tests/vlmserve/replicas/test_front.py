@@ -100,3 +100,34 @@ def test_the_routing_key_of_an_upload_is_the_encoder_caches_content_hash():
     }
     [(key, _)] = keys_from_body(body).image_keys
     assert key == content_hash(data) == hashlib.blake2b(data, digest_size=16).digest()
+
+
+class _Started(Exception):
+    pass
+
+
+def test_serve_flags_reach_the_replica_launch(monkeypatch, capsys):
+    from vlmserve.cli.main import main
+    from vlmserve.replicas import launch
+
+    seen = {}
+
+    def fake_start(engine, server, config):
+        seen.update(engine=engine, server=server, config=config)
+        raise _Started
+
+    monkeypatch.setattr(launch, "start_replicas", fake_start)
+    argv = ["serve", "--replicas", "3", "--router", "prefix", "--router-max-imbalance", "5",
+            "--ray", "10.0.0.1:6379", "--ray-gpus-per-replica", "1", "--api-key", "k"]  # fmt: skip
+    with pytest.raises(_Started):
+        main(argv)
+    config = seen["config"]
+    assert (config.num_replicas, config.router, config.max_imbalance) == (3, "prefix", 5)
+    assert (config.address, config.gpus_per_replica, config.cpus_per_replica) == (
+        "10.0.0.1:6379", 1.0, 1.0)  # fmt: skip
+    assert seen["server"].api_key == "k"
+    with pytest.raises(_Started):  # --ray alone: a local cluster, the one-replica door
+        main(["serve", "--ray"])
+    assert (seen["config"].num_replicas, seen["config"].address) == (1, "local")
+    assert main(["serve", "--replicas", "2", "--router-max-imbalance", "-1"]) == 2
+    assert "--router-max-imbalance" in capsys.readouterr().err
