@@ -101,7 +101,7 @@ def per_replica(metrics: dict[str, float], name: str) -> dict[str, float]:
     return counts
 
 
-def one_run(router: str, planned: list[Planned], args: argparse.Namespace) -> dict:
+def one_run(router: str, planned: list[Planned], args: argparse.Namespace, run: int) -> dict:
     from vlmserve.cli import serve as serve_cli
     from vlmserve.cli.engine_args import engine_config_from_args
     from vlmserve.replicas import launch
@@ -112,16 +112,21 @@ def one_run(router: str, planned: list[Planned], args: argparse.Namespace) -> di
     serve_cli.register(parser.add_subparsers())
     flags = ["serve", "--preprocess-workers", "0", "--encoder-cache-mb", str(args.encoder_cache_mb)]
     engine = engine_config_from_args(parser.parse_args(flags))
-    config = launch.ReplicaConfig(num_replicas=2, router=router, seed=args.seed)
+    # Its own deployment name: Ray Serve keeps a request router per name in a process.
+    name = f"vlmserve-{router}-{run}"
+    config = launch.ReplicaConfig(num_replicas=2, router=router, seed=args.seed,
+                                  deployment_name=name)  # fmt: skip
     handle = launch.start_replicas(engine, ServerConfig(model_name="m"), config)
-    front = create_front_app(handle, launch.num_running, launch.live_replica_ids)
+    front = create_front_app(
+        handle, lambda: launch.num_running(name), lambda: launch.live_replica_ids(name)
+    )
     try:
         with in_process_server(front) as url:
             started = time.perf_counter()
             measured: list[Measured] = asyncio.run(run_load(url, planned))
             wall = time.perf_counter() - started
             metrics = scrape(url)
-            reasons = launch.router_decisions()
+            reasons = launch.router_decisions(name)
     finally:
         launch.stop(shutdown_ray=False)
     lookups = sum(len(p.images) for p in planned)  # each request sends its images again
@@ -180,7 +185,7 @@ def main() -> None:
         for k in range(args.rounds):
             order = ROUTERS if k % 2 == 0 else tuple(reversed(ROUTERS))
             for router in order:
-                runs[router].append(one_run(router, planned, args))
+                runs[router].append(one_run(router, planned, args, k))
                 print(runs[router][-1], f"(load average {os.getloadavg()[0]:.1f})", flush=True)
     finally:
         stop()

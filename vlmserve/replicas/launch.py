@@ -66,6 +66,9 @@ class ReplicaConfig:
     max_ongoing_requests: int = 256  # per replica; the engine queues behind its KV pool
     health_check_period_s: float = 2.0
     seed: int | None = None  # the router's power-of-two draws
+    # A process keeps one request router per deployment name: a second deployment with
+    # another router in the same process (the benchmark's runs) needs its own name.
+    deployment_name: str = DEPLOYMENT_NAME
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -101,7 +104,7 @@ def start_replicas(engine: EngineConfig, server: Any, config: ReplicaConfig) -> 
     )
     deployment = serve.deployment(
         EngineReplica,
-        name=DEPLOYMENT_NAME,
+        name=config.deployment_name,
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={
