@@ -151,15 +151,18 @@ def find_max_rate(
     lo: float = 0.05,
     hi: float = 64.0,
     iterations: int = 8,
+    run: Callable[[list[TraceRequest]], SimResult] | None = None,
 ) -> RateSearch:
     """Bisect (geometrically) for the highest arrival rate whose SLO attainment stays at
-    or above `target_attainment`; the trace is regenerated (same seed) at each rate."""
+    or above `target_attainment`; the trace is regenerated (same seed) at each rate.
+    `run` simulates a trace (default: one engine, `simulate` on `hw` with `config`)."""
+    run = run or (lambda trace: simulate(trace, hw, config))
     if not 0 < target_attainment <= 1:
         raise ValueError(f"target attainment must be in (0, 1], got {target_attainment}")
     tried: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
-        attained = summarize(simulate(make_trace(rate), hw, config), slo).slo_attainment
+        attained = summarize(run(make_trace(rate)), slo).slo_attainment
         tried.append((rate, attained))
         return attained >= target_attainment
 

@@ -24,6 +24,7 @@ import dataclasses
 import heapq
 import inspect
 import math
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -107,6 +108,7 @@ class RequestRecord:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     num_images: int = 0  # its class for SLO purposes: text (none) or image
+    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache when admitted
 
     @property
     def ttft_s(self) -> float | None:
@@ -234,7 +236,10 @@ def make_sequence(req: TraceRequest, hw: StepHardware, pooling_ratio: int, index
     """Token layout: shared system prompt, the images' placeholders, then the user text.
     Text ids are unique to the request (`index`) so only the system prompt and images
     are shared."""
-    ids = [1 + (i % 997) for i in range(req.num_system_tokens)]
+    sid = req.system_prompt_id  # 0: the shared prompt; others their own (negative) ids
+    ids = [
+        1 + (i % 997) if sid == 0 else -(sid << 32) - i - 1 for i in range(req.num_system_tokens)
+    ]
     images = []
     for im in req.images:
         n = visual_tokens(im.num_tiles * hw.encoder.tokens_per_tile, pooling_ratio)
@@ -244,6 +249,8 @@ def make_sequence(req: TraceRequest, hw: StepHardware, pooling_ratio: int, index
         images.append(img)
         ids += [IMAGE_TOKEN_ID] * n
     base = 1000 + index * 1_000_003  # one id range per request: no false prefix hits
+    if req.session_id is not None:  # one range per conversation: turns share their text
+        base = -(1 << 62) + (zlib.crc32(req.session_id.encode()) << 24)
     ids += [base + i for i in range(req.num_text_tokens)]
     return Sequence(req.request_id, ids, images)
 
@@ -371,6 +378,7 @@ class _Sim:
             rec = self.records[seq.request_id]
             if rec.first_token_s is None:
                 rec.first_token_s = self.now + self.config.egress_s
+                rec.num_cached_tokens = seq.num_cached_tokens
             rec.num_output_tokens = seq.num_output_tokens
             if seq.num_output_tokens >= self.max_tokens[seq.request_id]:
                 rec.finish_s = self.now + self.config.egress_s
@@ -380,24 +388,30 @@ class _Sim:
 
     def run(self) -> SimResult:
         self.pending = list(reversed(self.trace))
-        hang = False
+        return self.result(self.advance(math.inf))
+
+    def advance(self, until: float) -> bool:
+        """Step until the clock reaches `until` (or, for inf, until nothing is left);
+        True when the run hangs. Idle time before `until` is skipped."""
         while True:
             self.release()
             if self.now > self.config.max_sim_s:
-                hang = self.scheduler.has_unfinished() or bool(self.preparing or self.pending)
-                break
+                return self.scheduler.has_unfinished() or bool(self.preparing or self.pending)
+            if self.now >= until:
+                return False
             running = {s.request_id: s.num_computed_tokens for s in self.scheduler.running}
             plan = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
             if plan is None or plan.is_empty:
                 nxt = self.next_event()
-                if nxt is None:  # nothing will ever change: done, or stuck for good
-                    hang = self.scheduler.has_unfinished()
-                    break
-                self.now = max(self.now, nxt)
+                if nxt is None and until == math.inf:  # done, or stuck for good
+                    return self.scheduler.has_unfinished()
+                self.now = max(self.now, until if nxt is None else min(nxt, until))
                 continue
             self.num_recomputed += sum(running.get(request_id, 0) for request_id in plan.preempted)
             self.step(plan)
             self.sample_timeline()
+
+    def result(self, hang: bool) -> SimResult:
         counted = getattr(self.scheduler, "num_recomputed_tokens", None)
         return SimResult(
             records=list(self.records.values()),

@@ -39,6 +39,10 @@ class TraceRequest:
     max_tokens: int
     images: tuple[TraceImage, ...] = field(default_factory=tuple)
     num_system_tokens: int = 0  # the same for every request: a shared, cacheable prefix
+    system_prompt_id: int = 0  # which system prompt (0: the one every mix shares)
+    # A conversation: its turns' text is one growing token stream, so a later turn's
+    # prompt starts with an earlier one's (prefix-cache hits). None: text unique to it.
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.arrival_s < 0:
@@ -176,6 +180,8 @@ def to_jsonl(trace: list[TraceRequest]) -> str:
             "system_tokens": r.num_system_tokens,
             "images": [{"hash": im.content_hash, "tiles": im.num_tiles} for im in r.images],
         }
+        if r.system_prompt_id or r.session_id is not None:
+            doc.update(system_prompt_id=r.system_prompt_id, session_id=r.session_id)
         lines.append(json.dumps(doc))
     return "\n".join(lines) + "\n"
 
@@ -205,6 +211,8 @@ def read_jsonl(path: str | Path) -> list[TraceRequest]:
                     max_tokens=int(doc["max_tokens"]),
                     images=images,
                     num_system_tokens=int(doc.get("system_tokens", 0)),
+                    system_prompt_id=int(doc.get("system_prompt_id", 0)),
+                    session_id=doc.get("session_id"),
                 )
             )
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from scheduler.routing.policy import ROUTERS
 from vlmserve.cli.engine_args import add_engine_args, engine_config_from_args
 
 
@@ -44,6 +45,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     media.add_argument("--allow-http-media", action="store_true", help="plain http:// too")
     media.add_argument("--media-timeout", type=float, default=10.0, help="seconds per fetch")
     media.add_argument("--max-media-mb", type=int, default=20)
+    replicas = p.add_argument_group("replicas on Ray Serve (pip install -e '.[serve]')")
+    replicas.add_argument(
+        "--replicas", type=int, default=1, metavar="N",
+        help="N engine replicas as a Ray Serve deployment behind this one HTTP door",
+    )  # fmt: skip
+    replicas.add_argument(
+        "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+        help="run the replicas on Ray: a cluster started here, or the running cluster at "
+        "ADDRESS ('auto' or HEAD_IP:6379)",
+    )  # fmt: skip
+    replicas.add_argument(
+        "--router", choices=ROUTERS, default="cache_aware",
+        help="which replica serves a request: cache_aware (image content, prompt prefix, "
+        "session, bounded by load), prefix (text prefix only), pow2 (Ray Serve's default)",
+    )  # fmt: skip
+    replicas.add_argument(
+        "--router-max-imbalance", type=int, default=2, metavar="N",
+        help="affinity yields when its replica's queue exceeds the shortest by more than N",
+    )  # fmt: skip
+    replicas.add_argument("--ray-cpus-per-replica", type=float, default=1.0, metavar="N")
+    replicas.add_argument("--ray-gpus-per-replica", type=float, default=0.0, metavar="N")
     p.set_defaults(func=cmd_serve)
 
 
@@ -73,6 +95,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_mb << 20,
         default_max_tokens=args.default_max_tokens,
     )
+    if args.replicas > 1 or args.ray is not None:
+        from vlmserve.cli.serve_replicas import serve_replicas
+
+        return serve_replicas(args, engine_config, config)
     # A dead engine stops the server, which exits non-zero (never a live port in front
     # of a dead engine): a supervisor (systemd, Kubernetes) restarts it.
     deaths: list[BaseException] = []

@@ -293,10 +293,30 @@ def test_capacity_find_max_rate(capsys):
     assert doc["accelerator"]["name"] == "h200"
 
 
+@pytest.mark.slow  # three simulator runs of 3 replicas
+def test_capacity_prices_replicas_behind_a_router(capsys):
+    argv = ["capacity", "--mix", "affinity", "--num-requests", "120", "--rate", "12", "--json"]
+    runs = {}
+    for router in ("pow2", "cache_aware"):
+        code, out, _ = run_cli(capsys, *argv, "--replicas", "3", "--router", router)
+        assert code == 0
+        runs[router] = json.loads(out)
+    pow2, ours = runs["pow2"]["routing"], runs["cache_aware"]["routing"]
+    assert pow2["num_replicas"] == ours["num_replicas"] == 3
+    assert sum(pow2["requests_per_replica"]) == sum(ours["requests_per_replica"]) == 120
+    assert pow2["reasons"] == {"balance": 120} and ours["reasons"].get("session", 0) > 0
+    results = runs["cache_aware"]["results"]
+    assert results["num_lost"] == 0 and results["classes"][-1]["num_finished"] == 120
+    one = json.loads(run_cli(capsys, "capacity", "--mix", "affinity", "--num-requests", "20",
+                             "--json")[1])  # fmt: skip
+    assert one["routing"] is None
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--trace", "/nonexistent/trace.jsonl"], "cannot read trace"),
+        (["--replicas", "0"], "--replicas"),
         (["--rate", "0"], "--rate"),
     ],
 )

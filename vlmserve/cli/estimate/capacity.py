@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.config import SchedulerConfig, SloConfig
+from scheduler.routing.policy import ROUTERS, RouterConfig
 from search.costmodel.presets import (
     ENCODERS,
     MODEL_VISION,
@@ -21,7 +22,9 @@ from search.costmodel.presets import (
     get_model,
 )
 from search.image_budget import ImageAssumptions
+from search.sim.affinity_trace import affinity_trace
 from search.sim.capacity import RateSearch, Slo, Summary, find_max_rate, summarize
+from search.sim.cluster_sim import ClusterResult, simulate_cluster
 from search.sim.step_time import StepHardware
 from search.sim.trace_sim import SimConfig, SimResult, simulate
 from search.sim.traces import MIXES, TraceRequest, make_mix, read_jsonl
@@ -41,7 +44,10 @@ def default_admission() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--mix", choices=MIXES, default="vlm", help="named mix (default: vlm)")
+    source.add_argument(
+        "--mix", choices=(*MIXES, "affinity"), default="vlm",
+        help="named mix (default: vlm; affinity: recurring images, system prompts and chats)",
+    )  # fmt: skip
     source.add_argument("--trace", metavar="FILE.jsonl", help="a trace file instead of a mix")
     p.add_argument("--num-requests", type=int, default=1000, help="mix size (default: 1000)")
     p.add_argument(
@@ -77,6 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--preprocess-workers", type=int, default=8)
     p.add_argument("--encoder-cache-gb", type=float, default=4.0)
+    p.add_argument("--replicas", type=int, default=1, help="engine replicas behind a router")
+    p.add_argument(
+        "--router", choices=ROUTERS, default="cache_aware",
+        help="how requests pick a replica (with --replicas > 1): as `vlmserve serve --router`",
+    )  # fmt: skip
+    p.add_argument("--router-max-imbalance", type=int, default=2)
 
 
 def _ms(s: float | None) -> str:
@@ -90,6 +102,8 @@ def _trace_maker(args: argparse.Namespace) -> tuple[Callable[[float], list[Trace
         raise ValueError("--num-requests must be >= 1 and --rate > 0")
     if args.trace is None:
         rate = 2.0 if args.rate is None else args.rate
+        if args.mix == "affinity":
+            return (lambda r: affinity_trace(args.num_requests, r, seed=args.seed)), rate
         return (lambda r: make_mix(args.mix, args.num_requests, r, args.seed)), rate
     base = read_jsonl(args.trace)
     span = base[-1].arrival_s - base[0].arrival_s
@@ -133,12 +147,24 @@ def run_capacity(args: argparse.Namespace) -> Outcome:
     )
     slo = Slo(args.slo_ttft_ms * 1e-3, args.slo_tpot_ms * 1e-3)
     make_trace, rate = _trace_maker(args)
+    if args.replicas < 1:
+        raise ValueError(f"--replicas {args.replicas}: must be >= 1")
+    router = RouterConfig(args.router, args.router_max_imbalance)
+    clusters: list[ClusterResult] = []
+
+    def run(trace: list[TraceRequest]) -> SimResult:
+        if args.replicas == 1:
+            return simulate(trace, hw, config)
+        clusters.append(simulate_cluster(trace, hw, args.replicas, router, config, args.seed))
+        return clusters[-1].merged()
+
     search: RateSearch | None = None
     if args.find_max_rate:
-        search = find_max_rate(make_trace, hw, config, slo, args.slo_attainment)
+        hi = 64.0 * args.replicas
+        search = find_max_rate(make_trace, hw, config, slo, args.slo_attainment, hi=hi, run=run)
         rate = search.max_rate or search.tried[0][0]
     trace = make_trace(rate)
-    result = simulate(trace, hw, config)
+    result = run(trace)
     summary = summarize(result, slo)
     source = f"trace {Path(args.trace).name}" if args.trace else f"mix {args.mix}"
     title = (
@@ -146,6 +172,10 @@ def run_capacity(args: argparse.Namespace) -> Outcome:
         f"{admission} admission, SLO TTFT {args.slo_ttft_ms:g} ms / TPOT {args.slo_tpot_ms:g} ms"
     )
     rows = _rows(summary, result, rate, search, trace)
+    routing = clusters[-1].summary() if clusters else None
+    if routing is not None:
+        title += f"; {args.replicas} replicas, router {args.router}"
+        rows.insert(0, ("replicas", _routing_row(routing)))
     skip = {"func", "json", "plot", "estimate_command"}
     payload: dict[str, Any] = {
         "title": title,
@@ -156,6 +186,7 @@ def run_capacity(args: argparse.Namespace) -> Outcome:
         "results": dataclasses.asdict(summary),
         "rate_search": None if search is None else dataclasses.asdict(search),
         "timeline": [list(p) for p in result.timeline],
+        "routing": routing,
     }
 
     def curves() -> list[Curve]:
@@ -168,6 +199,15 @@ def run_capacity(args: argparse.Namespace) -> Outcome:
         ]
 
     return payload, rows, curves
+
+
+def _routing_row(r: dict[str, Any]) -> str:
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(r["reasons"].items()))
+    return (
+        f"{r['num_replicas']}: encoder-cache hits {r['encoder_cache_hit_rate']:.1%}, prefix-cache "
+        f"{r['prefix_cache_hit_rate']:.1%}, imbalance {r['imbalance']:.2f} (max/mean "
+        f"requests), routed by {reasons}"
+    )
 
 
 def _rows(

@@ -1,0 +1,1 @@
+"""Replica routing: which of N engine replicas serves a request (pure, torch-free)."""

@@ -1,0 +1,195 @@
+"""Which replica serves a request: cache affinity bounded by load, else power of two.
+
+One policy, three kinds (the benchmark's routers):
+  * `pow2`: Ray Serve's default: two replicas drawn at random, the shorter queue wins.
+  * `prefix`: what SGLang's router and Ray Serve LLM's prefix-cache-affinity router do:
+    the replica that most recently served the longest shared prefix of the prompt's
+    *text* (images are invisible to them), unless that replica is overloaded.
+  * `cache_aware` (ours): a pinned session first (`x-session-id` or `user`); then the
+    replica holding the most cached work for this request: the images it most recently
+    encoded (keyed by content, weighted by their visual tokens) plus its longest shared
+    prefix of block hashes
+    computed as the prefix cache computes them (images by content).
+
+An affinity target is taken only while its queue is at most `max_imbalance` longer than
+the least-loaded replica's; otherwise power of two choices. The state (who served which
+image key, block hash and session) is three LRU maps, each bounded, of at most
+`max_holders` replicas a key (among equal matches the shorter queue wins); a replica that goes
+away (death, restart, scale-down) loses its entries, since its caches went with it.
+
+Pure and torch-free: Ray Serve's request router (`vlmserve/replicas/ray_router.py`) and
+the N-replica simulator (`search/sim/cluster_sim.py`) run this same class.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["ROUTERS", "Decision", "ReplicaRouter", "RouteKeys", "RouterConfig"]
+
+RouterKind = Literal["pow2", "prefix", "cache_aware"]
+ROUTERS: tuple[RouterKind, ...] = ("pow2", "prefix", "cache_aware")
+Reason = Literal["session", "image", "prefix", "balance"]
+ReplicaId = Hashable
+
+
+@dataclass(frozen=True)
+class RouteKeys:
+    """What a router may know of a request before any replica sees it."""
+
+    # (image content key, its weight in tokens: the visual tokens a hit saves)
+    image_keys: tuple[tuple[bytes, int], ...] = ()
+    # Chained hashes of the prompt's full blocks, images hashed by content (the prefix
+    # cache's view) ...
+    block_hashes: tuple[bytes, ...] = ()
+    # ... and of its text alone (what a text-prefix router sees: images left out).
+    text_block_hashes: tuple[bytes, ...] = ()
+    block_size: int = 16  # tokens (or key units) per block: a match's length in tokens
+    session: str | None = None  # `x-session-id` or the OpenAI `user` field
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    kind: RouterKind = "cache_aware"
+    # Affinity wins unless its replica's queue exceeds the least-loaded one's by more.
+    max_imbalance: int = 4
+    max_keys: int = 200_000  # image keys + block hashes remembered (LRU)
+    max_sessions: int = 50_000
+    # Replicas remembered per image key or block hash, most recent last: a prefix that
+    # spilled to a second replica spreads over both instead of piling onto the first.
+    max_holders: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROUTERS:
+            raise ValueError(f"router kind {self.kind!r}: expected one of {', '.join(ROUTERS)}")
+        if self.max_imbalance < 0:
+            raise ValueError(f"max_imbalance={self.max_imbalance} must be >= 0")
+        if min(self.max_keys, self.max_sessions, self.max_holders) < 1:
+            raise ValueError(
+                f"max_keys={self.max_keys}, max_sessions={self.max_sessions} and "
+                f"max_holders={self.max_holders} must be >= 1"
+            )
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: ReplicaId
+    reason: Reason
+    cached_tokens: int = 0  # the affinity score the choice was made on (0: balance)
+
+
+class ReplicaRouter:
+    """`choose` a replica for a request's keys given each live replica's queue length;
+    `record` where it went; `remove_replica` when one goes away."""
+
+    def __init__(self, config: RouterConfig = RouterConfig(), seed: int | None = None) -> None:
+        self.config = config
+        self.rng = random.Random(seed)
+        self._images: OrderedDict[bytes, ReplicaId] = OrderedDict()
+        self._blocks: OrderedDict[bytes, ReplicaId] = OrderedDict()
+        self._sessions: OrderedDict[str, ReplicaId] = OrderedDict()
+
+    @property
+    def num_entries(self) -> tuple[int, int, int]:
+        """(image keys, block hashes, sessions) remembered."""
+        return len(self._images), len(self._blocks), len(self._sessions)
+
+    def choose(self, keys: RouteKeys, loads: Mapping[ReplicaId, int]) -> Decision:
+        if not loads:
+            raise ValueError("no replica to route to")
+        least = min(loads.values())
+        bound = self.config.max_imbalance
+        within = lambda r: r in loads and loads[r] - least <= bound
+        kind = self.config.kind
+        if kind == "cache_aware" and keys.session is not None:
+            pinned = self._sessions.get(keys.session)
+            if pinned is not None and within(pinned):
+                return Decision(pinned, "session")
+        if kind != "pow2":
+            # Most cached work among the replicas within the bound; among equals the
+            # shorter queue. Past the bound a replica's cache cannot buy it more work.
+            scores = {r: v for r, v in self.affinity(keys, loads).items() if within(r)}
+            if scores:
+                best = max(scores, key=lambda r: (scores[r][0], -loads[r]))
+                return Decision(best, scores[best][1], scores[best][0])
+        return Decision(self._power_of_two(loads), "balance")
+
+    def affinity(self, keys: RouteKeys, loads: Mapping[ReplicaId, int]) -> dict:
+        """{replica: (cached tokens there, "image" | "prefix")} for the live replicas
+        that hold any of this request's work, as far as this router has seen."""
+        tokens: dict[ReplicaId, int] = {}
+        image_tokens: dict[ReplicaId, int] = {}
+        hashes = keys.block_hashes if self.config.kind == "cache_aware" else keys.text_block_hashes
+        for i, h in enumerate(hashes):
+            holders = self._blocks.get(h)
+            if holders is None:
+                break  # a chained hash: nothing past the first unseen block can match
+            for owner in holders:
+                if owner in loads:
+                    tokens[owner] = (i + 1) * keys.block_size  # the longest match so far
+        if self.config.kind == "cache_aware":
+            for key, weight in keys.image_keys:
+                for owner in self._images.get(key, ()):
+                    if owner in loads:
+                        image_tokens[owner] = image_tokens.get(owner, 0) + weight
+        out = {}
+        for r in tokens.keys() | image_tokens.keys():
+            reason = "image" if image_tokens.get(r, 0) > 0 else "prefix"
+            out[r] = (tokens.get(r, 0) + image_tokens.get(r, 0), reason)
+        return out
+
+    def _power_of_two(self, loads: Mapping[ReplicaId, int]) -> ReplicaId:
+        replicas = sorted(loads, key=str)  # seeded draws independent of dict order
+        if len(replicas) == 1:
+            return replicas[0]
+        a, b = self.rng.sample(replicas, 2)
+        return b if loads[b] < loads[a] else a
+
+    def record(self, keys: RouteKeys, replica: ReplicaId) -> None:
+        """`replica` now serves `keys`: it is the most recent holder of each."""
+        if self.config.kind == "pow2":
+            return  # stateless
+        cfg = self.config
+        if keys.session is not None and cfg.kind == "cache_aware":
+            _put(self._sessions, keys.session, replica, cfg.max_sessions)
+        hashes = keys.block_hashes if cfg.kind == "cache_aware" else keys.text_block_hashes
+        for h in hashes:
+            _add_holder(self._blocks, h, replica, cfg.max_keys, cfg.max_holders)
+        if cfg.kind == "cache_aware":
+            for key, _ in keys.image_keys:
+                _add_holder(self._images, key, replica, cfg.max_keys, cfg.max_holders)
+
+    def remove_replica(self, replica: ReplicaId) -> None:
+        """Forget what `replica` held (it died or was replaced: its caches are gone)."""
+        for table in (self._images, self._blocks):
+            for key in [k for k, held in table.items() if replica in held]:
+                rest = tuple(r for r in table[key] if r != replica)
+                if rest:
+                    table[key] = rest
+                else:
+                    del table[key]
+        for session in [s for s, r in self._sessions.items() if r == replica]:
+            del self._sessions[session]
+
+    def keep_only(self, live: set) -> None:
+        """Forget every replica not in `live` (a fresh replica list from the cluster)."""
+        known = {r for t in (self._images, self._blocks) for held in t.values() for r in held}
+        for replica in (known | set(self._sessions.values())) - live:
+            self.remove_replica(replica)
+
+
+def _put(table: OrderedDict, key, replica: ReplicaId, limit: int) -> None:
+    table[key] = replica
+    table.move_to_end(key)
+    while len(table) > limit:
+        table.popitem(last=False)
+
+
+def _add_holder(table: OrderedDict, key, replica: ReplicaId, limit: int, holders: int) -> None:
+    """`replica` becomes `key`'s most recent holder (of at most `holders`)."""
+    held = tuple(r for r in table.get(key, ()) if r != replica)
+    _put(table, key, (*held[-(holders - 1) :], replica) if holders > 1 else (replica,), limit)

@@ -1,0 +1,88 @@
+"""N replicas behind the router on simulated time, and the recurring-image trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scheduler.routing.policy import RouterConfig
+from search.costmodel.presets import get_accelerator, get_encoder, get_model
+from search.image_budget import ImageAssumptions
+from search.sim.affinity_trace import AffinityShape, affinity_trace
+from search.sim.cluster_sim import simulate_cluster
+from search.sim.step_time import StepHardware
+from search.sim.trace_sim import simulate
+from search.sim.traces import TraceImage, TraceRequest, read_jsonl, to_jsonl
+
+HW = StepHardware(get_model("llama-3-8b"), get_encoder("siglip-so400m-14-384"),
+                  get_accelerator("h100-sxm"), ImageAssumptions(), 2)  # fmt: skip
+
+
+def test_one_replica_is_the_one_engine_simulator():
+    trace = affinity_trace(30, 20.0, seed=3)
+    alone = {r.request_id: (r.first_token_s, r.finish_s) for r in simulate(trace, HW).records}
+    cluster = simulate_cluster(trace, HW, 1, RouterConfig("pow2"))
+    assert {r.request_id: (r.first_token_s, r.finish_s) for r in cluster.records} == alone
+    assert cluster.num_routed == [30] and cluster.reasons == {"balance": 30}
+
+
+def where(result) -> dict[str, int]:
+    return {r.request_id: i for i, rep in enumerate(result.replicas) for r in rep.records}
+
+
+def test_a_conversation_stays_on_one_replica_and_every_request_finishes():
+    trace = affinity_trace(60, 30.0, seed=1)
+    # No load bound: a conversation moves only when its replica is overloaded.
+    result = simulate_cluster(trace, HW, 4, RouterConfig("cache_aware", max_imbalance=10**6))
+    assert not result.hang and sum(result.num_routed) == 60
+    assert all(r.finish_s is not None for r in result.records)
+    placed = where(result)
+    by_session: dict[str, set[int]] = {}
+    for req in trace:
+        by_session.setdefault(req.session_id, set()).add(placed[req.request_id])
+    assert any(len([r for r in trace if r.session_id == s]) > 1 for s in by_session)
+    assert all(len(replicas) == 1 for replicas in by_session.values())
+
+
+def test_encoder_hits_are_images_already_on_the_chosen_replica():
+    # One image, eight requests far apart (each done before the next): ours sends the
+    # repeats where it is (7 hits); pow2 hits wherever it happens to have been before.
+    image = (TraceImage("same", 4),)
+    trace = [TraceRequest(f"r{i}", 10.0 * i, "image", 20, 8, image) for i in range(8)]
+    ours = simulate_cluster(trace, HW, 2, RouterConfig("cache_aware"))
+    assert (ours.num_image_lookups, ours.num_image_hits) == (8, 7)
+    pow2 = simulate_cluster(trace, HW, 2, RouterConfig("pow2"), seed=5)
+    placed = where(pow2)
+    seen: set[int] = set()
+    expected = 0
+    for req in trace:
+        expected += placed[req.request_id] in seen
+        seen.add(placed[req.request_id])
+    assert pow2.num_image_hits == expected < 7
+
+
+def test_the_affinity_trace_continues_conversations_and_round_trips_jsonl(tmp_path):
+    shape = AffinityShape(num_images=10, followup_share=0.5, max_turns=3)
+    trace = affinity_trace(200, 10.0, shape, seed=0)
+    assert trace == affinity_trace(200, 10.0, shape, seed=0)
+    turns: dict[str, list[TraceRequest]] = {}
+    for req in trace:
+        turns.setdefault(req.session_id, []).append(req)
+    chats = [t for t in turns.values() if len(t) > 1]
+    assert chats and max(len(t) for t in turns.values()) == 3
+    for t in chats:
+        assert len({(r.system_prompt_id, r.images) for r in t}) == 1
+        assert all(a.num_text_tokens < b.num_text_tokens for a, b in zip(t, t[1:], strict=False))
+    assert {im.content_hash for r in trace for im in r.images} <= {f"img{k}" for k in range(10)}
+    path = tmp_path / "t.jsonl"
+    path.write_text(to_jsonl(trace))
+    assert read_jsonl(path) == trace
+    assert json.loads(path.read_text().splitlines()[0])["session_id"] == trace[0].session_id
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="num_replicas"):
+        simulate_cluster(affinity_trace(5, 1.0), HW, 0)
+    with pytest.raises(ValueError, match="followup_share"):
+        AffinityShape(followup_share=1.5)
