@@ -27,6 +27,7 @@ from vlmserve.server.guards import Guard
 from vlmserve.server.media import MediaPolicy
 from vlmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from vlmserve.server.protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, error_body
+from vlmserve.server.sampling_fields import TokenTexts
 from vlmserve.server.utility_routes import add_utility_routes
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,19 @@ def create_app(
 ) -> FastAPI:
     """`on_engine_death(cause)` runs on the engine thread when the engine fails to load or
     dies; `vlmserve serve` passes one that stops the server, which then exits non-zero."""
-    loop = EngineLoop(engine_factory, config.max_pending_requests, on_engine_death)
+
+    def load() -> Engine:  # on the engine thread, before /health turns 200
+        engine = engine_factory()
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is not None:  # logprobs' token texts: a tokenizer copy of their own
+            start = time.perf_counter()
+            texts = TokenTexts(tokenizer)
+            chat.use_texts(texts)
+            completions.use_texts(texts)
+            log.info("token texts (logprobs) ready in %.1f s", time.perf_counter() - start)
+        return engine
+
+    loop = EngineLoop(load, config.max_pending_requests, on_engine_death)
     metrics = ServerMetrics(loop.stats)
     settings = ChatSettings(
         config.model_name, config.media, config.max_images_per_request, config.default_max_tokens
