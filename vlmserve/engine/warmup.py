@@ -21,6 +21,7 @@ order, while time is left of `max_seconds` (a phase started is finished):
   bound at most (1.7 s of one thread for the 100M Llama at 64 sequences);
 - one prefill chunk of the full step budget (max_num_batched_tokens, at most 2,048 tokens
   and the context);
+- one sampled request (temperature, top-k/p, logprobs, a grammar): the sampler's kernels;
 - decode batches of 1, 2, 4, ... up to max_num_seqs sequences (each bucket's prefill of
   short prompts, then decode steps at that batch);
 - for a vision model, one small and one large image (the fewest and the most tiles).
@@ -45,6 +46,7 @@ from kernels.packed_linear import PackedLinear
 from vlmserve.config import EngineConfig
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
+from vlmserve.sample.structured import StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +182,13 @@ def _request_phases(engine: Engine) -> Iterator[tuple[str, list[Request]]]:
 
     chunk = min(sched.max_num_batched_tokens, engine.max_model_len - 4, _MAX_CHUNK)
     yield f"prefill {chunk}", [Request(prompt_token_ids=prompt(chunk), sampling=params(2))]
+    # The sampler's other paths (its C++ kernels load on first use): temperature, top-k/p,
+    # logprobs, a grammar's mask (a choice of one token's text: any tokenizer writes it).
+    text = engine.tokenizer.decode(ids[:1])
+    structured = StructuredOutput.choice([text]) if text.strip() else None
+    sampled = SamplingParams(max_tokens=2, temperature=1.0, top_k=20, top_p=0.9, seed=0,
+                             logprobs=2, structured=structured)  # fmt: skip
+    yield "sampled", [Request(prompt_token_ids=prompt(_SHORT_PROMPT), sampling=sampled)]
     for b in decode_buckets(sched.max_num_seqs):
         yield (
             f"decode x{b}",

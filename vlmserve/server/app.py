@@ -13,6 +13,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import anyio
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -82,6 +83,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        async with anyio.create_task_group():  # its backend imported now, not by a stream
+            pass
         loop.start()
         yield
         loop.begin_drain()

@@ -8,10 +8,11 @@ the tokenizer on its first request, the first logprobs request deep-copied it on
 loop, and the first constrained request imported xgrammar, copied the tokenizer and built
 its tables while other requests waited.
 
-Bounds are relative to the same server's idle latency, measured in the same test: the
-first requests' first tokens within 3x the idle time to first token + 0.5 s; a 4-token
-request beside a grammar's compile within 2x its idle latency + 0.25 s (the slack: a
-loaded 2-core machine's scatter, a fraction of the seconds the old path cost).
+Bounds are relative to the same server's latency once warm and idle, measured in the same
+test: six concurrent first requests' first tokens within 2x the same six's once warm +
+0.5 s; a 4-token request beside a grammar's compile within 2x its idle latency + 0.5 s
+(the slack: a loaded 2-core machine's scatter, the compile's thread taking one of its two
+cores; a fraction of the seconds the old path cost).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from vlmserve.sample.structured import StructuredConfig
 pytestmark = pytest.mark.slow
 
 VOCAB = 262_144
-COPY_SLEEP_S = 2.0  # the stand-in's extra deep-copy time (a 262k tokenizer: ~2 s on a Xeon)
+COPY_SLEEP_S = 5.0  # the stand-in's extra deep-copy time (a 262k tokenizer: ~2 s on a Xeon)
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -133,44 +134,48 @@ def latency_s(url: str, prompt: str, **extra) -> float:
 
 def test_first_requests_after_start_wait_for_no_tokenizer_copy(big_vocab_path, slow_copies):
     """Six concurrent streamed completions (one with logprobs) sent as /health turns 200:
-    each first token within 3x the idle time to first token + 0.5 s. Before the fix each
-    waited for a preparer thread's deep copy (COPY_SLEEP_S + the copy itself), the
-    logprobs one for a copy made on the event loop."""
+    the slowest first token within 2x the slowest of the same six sent again once warm,
+    + 0.5 s. Before the fix each waited for its preparer thread's deep copy (COPY_SLEEP_S
+    + the copy itself), and the logprobs one for a copy made on the event loop."""
     prompts = [f"request {i} asks about the colour of the sky" for i in range(6)]
-    with serve(engine_factory(big_vocab_path)) as served:
+    extras = [{"logprobs": 2}] + [{}] * (len(prompts) - 1)
+
+    def together(url: str) -> list[float]:
         with ThreadPoolExecutor(len(prompts)) as pool:
-            extras = [{"logprobs": 2}] + [{}] * (len(prompts) - 1)
-            firsts = list(pool.map(lambda p, e: first_token_s(served.base_url, p, **e),
-                                   prompts, extras))  # fmt: skip
-        idle = statistics.median(first_token_s(served.base_url, p) for p in prompts)
-    bound = 3 * idle + 0.5
-    print(f"first tokens {[round(s, 3) for s in firsts]} s, idle {idle:.3f} s, bound {bound:.3f}")
-    assert max(firsts) <= bound, (firsts, idle)
+            return list(pool.map(lambda p, e: first_token_s(url, p, **e), prompts, extras))
+
+    with serve(engine_factory(big_vocab_path)) as served:
+        firsts = together(served.base_url)
+        warm = statistics.median(max(together(served.base_url)) for _ in range(3))
+    bound = 2 * warm + 0.5
+    print(f"first tokens {[round(s, 3) for s in firsts]} s; warm {warm:.3f} s, bound {bound:.3f}")
+    assert max(firsts) <= bound, (firsts, warm)
 
 
 def test_a_short_request_is_not_held_up_by_grammar_work(big_vocab_path):
     """A 4-token request sent beside the first constrained request after start, and
     4-token requests sent one after another while a 20,000-option choice compiles, each
-    finish within 2x the idle latency + 0.25 s. Before the fix the first constrained
+    finish within 2x the idle latency + 0.5 s. Before the fix the first constrained
     request imported xgrammar, copied the tokenizer and built its tables meanwhile."""
     with serve(engine_factory(big_vocab_path)) as served:
         url = served.base_url
         idle = statistics.median(latency_s(url, f"idle request {i}") for i in range(5))
-        bound = 2 * idle + 0.25
+        bound = 2 * idle + 0.5
 
         # The first constrained request after start, a short one beside it.
-        regex = {"structured_outputs": {"regex": "[a-z]{3}"}}
+        # (a constraint quick to compile: the first one's cost is what is measured here)
+        yes_no = {"structured_outputs": {"choice": ["yes", "no"]}}
         with ThreadPoolExecutor(2) as pool:
-            constrained = pool.submit(completion, url, "pick three letters", 8, **regex)
+            constrained = pool.submit(completion, url, "yes or no", 8, **yes_no)
             time.sleep(0.05)  # its preparation under way
             beside = latency_s(url, "a short one beside it")
-            assert constrained.result()["choices"][0]["text"].isalpha()
+            assert constrained.result()["choices"][0]["text"] in ("yes", "no")
 
         # A 20,000-option choice compiling: short requests one after another meanwhile.
         rng = random.Random(1)
-        options = [str(i) for i in range(18_000)] + [
-            "".join(rng.choice("abcdefghij") for _ in range(6)) + str(i) for i in range(2_000)
-        ]
+        options = [str(i) for i in range(16_000)] + [
+            "".join(rng.choice("abcdefghij") for _ in range(6)) + str(i) for i in range(4_000)
+        ]  # (the words: seconds to compile; digits alone compile in a fraction of one)
         choice = {"structured_outputs": {"choice": options}}
         done = threading.Event()
         with ThreadPoolExecutor(1) as pool:
