@@ -198,6 +198,12 @@ class HFPromptProcessor:
         hf_images = model.vision is not None and self.image_spec is None
         self._processors = CopyPool(self.processor) if hf_images else None
 
+    @property
+    def thread_safe_backend(self) -> object | None:
+        """The private Rust tokenizer every thread may encode and decode with (None: the
+        tokenizer has no direct path)."""
+        return self._encoder.backend if self._encoder is not None else None
+
     def warm(self) -> dict[str, float]:
         """Make every copy a request could need now (the warm-up, before serving): the
         seconds per kind of copy made."""

@@ -86,6 +86,7 @@ class RustEncoder:
     padding, never reconfigured after construction, so any thread may call it."""
 
     def __init__(self, backend: object) -> None:
+        self.backend = backend  # also decodes from any thread (its `decode` reads only)
         self._encode = backend.encode
 
     def __call__(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -65,9 +65,10 @@ def create_app(
     def load() -> Engine:  # on the engine thread, before /health turns 200
         engine = engine_factory()
         tokenizer = getattr(engine, "tokenizer", None)
-        if tokenizer is not None:  # logprobs' token texts: a tokenizer copy of their own
+        if tokenizer is not None:  # logprobs' token texts: the shared Rust path, or a copy
             start = time.perf_counter()
-            texts = TokenTexts(tokenizer)
+            backend = getattr(getattr(engine, "processor", None), "thread_safe_backend", None)
+            texts = TokenTexts(tokenizer, backend)
             chat.use_texts(texts)
             completions.use_texts(texts)
             log.info("token texts (logprobs) ready in %.1f s", time.perf_counter() - start)
