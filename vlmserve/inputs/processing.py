@@ -193,7 +193,9 @@ class HFPromptProcessor:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         # process() runs on several threads at once (Engine.prepare): one private Rust
         # tokenizer they all call, else ready copies (`warm` makes them before serving).
+        start = time.perf_counter()
         self._encoder = direct_encoder(self.tokenizer)
+        self._encoder_s = time.perf_counter() - start  # reported by `warm`
         self._tokenizers = CopyPool(self.tokenizer) if self._encoder is None else None
         hf_images = model.vision is not None and self.image_spec is None
         self._processors = CopyPool(self.processor) if hf_images else None
@@ -207,7 +209,7 @@ class HFPromptProcessor:
     def warm(self) -> dict[str, float]:
         """Make every copy a request could need now (the warm-up, before serving): the
         seconds per kind of copy made."""
-        made = {}
+        made = {"shared tokenizer": self._encoder_s} if self._encoder is not None else {}
         for name, pool in (("tokenizer", self._tokenizers), ("processor", self._processors)):
             if pool is not None:
                 start = time.perf_counter()

@@ -76,9 +76,25 @@ def test_an_unfilled_pool_copies_on_first_use_up_to_its_size():
 TEXTS = ["red circle left", "Hello, world!  two spaces\nnew line", "naïve café 東京 🙂", ""]
 
 
-@pytest.mark.parametrize("fixture", ["llama_path", "gemma3_path", "idefics3_path"])
+def with_bos(tokenizer):
+    """`tokenizer` adding its BOS in front when asked to (as Gemma's and Llama's do)."""
+    from tokenizers.processors import TemplateProcessing
+
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    special = [("<s>", bos)]
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=special
+    )
+    assert tokenizer("red")["input_ids"][0] == bos  # the processor is on
+    return tokenizer
+
+
+@pytest.mark.parametrize("fixture", ["llama_path", "gemma3_path", "idefics3_path", "bos"])
 def test_the_direct_encoder_gives_the_tokenizers_ids(fixture, request):
-    tokenizer = AutoTokenizer.from_pretrained(request.getfixturevalue(fixture))
+    if fixture == "bos":
+        tokenizer = with_bos(AutoTokenizer.from_pretrained(request.getfixturevalue("llama_path")))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(request.getfixturevalue(fixture))
     encoder = direct_encoder(tokenizer)
     assert encoder is not None, f"{type(tokenizer).__name__}: no direct path"
     specials = " ".join(tokenizer.all_special_tokens)
