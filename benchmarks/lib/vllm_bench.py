@@ -98,12 +98,16 @@ def block(rows: list[dict]) -> dict:
 
 
 def one_system(  # noqa: PLR0913
-    system: str, model: str, venv: Path, rate: float, seed: int, root: Path
+    system: str, model: str, venv: Path, rate: float, seed: int, root: Path, num: int = 40
 ) -> dict:
-    """A fresh server, the first 40 requests after /health, then the next 40."""
-    with fresh_server(system, model, venv, root / f"{system}_{seed}.log") as (url, healthy_s):
-        first = bench_serve(venv, url, model, 40, rate, seed, root / f"{system}_{seed}_a.json")
-        nxt = bench_serve(venv, url, model, 40, rate, seed + 1, root / f"{system}_{seed}_b.json")
+    """A fresh server, the first `num` requests after /health, then the next `num`; its
+    start-up log's warm-up line (vlmserve)."""
+    log = root / f"{system}_{seed}.log"
+    with fresh_server(system, model, venv, log) as (url, healthy_s):
+        first = bench_serve(venv, url, model, num, rate, seed, root / f"{system}_{seed}_a.json")
+        nxt = bench_serve(venv, url, model, num, rate, seed + 1, root / f"{system}_{seed}_b.json")
+    warmup = [line for line in log.read_text(errors="replace").splitlines() if "warm-up" in line]
     return {"system": system, "seed": seed, "rate": rate, "healthy_after_s": healthy_s,
-            "first_8": block(first[:8]), "first_40": block(first), "next_40": block(nxt),
+            "num": num, "warmup_log": warmup[-1:], "first_8": block(first[:8]),
+            "first_40": block(first), "next_40": block(nxt),
             "requests": {"first": first, "next": nxt}}  # fmt: skip

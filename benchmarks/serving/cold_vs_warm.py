@@ -142,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default=None, help="result file (cold_vs_warm / _quick)")
     p.add_argument("--real", default=None, help="a real HF checkpoint: vs vLLM (module doc)")
     p.add_argument("--vllm-venv", type=Path, default=vllm_cpu.DEFAULT_VENV)
+    p.add_argument("--systems", default="vllm,vlmserve", help="--real: which servers")
+    p.add_argument("--num-prompts", type=int, default=40, help="--real: per half (40)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.requests, args.rate = 1, 40, 0.5
@@ -268,8 +270,11 @@ def real_vs_vllm(args: argparse.Namespace) -> dict:
     with contextlib.ExitStack() as stack:
         root = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for i in range(args.rounds):
-            for system in vllm_bench.SYSTEMS if i % 2 == 0 else vllm_bench.SYSTEMS[::-1]:
-                point = vllm_bench.one_system(system, args.real, args.vllm_venv, args.rate, i, root)
+            systems = [s for s in vllm_bench.SYSTEMS if s in args.systems.split(",")]
+            for system in systems if i % 2 == 0 else systems[::-1]:
+                point = vllm_bench.one_system(
+                    system, args.real, args.vllm_venv, args.rate, i, root, args.num_prompts
+                )
                 passes.append(point)
                 print(f"round {i} {system}: healthy after {point['healthy_after_s']:.1f} s, "
                       f"TTFT p99 first 8 {point['first_8']['ttft_ms']['p99']:.0f} ms / "
@@ -288,7 +293,8 @@ def real_vs_vllm(args: argparse.Namespace) -> dict:
     result = {
         "environment": environment(torch.device("cpu")),
         "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "settings": {"model": args.real, "rate": args.rate, "rounds": args.rounds},
+        "settings": {"model": args.real, "rate": args.rate, "rounds": args.rounds,
+                     "systems": args.systems, "num_prompts": args.num_prompts},
         "table": rows, "targets": real_targets(passes), "passes": passes,
     }  # fmt: skip
     print(json.dumps(result["targets"], indent=1))
