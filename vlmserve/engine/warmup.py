@@ -19,9 +19,10 @@ order, while time is left of `max_seconds` (a phase started is finished):
   first time (1-3 ms a shape on a Zen 5), and the decode batch size changes step by step
   as requests come and go; plain GEMMs on zeros, no engine steps, a quarter of the time
   bound at most (1.7 s of one thread for the 100M Llama at 64 sequences);
+- one sampled request (temperature, top-k/p, logprobs, a grammar): the sampler's kernels,
+  which load on first use;
 - one prefill chunk of the full step budget (max_num_batched_tokens, at most 2,048 tokens
   and the context);
-- one sampled request (temperature, top-k/p, logprobs, a grammar): the sampler's kernels;
 - decode batches of 1, 2, 4, ... up to max_num_seqs sequences (each bucket's prefill of
   short prompts, then decode steps at that batch);
 - for a vision model, one small and one large image (the fewest and the most tiles).
@@ -180,15 +181,16 @@ def _request_phases(engine: Engine) -> Iterator[tuple[str, list[Request]]]:
     def params(tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
-    chunk = min(sched.max_num_batched_tokens, engine.max_model_len - 4, _MAX_CHUNK)
-    yield f"prefill {chunk}", [Request(prompt_token_ids=prompt(chunk), sampling=params(2))]
-    # The sampler's other paths (its C++ kernels load on first use): temperature, top-k/p,
-    # logprobs, a grammar's mask (a choice of one token's text: any tokenizer writes it).
+    # First (cheap; the time bound must not skip it): the sampler's other paths, whose C++
+    # kernels load on first use: temperature, top-k/p, logprobs, a grammar's mask (a
+    # choice of one token's text: any tokenizer writes it).
     text = engine.tokenizer.decode(ids[:1])
     structured = StructuredOutput.choice([text]) if text.strip() else None
     sampled = SamplingParams(max_tokens=2, temperature=1.0, top_k=20, top_p=0.9, seed=0,
                              logprobs=2, structured=structured)  # fmt: skip
     yield "sampled", [Request(prompt_token_ids=prompt(_SHORT_PROMPT), sampling=sampled)]
+    chunk = min(sched.max_num_batched_tokens, engine.max_model_len - 4, _MAX_CHUNK)
+    yield f"prefill {chunk}", [Request(prompt_token_ids=prompt(chunk), sampling=params(2))]
     for b in decode_buckets(sched.max_num_seqs):
         yield (
             f"decode x{b}",

@@ -50,7 +50,7 @@ def test_warmup_runs_every_phase_and_changes_no_output(llava_ov_path, random_ima
     assert report.phases[:2] == ["shared tokenizer", "grammar tables"]
     assert warm.grammars._grammars._compiler is not None
     linears = ["linears x1-6"] if warm.runner.device.type == "cpu" else []  # decode rows
-    assert report.phases[2 : len(linears) + 3] == [*linears, "prefill 256"]  # the budget
+    assert report.phases[2 : len(linears) + 4] == [*linears, "sampled", "prefill 256"]
     assert [p for p in report.phases if p.startswith("decode")] == [
         "decode x1", "decode x2", "decode x4", "decode x6"
     ]  # fmt: skip
