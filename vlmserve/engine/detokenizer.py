@@ -33,12 +33,13 @@ class _RustDecoder:
         return self._decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
-def direct_decoder(tokenizer: Decoder) -> Decoder:
-    """The Rust decoder under a transformers fast tokenizer where its `decode` returns
-    exactly that decoder's text (the base class's decode, no clean-up pass), else the
-    tokenizer itself. Each token decodes two short windows, and transformers' Python
-    wrapper around the Rust call costs about 3x the call: on a batch of 64 that is most
-    of the engine thread's per-token detokenising time."""
+def direct_decoder(tokenizer: Decoder, backend: object | None = None) -> Decoder:
+    """The Rust decoder under a transformers fast tokenizer (or `backend`, a private copy
+    of it) where its `decode` returns exactly that decoder's text (the base class's
+    decode, no clean-up pass), else the tokenizer itself. Each token decodes two short
+    windows, and transformers' Python wrapper around the Rust call costs about 3x the
+    call: on a batch of 64 that is most of the engine thread's per-token detokenising
+    time."""
     from transformers import PreTrainedTokenizerFast
 
     cls = type(tokenizer)
@@ -48,7 +49,7 @@ def direct_decoder(tokenizer: Decoder) -> Decoder:
         and cls._decode is PreTrainedTokenizerFast._decode
         and not tokenizer.clean_up_tokenization_spaces
     ):
-        return _RustDecoder(tokenizer.backend_tokenizer)
+        return _RustDecoder(backend if backend is not None else tokenizer.backend_tokenizer)
     return tokenizer
 
 

@@ -1,4 +1,5 @@
-"""The engine's grammar compiler, made on its first constrained request."""
+"""The engine's grammar compiler: made by the warm-up (before serving), else on the
+first constrained request."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from collections.abc import Iterable
 
 
 class LazyGrammars:
-    """An engine's grammar compiler (`vlmserve.sample.grammar.Grammars`), made on the first
-    constrained request: xgrammar takes seconds to import, and engines that never see a
-    constraint never pay it. `get` is safe from any thread (preparer threads call it)."""
+    """An engine's grammar compiler (`vlmserve.sample.grammar.Grammars`), made by `warm`
+    (the warm-up `serve` runs) or on the first constrained request: xgrammar takes seconds
+    to import, and an engine without the warm-up that never sees a constraint never pays
+    it. `get` is safe from any thread (preparer threads call it)."""
 
     def __init__(
         self, tokenizer: object, vocab_size: int, stop_token_ids: Iterable[int], config: object
@@ -25,6 +27,11 @@ class LazyGrammars:
 
                 self._grammars = Grammars(*self._args)
             return self._grammars
+
+    def warm(self) -> None:
+        """Import xgrammar and build its tokenizer tables now, on the thread that owns the
+        tokenizer (the engine's, in the warm-up): no request waits for them."""
+        self.get().warm()
 
     def close(self) -> None:
         if self._grammars is not None:

@@ -12,13 +12,11 @@ processor on the request thread.
 
 from __future__ import annotations
 
-import copy
 import json
-import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar
 
 from PIL import Image
 
@@ -31,6 +29,7 @@ from encoders.pixel_budget import PixelBudget, shared_budget
 from encoders.stage import ImageWork, pool_metrics, submit_images, warm_pool
 from encoders.tiling.pan_and_scan import pan_and_scan_crops
 from scheduler.sequence import ImagePlaceholder
+from vlmserve.inputs.shared_tokenizer import CopyPool, direct_encoder
 from vlmserve.worker.models.loader import LoadedModel
 
 
@@ -66,24 +65,6 @@ class ProcessedPrompt:
 # max_model_len * MAX_CHARS_PER_TOKEN characters cannot fit: refused before tokenising
 # (a 50 MB prompt would otherwise keep a preparer thread busy for many seconds).
 MAX_CHARS_PER_TOKEN = 64
-
-T = TypeVar("T")
-
-
-class PerThread(Generic[T]):
-    """One deep copy of an object per thread. HF tokenizers are not safe to share across
-    threads (a call may reconfigure the Rust object: "Already borrowed"), and a lock would
-    let one huge prompt hold up every other request's tokenisation."""
-
-    def __init__(self, obj: T) -> None:
-        self._original = obj
-        self._local = threading.local()
-
-    def get(self) -> T:
-        mine = getattr(self._local, "copy", None)
-        if mine is None:
-            mine = self._local.copy = copy.deepcopy(self._original)
-        return mine
 
 
 def check_prompt_chars(request: Request, max_model_len: int) -> None:
@@ -210,9 +191,38 @@ class HFPromptProcessor:
         else:
             self.processor = None
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-        # process() runs on several threads at once (Engine.prepare): each its own copies.
-        self._tokenizer = PerThread(self.tokenizer)
-        self._processor = PerThread(self.processor)
+        # process() runs on several threads at once (Engine.prepare): one private Rust
+        # tokenizer they all call, else ready copies (`warm` makes them before serving).
+        start = time.perf_counter()
+        self._encoder = direct_encoder(self.tokenizer)
+        self._encoder_s = time.perf_counter() - start  # reported by `warm`
+        self._tokenizers = CopyPool(self.tokenizer) if self._encoder is None else None
+        hf_images = model.vision is not None and self.image_spec is None
+        self._processors = CopyPool(self.processor) if hf_images else None
+
+    @property
+    def thread_safe_backend(self) -> object | None:
+        """The private Rust tokenizer every thread may encode and decode with (None: the
+        tokenizer has no direct path)."""
+        return self._encoder.backend if self._encoder is not None else None
+
+    def warm(self) -> dict[str, float]:
+        """Make every copy a request could need now (the warm-up, before serving): the
+        seconds per kind of copy made."""
+        made = {"shared tokenizer": self._encoder_s} if self._encoder is not None else {}
+        for name, pool in (("tokenizer", self._tokenizers), ("processor", self._processors)):
+            if pool is not None:
+                start = time.perf_counter()
+                pool.fill()
+                made[f"{name} copies x{pool.size}"] = time.perf_counter() - start
+        return made
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`text`'s token ids, as the checkpoint's tokenizer gives them; any thread."""
+        if self._encoder is not None:
+            return self._encoder(text, add_special_tokens)
+        with self._tokenizers.borrow() as tokenizer:
+            return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def render(self, request: Request) -> tuple[str, list[ImageSource], bool]:
         """(prompt text, image sources, whether special tokens are still to be added)."""
@@ -236,8 +246,7 @@ class HFPromptProcessor:
         text, sources, add_special = self.render(request)
         check_image_count(len(sources), self.max_images)
         if not sources:
-            ids = self._tokenizer.get()(text, add_special_tokens=add_special)["input_ids"]
-            return ProcessedPrompt(list(ids), [])
+            return ProcessedPrompt(self.encode(text, add_special), [])
         if self.model.vision is None:
             raise ValueError("this model is text-only and cannot take images")
         if self.image_spec is not None:
@@ -253,20 +262,20 @@ class HFPromptProcessor:
 
         family = self.model.family
         batch_images = [images] if family == "idefics3" else images
-        processor = self._processor.get()
         extra = {"do_pan_and_scan": self.encoder.pan_and_scan} if family == "gemma3" else {}
-        outputs = processor(
-            text=[text], images=batch_images, return_tensors="pt", add_special_tokens=add_special,
-            **extra,
-        )  # fmt: skip
+        with self._processors.borrow() as processor:
+            outputs = processor(
+                text=[text], images=batch_images, return_tensors="pt",
+                add_special_tokens=add_special, **extra,
+            )  # fmt: skip
+            if family == "gemma3":  # the processor drops num_crops: the same rule gives it
+                outputs = {**outputs, "num_crops": gemma3_num_crops(processor, images, extra)}
+            if family == "idefics3" and len(images) > 1:
+                # The Idefics3 processor drops each image's tile grid from its output; only
+                # the image processor reports it, and it is needed to split the tiles.
+                grid = processor.image_processor(images, return_row_col_info=True)
+                outputs = {**outputs, "rows": grid["rows"], "cols": grid["cols"]}
         token_ids = outputs["input_ids"][0].tolist()
-        if family == "gemma3":  # the processor drops num_crops: the same rule gives it
-            outputs = {**outputs, "num_crops": gemma3_num_crops(processor, images, extra)}
-        if family == "idefics3" and len(images) > 1:
-            # The Idefics3 processor drops each image's tile grid from its output; only the
-            # image processor reports it, and it is needed to split the tiles per image.
-            grid = processor.image_processor(images, return_row_col_info=True)
-            outputs = {**outputs, "rows": grid["rows"], "cols": grid["cols"]}
         inputs = vision_inputs_from_hf(family, outputs)
         count = self.model.vision.num_image_tokens
         placed = [(key, count(v)) for v, key in zip(inputs, hashes, strict=True)]
@@ -301,9 +310,9 @@ class HFPromptProcessor:
             self.image_spec.prompt_text(work.layout, image_token) + piece
             for work, piece in zip(works, pieces[1:], strict=True)
         )
-        token_ids = self._tokenizer.get()(expanded, add_special_tokens=add_special)["input_ids"]
+        token_ids = self.encode(expanded, add_special)
         return ProcessedPrompt(
-            list(token_ids), place_works(token_ids, self.model.image_token_id, works), works
+            token_ids, place_works(token_ids, self.model.image_token_id, works), works
         )
 
 

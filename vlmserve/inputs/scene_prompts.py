@@ -11,6 +11,8 @@ reference path.
 
 from __future__ import annotations
 
+import time
+
 from encoders.cache import EncoderCache
 from encoders.config import EncoderConfig
 from encoders.images import ImageSource, load_image
@@ -19,7 +21,6 @@ from encoders.stage import pool_metrics, submit_images, warm_pool
 from encoders.vision import VisionInput
 from vlmserve.embedded.processor import SceneProcessor
 from vlmserve.inputs.processing import (
-    PerThread,
     ProcessedPrompt,
     Request,
     check_image_count,
@@ -28,6 +29,7 @@ from vlmserve.inputs.processing import (
     prompt_from_ids,
     split_messages,
 )
+from vlmserve.inputs.shared_tokenizer import CopyPool
 from vlmserve.worker.models.loader import LoadedModel
 
 
@@ -53,9 +55,15 @@ class ScenePromptProcessor:
             if self.encoder.use_pool
             else None
         )
-        self._scene = PerThread(self.scene)  # process() runs on several threads at once
+        self._scenes = CopyPool(self.scene)  # process() runs on several threads at once
         if self.image_spec is not None:
             warm_pool(self.encoder)
+
+    def warm(self) -> dict[str, float]:
+        """Make the copies `process` borrows now (the warm-up): their seconds."""
+        start = time.perf_counter()
+        self._scenes.fill()
+        return {f"processor copies x{self._scenes.size}": time.perf_counter() - start}
 
     def pool_metrics(self) -> dict[str, float]:
         return {} if self.image_spec is None else pool_metrics(self.encoder)
@@ -68,19 +76,19 @@ class ScenePromptProcessor:
                 raise ValueError("a request needs messages or a prompt")
             if request.images:
                 raise ValueError("the embedded model takes images in chat messages only")
-            tokenizer = self._scene.get().tokenizer
-            ids = tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
+            with self._scenes.borrow() as scene:
+                ids = scene.tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
             return ProcessedPrompt(list(ids), [])
         templated, sources = split_messages(request.messages)
         check_image_count(len(sources), self.max_images)
         if self.image_spec is None:
             return self._with_scene_processor(templated, sources)
-        scene = self._scene.get()
-        text = scene.apply_chat_template(templated)
-        # Queued on the header's layout while the pool decodes (as HFPromptProcessor does).
-        works = submit_images(sources, self.image_spec, self.encoder, self.encoder_cache)
-        token_ids = scene.expand_ids(text, [work.layout.num_tiles for work in works])
-        placed = place_works(token_ids, scene.image_token_id, works)
+        with self._scenes.borrow() as scene:
+            text = scene.apply_chat_template(templated)
+            # Queued on the header's layout while the pool decodes (as HFPromptProcessor).
+            works = submit_images(sources, self.image_spec, self.encoder, self.encoder_cache)
+            token_ids = scene.expand_ids(text, [work.layout.num_tiles for work in works])
+        placed = place_works(token_ids, self.scene.image_token_id, works)
         return ProcessedPrompt(token_ids, placed, works)
 
     def _with_scene_processor(
@@ -89,15 +97,15 @@ class ScenePromptProcessor:
         """SceneProcessor's own decode, tiling and normalisation (no pool, no cache)."""
         budget = shared_budget(self.encoder.resolved_max_decode_pixels)
         loaded = [load_image(s, self.encoder.max_pixels, budget) for s in sources]
-        scene = self._scene.get()
-        encoded = scene.encode(templated, images=[image for image, _ in loaded])
-        per_tile = scene.image_config.tokens_per_tile
+        with self._scenes.borrow() as scene:
+            encoded = scene.encode(templated, images=[image for image, _ in loaded])
+        per_tile = self.scene.image_config.tokens_per_tile
         inputs = [VisionInput(tiles) for tiles in encoded.pixel_values]
         images = [
             (digest, tiles.shape[0] * per_tile)
             for (_, digest), tiles in zip(loaded, encoded.pixel_values, strict=True)
         ]
-        placeholders = place_images(encoded.token_ids, scene.image_token_id, images)
+        placeholders = place_images(encoded.token_ids, self.scene.image_token_id, images)
         for placeholder, tiles in zip(placeholders, encoded.pixel_values, strict=True):
             placeholder.num_tiles = tiles.shape[0]  # [num_tiles, 3, S, S]
         return ProcessedPrompt(encoded.token_ids, placeholders, inputs)

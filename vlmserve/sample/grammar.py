@@ -37,7 +37,9 @@ class GrammarError(RequestError):
 
 class Grammars:
     """Compiles constraints for one tokenizer on `num_compile_threads` threads, cached.
-    xgrammar's tokenizer tables are built on the first compile (on the pool too)."""
+    xgrammar's tokenizer tables (seconds for a 262,144-token vocabulary) are built by
+    `warm` (the engine's warm-up, before serving), else on the first compile (on the pool,
+    from a copy of the tokenizer: the caller keeps using its own)."""
 
     def __init__(
         self,
@@ -48,12 +50,13 @@ class Grammars:
     ) -> None:
         self.config = config or StructuredConfig()
         self.vocab_size = vocab_size
-        self._tokenizer = copy.deepcopy(tokenizer)  # the pool's own: tokenizers share nothing
+        self._tokenizer = tokenizer  # the caller's: read only by `warm`, on its thread
         self._stop_token_ids = sorted(stop_token_ids)
         self._pool = ThreadPoolExecutor(self.config.num_compile_threads, "vlmserve-grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()  # not _lock: a submit never waits on tables
         self.num_compiles = 0
         self.num_cache_hits = 0
 
@@ -76,11 +79,16 @@ class Grammars:
         """A request's grammar: its compile started, its matcher made once compiled."""
         return RequestGrammar(self.submit(spec), self.config.compile_timeout_s)
 
-    def _compiler_now(self) -> xgr.GrammarCompiler:
-        with self._lock:
+    def warm(self) -> None:
+        """Build the tokenizer tables now, on the calling thread (the tokenizer's owner)."""
+        self._compiler_now(copy_tokenizer=False)
+
+    def _compiler_now(self, copy_tokenizer: bool = True) -> xgr.GrammarCompiler:
+        with self._compiler_lock:
             if self._compiler is None:
+                tokenizer = copy.deepcopy(self._tokenizer) if copy_tokenizer else self._tokenizer
                 info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size,
+                    tokenizer, vocab_size=self.vocab_size,
                     stop_token_ids=self._stop_token_ids or None,
                 )  # fmt: skip
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import anyio
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +28,7 @@ from vlmserve.server.guards import Guard
 from vlmserve.server.media import MediaPolicy
 from vlmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from vlmserve.server.protocol import DEFAULT_MAX_TOKENS, ChatCompletionRequest, error_body
+from vlmserve.server.sampling_fields import TokenTexts
 from vlmserve.server.utility_routes import add_utility_routes
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,20 @@ def create_app(
 ) -> FastAPI:
     """`on_engine_death(cause)` runs on the engine thread when the engine fails to load or
     dies; `vlmserve serve` passes one that stops the server, which then exits non-zero."""
-    loop = EngineLoop(engine_factory, config.max_pending_requests, on_engine_death)
+
+    def load() -> Engine:  # on the engine thread, before /health turns 200
+        engine = engine_factory()
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is not None:  # logprobs' token texts: the shared Rust path, or a copy
+            start = time.perf_counter()
+            backend = getattr(getattr(engine, "processor", None), "thread_safe_backend", None)
+            texts = TokenTexts(tokenizer, backend)
+            chat.use_texts(texts)
+            completions.use_texts(texts)
+            log.info("token texts (logprobs) ready in %.1f s", time.perf_counter() - start)
+        return engine
+
+    loop = EngineLoop(load, config.max_pending_requests, on_engine_death)
     metrics = ServerMetrics(loop.stats)
     settings = ChatSettings(
         config.model_name, config.media, config.max_images_per_request, config.default_max_tokens
@@ -69,6 +84,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        async with anyio.create_task_group():  # its backend imported now, not by a stream
+            pass
         loop.start()
         yield
         loop.begin_drain()

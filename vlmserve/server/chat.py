@@ -125,10 +125,14 @@ class Handler:
 
     @property
     def texts(self) -> TokenTexts:
-        """Token texts for logprobs (the engine is loaded once a request got this far)."""
+        """Token texts for logprobs: the app's (`use_texts`, made as the engine loaded),
+        else made now (the engine is loaded once a request got this far)."""
         if self._texts is None:
             self._texts = TokenTexts(self.loop.engine.tokenizer)
         return self._texts
+
+    def use_texts(self, texts: TokenTexts) -> None:
+        self._texts = texts
 
 
 class ChatHandler(Handler):

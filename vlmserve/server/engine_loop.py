@@ -34,6 +34,7 @@ from encoders.errors import RequestError
 from vlmserve.engine.core import Engine, PreparedRequest, RequestOutput
 from vlmserve.engine.request_options import child_request
 from vlmserve.inputs.processing import Request
+from vlmserve.inputs.shared_tokenizer import NUM_PREPARE_THREADS
 from vlmserve.sample.logprobs import TokenLogprob
 from vlmserve.sample.params import SamplingParams
 
@@ -160,7 +161,10 @@ class EngineLoop:
         self._preparing: dict[str, _Preparing] = {}  # submitted, not yet in the inbox
         self._closed: Exception | None = None  # set once: what late requests get
         self._stats: dict[str, float] = {}
-        self._preparers = ThreadPoolExecutor(4, thread_name_prefix="vlmserve-prepare")
+        # As many as the prompt processor has tokenizer copies ready (`NUM_PREPARE_THREADS`).
+        self._preparers = ThreadPoolExecutor(
+            NUM_PREPARE_THREADS, thread_name_prefix="vlmserve-prepare"
+        )
         self._thread = threading.Thread(target=self._run, name="vlmserve-engine", daemon=True)
 
     # -- any thread --------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from vlmserve.engine.detokenizer import direct_decoder
 from vlmserve.sample.logprobs import TokenLogprob
 
 LOGPROB_FLOOR = -9999.0
@@ -62,24 +63,24 @@ def _bias(logit_bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
 
 
 class TokenTexts:
-    """Token id -> text for logprobs, with a tokenizer copy of its own: called on the event
-    loop thread only (HF tokenizers are not safe to share across threads)."""
+    """Token id -> text for logprobs, on the event loop thread: through `backend` (the
+    prompt processor's private Rust tokenizer, which any thread may call) where it gives
+    the tokenizer's own text, else a tokenizer copy of its own (HF tokenizers are not safe
+    to share across threads)."""
 
-    def __init__(self, tokenizer) -> None:
-        self._tokenizer = copy.deepcopy(tokenizer)
+    def __init__(self, tokenizer, backend: object | None = None) -> None:
+        decoder = direct_decoder(tokenizer, backend) if backend is not None else tokenizer
+        self._decoder = copy.deepcopy(tokenizer) if decoder is tokenizer else decoder
         self._texts: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
-            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+            text = self._texts[token_id] = self._decoder.decode([token_id])
         return text
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self._decoder.decode(token_ids)
 
 
 def _lp(value: float) -> float:

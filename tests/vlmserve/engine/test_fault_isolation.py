@@ -5,7 +5,6 @@ get exactly the tokens they get alone, no KV block leaks, and the engine serves 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from concurrent.futures import Future
 
 import pytest
@@ -17,7 +16,7 @@ from scheduler.step_plan import ScheduledSeq
 from tests.helpers import chat, make_engine
 from tests.scheduler.sched_testing import RefusesOne
 from vlmserve.engine.core import Engine
-from vlmserve.inputs.processing import MAX_CHARS_PER_TOKEN, PerThread, Request
+from vlmserve.inputs.processing import MAX_CHARS_PER_TOKEN, Request
 from vlmserve.sample.params import SamplerState, SamplingParams
 from vlmserve.sample.verify import sample_plan
 
@@ -197,17 +196,6 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenising(llama_path):
         engine.prepare(Request(prompt=huge, sampling=GREEDY_8))
     with pytest.raises(PromptTooLongError, match="characters"):
         engine.prepare(Request(messages=[{"role": "user", "content": huge}]))
-
-
-def test_each_preparer_thread_tokenises_with_its_own_copy():
-    shared = PerThread({"vocab": [1, 2, 3]})
-    mine = shared.get()
-    assert shared.get() is mine
-    other: list[object] = []
-    thread = threading.Thread(target=lambda: other.append(shared.get()))
-    thread.start()
-    thread.join()
-    assert other[0] is not mine and other[0] == mine
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

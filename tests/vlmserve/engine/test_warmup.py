@@ -46,8 +46,11 @@ def test_warmup_runs_every_phase_and_changes_no_output(llava_ov_path, random_ima
     warm = engine(llava_ov_path, warmup=True)
     report = warm.warmup
     assert report is not None and not report.skipped
+    # First what a request's path would build on first use (the pool path: no copies).
+    assert report.phases[:2] == ["shared tokenizer", "grammar tables"]
+    assert warm.grammars._grammars._compiler is not None
     linears = ["linears x1-6"] if warm.runner.device.type == "cpu" else []  # decode rows
-    assert report.phases[: len(linears) + 1] == [*linears, "prefill 256"]  # the step budget
+    assert report.phases[2 : len(linears) + 4] == [*linears, "sampled", "prefill 256"]
     assert [p for p in report.phases if p.startswith("decode")] == [
         "decode x1", "decode x2", "decode x4", "decode x6"
     ]  # fmt: skip
@@ -92,4 +95,5 @@ def test_serve_answers_503_until_the_warmup_is_done(llama_path, tmp_path):
     assert statuses and statuses[-1] == 200, text[-3000:]
     assert 503 in statuses  # loading and warming up
     assert "warm-up done in" in text and "decode x4" in text, text[-3000:]
+    assert "grammar tables" in text and "token texts (logprobs) ready" in text, text[-3000:]
     assert "dtype torch.float32 (checkpoint is float32)" in text
