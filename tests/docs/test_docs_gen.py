@@ -7,7 +7,12 @@ import argparse
 
 import pytest
 
-from docs.gen import (
+# The generators read the server's pydantic models and the CLI's parsers: where the
+# server's libraries are missing (the GPU machine's environment) there is nothing to check.
+pytest.importorskip("pydantic")
+pytest.importorskip("fastapi")
+
+from docs.gen import (  # noqa: E402
     REGENERATE,
     api_fields,
     cli_reference,

@@ -138,6 +138,7 @@ def test_a_replica_killed_mid_load_ends_its_requests_clearly_and_comes_back(serv
     front, _ = servers
     before = set(launch.live_replica_ids())
     outcomes: dict[int, tuple] = {}
+    started = [threading.Event() for _ in range(6)]
 
     def one(i: int) -> None:
         text, reasons, error = "", [], None
@@ -150,15 +151,20 @@ def test_a_replica_killed_mid_load_ends_its_requests_clearly_and_comes_back(serv
             for chunk in stream:
                 for choice in chunk.choices:
                     text += choice.delta.content or ""
+                    started[i].set()
                     reasons += [choice.finish_reason] if choice.finish_reason else []
         except openai.APIError as e:
             error = str(e)
         outcomes[i] = (text, reasons, error)
+        started[i].set()  # a request that failed early does not hold the kill back
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(6)]
     for t in threads:
         t.start()
-    time.sleep(4.0)  # every request is routed and decoding
+    # Every request routed and decoding (its first tokens out, 400 to go): a fixed sleep
+    # let the quiet machine finish them all before the kill.
+    for event in started:
+        event.wait(timeout=120)
     victim = sorted(before)[0]
     name = f"{REPLICA_ID_FULL_ID_STR_PREFIX}{launch.APP_NAME}#{launch.DEPLOYMENT_NAME}#{victim}"
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
