@@ -40,10 +40,18 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
 
 
 def make_engine(
-    path: str, requests, args: argparse.Namespace, attention_backend: str | None = None
-) -> Engine:
-    """The engine the benchmark measures: a KV pool that holds every request at once."""
+    path: str, requests, args: argparse.Namespace, attention_backend: str | None = None,
+    kv_bytes: int | None = None,
+) -> Engine:  # fmt: skip
+    """The engine the benchmark measures: a KV pool that holds every request at once (its
+    blocks counted for one KV cache group), or of `kv_bytes` (the peer's KV cache size:
+    a model with sliding-window layers keeps blocks for each group of layers)."""
     kv_tokens = sum(len(ids) + out for ids, out in requests)
+    cache = (
+        CacheConfig(num_blocks=kv_tokens // 16 + 64, block_size=16)
+        if kv_bytes is None
+        else CacheConfig(memory_bytes=kv_bytes, block_size=16)
+    )
     return Engine(
         EngineConfig(
             ModelConfig(
@@ -53,7 +61,7 @@ def make_engine(
                 attention_backend=attention_backend or getattr(args, "attention_backend", None),
                 cuda_graphs=getattr(args, "cuda_graphs", True),
             ),  # fmt: skip
-            CacheConfig(num_blocks=kv_tokens // 16 + 64, block_size=16),
+            cache,
             SchedulerConfig(max_num_batched_tokens=args.token_budget, max_num_seqs=256),
         )
     )

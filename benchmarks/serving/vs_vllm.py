@@ -140,7 +140,7 @@ def last_error(log: str) -> str:
 
 
 def vlmserve_worker(spec_path: str, result_path: str) -> None:
-    """The vlmserve side: the engine offline_throughput measures, same KV sizing rule."""
+    """The vlmserve side: the engine offline_throughput measures, with vLLM's KV bytes."""
     from benchmarks.engine.offline_throughput import make_engine
     from vlmserve.inputs.processing import Request
     from vlmserve.sample.params import SamplingParams
@@ -172,7 +172,10 @@ def vlmserve_worker(spec_path: str, result_path: str) -> None:
         ]
 
     start = time.perf_counter()
-    engine = make_engine(spec["model"], sizing, engine_args)
+    # The KV cache vLLM gets (VLLM_CPU_KVCACHE_SPACE), in bytes: the same memory for both.
+    engine = make_engine(
+        spec["model"], sizing, engine_args, kv_bytes=engine_spec["kv_cache_gib"] << 30
+    )
     load_s = time.perf_counter() - start
     start = time.perf_counter()
     engine.generate(requests(spec["warmup"]))
