@@ -11,12 +11,16 @@ One policy, three kinds (the benchmark's routers):
     encoded (keyed by content, weighted by their visual tokens) plus its longest shared
     prefix of block hashes computed as the prefix cache computes them (images by
     content); among the replicas holding it, the next best (a second holder) before
-    none.
+    none. With `image_first`, a request with images follows only its images: an image no
+    replica holds is placed by load, not by a shared text prefix (a system prompt is
+    cheap to prefill anywhere, an image costs an encode, and placing new images by load
+    spreads them over all the encoder caches instead of onto the few replicas holding
+    the popular system prompts).
 
 Ours bounds affinity by load the way consistent hashing with bounded loads does
 (Mirrokni, Thorup, Zadimoghaddam 2018): a replica may take one more request by affinity
-only while that keeps its load within ceil((1 + eps) x the mean), eps = `load_factor`,
-so no replica ever exceeds the mean by more than that factor through affinity. The bound
+only while its load is at most (1 + eps) x the mean load with this request placed,
+eps = `load_factor`, so no replica exceeds (1 + eps) x the mean + 1 through affinity. The bound
 is applied to two loads: what a replica holds now (its queue plus `kv_weight` x the
 share of its KV pool in use: a long-context queue weighs more than a short one) and its
 share of the recent traffic (requests routed to it, decayed over `share_window`
@@ -34,7 +38,6 @@ the N-replica simulator (`search/sim/cluster_sim.py`) run this same class.
 
 from __future__ import annotations
 
-import math
 import random
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
@@ -75,6 +78,9 @@ class RouterConfig:
     load_factor: float = 0.25
     kv_weight: float = 4.0
     share_window: int = 32
+    # `cache_aware`: a request with images goes by affinity only to a replica holding
+    # one of them; a text-prefix match alone does not pull it (see the module doc).
+    image_first: bool = True
     max_keys: int = 200_000  # image keys + block hashes remembered (LRU)
     max_sessions: int = 50_000
     # Replicas remembered per image key or block hash, most recent last: a prefix that
@@ -152,6 +158,8 @@ class ReplicaRouter:
             # the next); among equals the lighter load. Past the bound a replica's cache
             # cannot buy it more work.
             scores = {r: v for r, v in self.affinity(keys, loads).items() if r in within}
+            if kind == "cache_aware" and self.config.image_first and keys.image_keys:
+                scores = {r: v for r, v in scores.items() if v[1] == "image"}
             if scores:
                 best = max(scores, key=lambda r: (scores[r][0], -load[r]))
                 return Decision(best, scores[best][1], scores[best][0])
@@ -245,11 +253,13 @@ class ReplicaRouter:
 
 
 def _within_capacity(load: Mapping[ReplicaId, float], eps: float) -> set:
-    """Consistent hashing with bounded loads: with one more request placed, the mean is
-    (total + 1) / n and a replica's capacity ceil((1 + eps) x that). With whole loads the
-    least loaded always fits (its load is at most the mean)."""
-    capacity = math.ceil((1.0 + eps) * (sum(load.values()) + 1.0) / len(load) - 1e-9)
-    return {r for r, x in load.items() if x + 1.0 <= capacity + 1e-9}
+    """Consistent hashing with bounded loads, for real-valued loads: with one more
+    request placed the mean is (total + 1) / n; a replica may take it while its load is at
+    most (1 + eps) x that, so none exceeds (1 + eps) x the mean + 1 by affinity. (The
+    paper's whole-number form, load + 1 <= ceil((1 + eps) x mean), is the same up to
+    that 1.) The least loaded always fits: its load is at most the mean."""
+    capacity = (1.0 + eps) * (sum(load.values()) + 1.0) / len(load)
+    return {r for r, x in load.items() if x <= capacity + 1e-9}
 
 
 def _put(table: OrderedDict, key, replica: ReplicaId, limit: int) -> None:

@@ -28,16 +28,16 @@ def test_power_of_two_never_picks_the_longest_queue_of_three():
 
 def test_image_affinity_wins_within_the_bound_and_yields_past_it():
     # Bounded loads, eps 0.25, loads {r0: 0, r1: q}: r1 may take one more while
-    # q + 1 <= ceil(1.25 * (q + 1) / 2), i.e. for q <= 1 (2 <= ceil(1.25)... = 2).
+    # q <= 1.25 * (q + 1) / 2, the mean with it placed: q = 1 (1 <= 1.25), not q = 2.
     r = router(load_factor=0.25, share_window=0)
     r.record(RouteKeys(image_keys=((IMG_A, 700),)), "r1")
     keys = RouteKeys(image_keys=((IMG_A, 700),))
     d = r.choose(keys, {"r0": 0, "r1": 1})
     assert (d.replica, d.reason, d.cached_tokens) == ("r1", "image", 700)
-    # q = 2: 3 > ceil(1.875) = 2, over the bound: the least loaded of the two wins.
+    # q = 2: 2 > 1.875, over the bound: the least loaded of the two wins.
     d = r.choose(keys, {"r0": 0, "r1": 2})
     assert (d.replica, d.reason) == ("r0", "balance")
-    # Among 8 replicas holding 8 requests the mean is 1: capacity ceil(1.25 * 9 / 8) = 2.
+    # 8 replicas holding 8 requests: capacity 1.25 * 9 / 8 = 1.41, so 1 fits and 2 not.
     many = {f"r{i}": 1 for i in range(8)}
     assert r.choose(keys, many).replica == "r1"
     assert r.choose(keys, many | {"r0": 0, "r1": 2}).reason == "balance"
@@ -95,7 +95,7 @@ def test_a_session_stays_on_its_replica_and_pow2_ignores_it():
     for _ in range(20):
         d = r.choose(RouteKeys(session="conv-1"), {"r0": 1, "r1": 2})
         assert (d.replica, d.reason) == ("r1", "session")
-    # Past the bound (r1 at 3 of 4 in flight: capacity ceil(1.25 * 5 / 2) = 4 < 3 + 1... 4)
+    # Past the bound: r1 holds 4 of 4 in flight, capacity 1.25 * 5 / 2 = 3.1.
     d = r.choose(RouteKeys(session="conv-1"), {"r0": 0, "r1": 4})
     assert (d.replica, d.reason) == ("r0", "balance")
     p = router("pow2")
@@ -163,7 +163,7 @@ def hot_image_run(r: ReplicaRouter, num_replicas: int, num_requests: int, finish
         d = r.choose(keys, queues)
         if d.reason == "image" and not finish:  # an affinity placement respects the capacity
             mean_after = (sum(routed.values()) + 1) / num_replicas
-            assert routed[d.replica] + 1 <= -(-(1 + r.config.load_factor) * mean_after // 1)
+            assert routed[d.replica] <= (1 + r.config.load_factor) * mean_after
         r.record(keys, d.replica)
         routed[d.replica] += 1
     return sorted(routed.values())
@@ -172,7 +172,7 @@ def hot_image_run(r: ReplicaRouter, num_replicas: int, num_requests: int, finish
 def test_bounded_loads_hold_a_hot_image_within_one_plus_eps_of_the_mean():
     # Every request wants the image of the first replica to see it; nothing finishes.
     counts = hot_image_run(router(load_factor=0.25, share_window=0), 8, 400, finish=False)
-    assert max(counts) / (400 / 8) <= 1.25 + 1e-9
+    assert max(counts) <= 1.25 * 400 / 8 + 1
     # With no bound (a huge eps) affinity takes all of them to the first holder.
     unbounded = hot_image_run(router(load_factor=1e6, share_window=0), 8, 400, finish=False)
     assert max(unbounded) == 400
@@ -188,12 +188,12 @@ def test_the_share_bound_spreads_a_hot_image_when_queues_stay_empty():
 
 
 def test_kv_use_pushes_an_affinity_target_past_the_bound():
-    # Queues {r0: 0, r1: 1} leave r1 within capacity (ceil(1.25 * 2 / 2) = 2) ...
+    # Queues {r0: 0, r1: 1} leave r1 within capacity (1.25 * 2 / 2 = 1.25) ...
     r = router(kv_weight=4.0, share_window=0)
     r.record(RouteKeys(image_keys=((IMG_A, 700),)), "r1")
     keys = RouteKeys(image_keys=((IMG_A, 700),))
     assert r.choose(keys, {"r0": 0, "r1": 1}, {"r0": 0.0, "r1": 0.0}).replica == "r1"
-    # ... a half-full KV pool adds 2: load 3 of capacity ceil(1.25 * 4 / 2) = 3, over.
+    # ... a half-full KV pool adds 2: load 3 of capacity 1.25 * 4 / 2 = 2.5, over.
     d = r.choose(keys, {"r0": 0, "r1": 1}, {"r0": 0.0, "r1": 0.5})
     assert (d.replica, d.reason) == ("r0", "balance")
     # With kv_weight 0 the KV pool is not looked at.
@@ -224,3 +224,17 @@ def test_decisions_are_a_function_of_the_seed():
 
     assert run(3) == run(3)
     assert run(3) != run(4)  # the power-of-two draws differ
+
+
+def test_an_unseen_image_is_placed_by_load_not_pulled_by_a_shared_system_prompt():
+    # r1 holds the system prompt's blocks; the request's image was never seen.
+    keys = RouteKeys(image_keys=((IMG_B, 500),), block_hashes=(H[0], H[1]))
+    ours = router(share_window=0)
+    ours.record(RouteKeys(block_hashes=(H[0], H[1])), "r1")
+    picks = {ours.choose(keys, {"r0": 0, "r1": 0, "r2": 0}).reason for _ in range(20)}
+    assert picks == {"balance"}
+    # Text-only requests still follow the prefix, and with image_first off so do these.
+    assert ours.choose(RouteKeys(block_hashes=(H[0], H[1])), {"r0": 0, "r1": 0}).replica == "r1"
+    prefix_pull = router(share_window=0, image_first=False)
+    prefix_pull.record(RouteKeys(block_hashes=(H[0], H[1])), "r1")
+    assert prefix_pull.choose(keys, {"r0": 0, "r1": 0, "r2": 0}).reason == "prefix"

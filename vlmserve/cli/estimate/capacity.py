@@ -88,8 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--router", choices=ROUTERS, default="cache_aware",
         help="how requests pick a replica (with --replicas > 1): as `vlmserve serve --router`",
     )  # fmt: skip
-    p.add_argument("--router-max-imbalance", type=int, default=2)
-    p.add_argument("--router-load-factor", type=float, default=0.25)
+    p.add_argument("--router-max-imbalance", type=int, default=2, help="as `vlmserve serve`'s")
+    p.add_argument("--router-load-factor", type=float, default=0.25, help="as `vlmserve serve`'s")
 
 
 def _ms(s: float | None) -> str:
