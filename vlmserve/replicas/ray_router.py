@@ -6,7 +6,7 @@ and asks `choose_replicas` for ranks of replicas per request; this one asks the 
 policy (`scheduler.routing.policy.ReplicaRouter`) with each replica's queue length
 (Ray Serve's cached figure, probed where it has none), its KV use (the `kv_usage` its
 `record_routing_stats` last reported) and the request's `route` keys,
-and returns the choice first and the others, shortest queue first, as the fallback rank
+and returns the choice first and the others, lightest first, as the fallback rank
 (a replica at `max_ongoing_requests` refuses and the next rank is tried).
 `on_request_routed` records where the keys went; a replica that dies or leaves the
 replica set loses its entries (its restart comes back with a new id and cold caches).
@@ -79,7 +79,11 @@ class CacheAwareRequestRouter(RequestRouter):
         keys = route if isinstance(route, RouteKeys) else RouteKeys()
         decision = self.policy.choose(keys, loads, kv)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
-        rest = sorted((r for r in loads if r != decision.replica), key=loads.__getitem__)
+        # The fallback rank: the rest, lightest first, by the load the policy weighs.
+        weighed = (
+            self.policy.loads(loads, kv) if self.policy.config.kind == "cache_aware" else loads
+        )
+        rest = sorted((r for r in loads if r != decision.replica), key=weighed.__getitem__)
         return [[by_id[decision.replica]], [by_id[r] for r in rest]]
 
     async def _queue_lengths(self, replicas: list[RunningReplica]) -> dict[str, int]:
