@@ -4,18 +4,33 @@ One policy, three kinds (the benchmark's routers):
   * `pow2`: Ray Serve's default: two replicas drawn at random, the shorter queue wins.
   * `prefix`: what SGLang's router and Ray Serve LLM's prefix-cache-affinity router do:
     the replica that most recently served the longest shared prefix of the prompt's
-    *text* (images are invisible to them), unless that replica is overloaded.
+    *text* (images are invisible to them), unless its queue is more than
+    `max_imbalance` longer than the shortest (their absolute imbalance threshold).
   * `cache_aware` (ours): a pinned session first (`x-session-id` or `user`); then the
     replica holding the most cached work for this request: the images it most recently
     encoded (keyed by content, weighted by their visual tokens) plus its longest shared
-    prefix of block hashes
-    computed as the prefix cache computes them (images by content).
+    prefix of block hashes computed as the prefix cache computes them (images by
+    content); among the replicas holding it, the next best (a second holder) before
+    none. With `image_first`, a request with images follows only its images: an image no
+    replica holds is placed by load, not by a shared text prefix (a system prompt is
+    cheap to prefill anywhere, an image costs an encode, and placing new images by load
+    spreads them over all the encoder caches instead of onto the few replicas holding
+    the popular system prompts).
 
-An affinity target is taken only while its queue is at most `max_imbalance` longer than
-the least-loaded replica's; otherwise power of two choices. The state (who served which
-image key, block hash and session) is three LRU maps, each bounded, of at most
-`max_holders` replicas a key (among equal matches the shorter queue wins); a replica that goes
-away (death, restart, scale-down) loses its entries, since its caches went with it.
+Ours bounds affinity by load the way consistent hashing with bounded loads does
+(Mirrokni, Thorup, Zadimoghaddam 2018): a replica may take one more request by affinity
+only while its load is at most (1 + eps) x the mean load with this request placed,
+eps = `load_factor`, so no replica exceeds (1 + eps) x the mean + 1 through affinity. The bound
+is applied to two loads: what a replica holds now (its queue plus `kv_weight` x the
+share of its KV pool in use: a long-context queue weighs more than a short one) and its
+share of the recent traffic (requests routed to it, decayed over `share_window`
+requests a replica), which is the load of the near future: queues show a hot spot only
+once it has formed, shares before. Past the bound: power of two choices on queue + KV.
+
+The state (who served which image key, block hash and session) is three LRU maps, each
+bounded, of at most `max_holders` replicas a key (among equal matches the lighter load
+wins), and one decayed count a replica; a replica that goes away (death, restart,
+scale-down) loses its entries, since its caches went with it.
 
 Pure and torch-free: Ray Serve's request router (`vlmserve/replicas/ray_router.py`) and
 the N-replica simulator (`search/sim/cluster_sim.py`) run this same class.
@@ -55,8 +70,17 @@ class RouteKeys:
 @dataclass(frozen=True)
 class RouterConfig:
     kind: RouterKind = "cache_aware"
-    # Affinity wins unless its replica's queue exceeds the least-loaded one's by more.
+    # `prefix`: affinity wins unless its replica's queue exceeds the shortest by more.
     max_imbalance: int = 4
+    # `cache_aware`: eps of the bounded loads; a replica's KV pool, full, counts as
+    # `kv_weight` queued requests; shares of traffic decay over `share_window` requests a
+    # replica (0: no share bound).
+    load_factor: float = 0.25
+    kv_weight: float = 4.0
+    share_window: int = 32
+    # `cache_aware`: a request with images goes by affinity only to a replica holding
+    # one of them; a text-prefix match alone does not pull it (see the module doc).
+    image_first: bool = True
     max_keys: int = 200_000  # image keys + block hashes remembered (LRU)
     max_sessions: int = 50_000
     # Replicas remembered per image key or block hash, most recent last: a prefix that
@@ -68,6 +92,11 @@ class RouterConfig:
             raise ValueError(f"router kind {self.kind!r}: expected one of {', '.join(ROUTERS)}")
         if self.max_imbalance < 0:
             raise ValueError(f"max_imbalance={self.max_imbalance} must be >= 0")
+        if self.load_factor < 0 or self.kv_weight < 0 or self.share_window < 0:
+            raise ValueError(
+                f"load_factor={self.load_factor}, kv_weight={self.kv_weight} and "
+                f"share_window={self.share_window} must be >= 0"
+            )
         if min(self.max_keys, self.max_sessions, self.max_holders) < 1:
             raise ValueError(
                 f"max_keys={self.max_keys}, max_sessions={self.max_sessions} and "
@@ -83,8 +112,8 @@ class Decision:
 
 
 class ReplicaRouter:
-    """`choose` a replica for a request's keys given each live replica's queue length;
-    `record` where it went; `remove_replica` when one goes away."""
+    """`choose` a replica for a request's keys given each live replica's queue length
+    (and KV use); `record` where it went; `remove_replica` when one goes away."""
 
     def __init__(self, config: RouterConfig = RouterConfig(), seed: int | None = None) -> None:
         self.config = config
@@ -92,31 +121,66 @@ class ReplicaRouter:
         self._images: OrderedDict[bytes, ReplicaId] = OrderedDict()
         self._blocks: OrderedDict[bytes, ReplicaId] = OrderedDict()
         self._sessions: OrderedDict[str, ReplicaId] = OrderedDict()
+        # Requests routed to each replica, decayed: sum over past routings of d^age.
+        self._shares: dict[ReplicaId, float] = {}
+        self._num_replicas = 1  # as of the last `choose` (the decay's horizon)
 
     @property
     def num_entries(self) -> tuple[int, int, int]:
         """(image keys, block hashes, sessions) remembered."""
         return len(self._images), len(self._blocks), len(self._sessions)
 
-    def choose(self, keys: RouteKeys, loads: Mapping[ReplicaId, int]) -> Decision:
+    def choose(
+        self,
+        keys: RouteKeys,
+        loads: Mapping[ReplicaId, int],
+        kv_usage: Mapping[ReplicaId, float] | None = None,
+    ) -> Decision:
+        """`loads`: each live replica's queue (requests sent and not finished);
+        `kv_usage`: the share of its KV pool in use, 0..1 (ours only; absent: 0)."""
         if not loads:
             raise ValueError("no replica to route to")
-        least = min(loads.values())
-        bound = self.config.max_imbalance
-        within = lambda r: r in loads and loads[r] - least <= bound
+        self._num_replicas = len(loads)
         kind = self.config.kind
+        if kind == "cache_aware":
+            load = self.loads(loads, kv_usage)
+            within = self.can_take(load)
+        else:
+            load = dict(loads)
+            least = min(loads.values())
+            within = {r for r, n in loads.items() if n - least <= self.config.max_imbalance}
         if kind == "cache_aware" and keys.session is not None:
             pinned = self._sessions.get(keys.session)
-            if pinned is not None and within(pinned):
+            if pinned in within:
                 return Decision(pinned, "session")
         if kind != "pow2":
-            # Most cached work among the replicas within the bound; among equals the
-            # shorter queue. Past the bound a replica's cache cannot buy it more work.
-            scores = {r: v for r, v in self.affinity(keys, loads).items() if within(r)}
+            # Most cached work among the replicas within the bound (the best holder, else
+            # the next); among equals the lighter load. Past the bound a replica's cache
+            # cannot buy it more work.
+            scores = {r: v for r, v in self.affinity(keys, loads).items() if r in within}
+            if kind == "cache_aware" and self.config.image_first and keys.image_keys:
+                scores = {r: v for r, v in scores.items() if v[1] == "image"}
             if scores:
-                best = max(scores, key=lambda r: (scores[r][0], -loads[r]))
+                best = max(scores, key=lambda r: (scores[r][0], -load[r]))
                 return Decision(best, scores[best][1], scores[best][0])
-        return Decision(self._power_of_two(loads), "balance")
+        return Decision(self._power_of_two(load), "balance")
+
+    def loads(
+        self, queues: Mapping[ReplicaId, int], kv_usage: Mapping[ReplicaId, float] | None
+    ) -> dict[ReplicaId, float]:
+        """Each replica's load as ours weighs it: queue + kv_weight x KV pool share used."""
+        kv = kv_usage or {}
+        w = self.config.kv_weight
+        return {r: q + w * min(1.0, max(0.0, kv.get(r, 0.0))) for r, q in queues.items()}
+
+    def can_take(self, load: Mapping[ReplicaId, float]) -> set:
+        """The replicas that may take one more request by affinity: both their load and
+        their share of recent traffic stay within the bounded-load capacity."""
+        ok = _within_capacity(load, self.config.load_factor)
+        if self.config.share_window > 0:
+            shares = {r: self._shares.get(r, 0.0) for r in load}
+            ok &= _within_capacity(shares, self.config.load_factor)
+        return ok
 
     def affinity(self, keys: RouteKeys, loads: Mapping[ReplicaId, int]) -> dict:
         """{replica: (cached tokens there, "image" | "prefix")} for the live replicas
@@ -142,7 +206,7 @@ class ReplicaRouter:
             out[r] = (tokens.get(r, 0) + image_tokens.get(r, 0), reason)
         return out
 
-    def _power_of_two(self, loads: Mapping[ReplicaId, int]) -> ReplicaId:
+    def _power_of_two(self, loads: Mapping[ReplicaId, float]) -> ReplicaId:
         replicas = sorted(loads, key=str)  # seeded draws independent of dict order
         if len(replicas) == 1:
             return replicas[0]
@@ -154,6 +218,11 @@ class ReplicaRouter:
         if self.config.kind == "pow2":
             return  # stateless
         cfg = self.config
+        if cfg.kind == "cache_aware" and cfg.share_window > 0:
+            decay = 1.0 - 1.0 / (cfg.share_window * self._num_replicas)
+            for r in self._shares:
+                self._shares[r] *= decay
+            self._shares[replica] = self._shares.get(replica, 0.0) + 1.0
         if keys.session is not None and cfg.kind == "cache_aware":
             _put(self._sessions, keys.session, replica, cfg.max_sessions)
         hashes = keys.block_hashes if cfg.kind == "cache_aware" else keys.text_block_hashes
@@ -174,12 +243,23 @@ class ReplicaRouter:
                     del table[key]
         for session in [s for s, r in self._sessions.items() if r == replica]:
             del self._sessions[session]
+        self._shares.pop(replica, None)
 
     def keep_only(self, live: set) -> None:
         """Forget every replica not in `live` (a fresh replica list from the cluster)."""
         known = {r for t in (self._images, self._blocks) for held in t.values() for r in held}
-        for replica in (known | set(self._sessions.values())) - live:
+        for replica in (known | set(self._sessions.values()) | set(self._shares)) - live:
             self.remove_replica(replica)
+
+
+def _within_capacity(load: Mapping[ReplicaId, float], eps: float) -> set:
+    """Consistent hashing with bounded loads, for real-valued loads: with one more
+    request placed the mean is (total + 1) / n; a replica may take it while its load is at
+    most (1 + eps) x that, so none exceeds (1 + eps) x the mean + 1 by affinity. (The
+    paper's whole-number form, load + 1 <= ceil((1 + eps) x mean), is the same up to
+    that 1.) The least loaded always fits: its load is at most the mean."""
+    capacity = (1.0 + eps) * (sum(load.values()) + 1.0) / len(load)
+    return {r for r, x in load.items() if x <= capacity + 1e-9}
 
 
 def _put(table: OrderedDict, key, replica: ReplicaId, limit: int) -> None:

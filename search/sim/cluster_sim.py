@@ -9,6 +9,10 @@ done), the router sees each replica's queue (requests routed to it and not finis
 Ray Serve's "ongoing requests") and the keys the front door would see, and the request
 joins the chosen replica's arrivals. The encoder cache is counted where the engine
 counts it: a hit is an image found in the chosen replica's cache when it arrives.
+
+`oracle=True` is the ceiling no router reaches: a request with images goes to a replica
+whose encoder cache holds them now (it peeks into the caches, ignoring load), else to
+the router's choice.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from scheduler.routing.policy import ReplicaRouter, RouterConfig
+from scheduler.routing.policy import Decision, ReplicaRouter, RouterConfig
 from scheduler.routing.route_keys import keys_from_sequence
 from search.sim.step_time import StepHardware
 from search.sim.trace_sim import SimConfig, SimResult, _Sim, make_sequence
@@ -101,6 +105,7 @@ def simulate_cluster(
     router: RouterConfig | None = None,
     config: SimConfig | None = None,
     seed: int = 0,
+    oracle: bool = False,
 ) -> ClusterResult:
     """Route `trace` over `num_replicas` simulated engines with `router` (default: ours)."""
     router = RouterConfig() if router is None else router
@@ -123,7 +128,10 @@ def simulate_cluster(
             hang |= sim.advance(req.arrival_s)
         seq = make_sequence(req, hw, config.pooling_ratio, index)
         keys = keys_from_sequence(seq, config.block_size, session=req.session_id)
-        decision = policy.choose(keys, {i: _queue(s) for i, s in enumerate(sims)})
+        queues = {i: _queue(s) for i, s in enumerate(sims)}
+        decision = policy.choose(keys, queues, {i: _kv_usage(s) for i, s in enumerate(sims)})
+        if oracle and seq.images:
+            decision = _oracle(sims, seq, queues) or decision
         policy.record(keys, decision.replica)
         chosen = sims[decision.replica]
         reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
@@ -138,6 +146,23 @@ def simulate_cluster(
         results.append(sim.result(hang))
     records = [r for res in results for r in res.records]
     return ClusterResult(results, routed, reasons, lookups, hits, hang, records, by_request)
+
+
+def _oracle(sims: list[_Sim], seq, queues: dict[int, int]) -> Decision | None:
+    """The replica whose encoder cache holds most of `seq`'s images now (the shorter
+    queue among equals), if any holds one."""
+    held = {
+        i: sum(sim.encoder_cache.contains(img.content_hash) for img in seq.images)
+        for i, sim in enumerate(sims)
+    }
+    best = max(held, key=lambda i: (held[i], -queues[i]))
+    return Decision(best, "image") if held[best] else None
+
+
+def _kv_usage(sim: _Sim) -> float:
+    """The share of the replica's KV pool held by requests now."""
+    bm = sim.scheduler.block_manager
+    return (bm.num_usable_blocks - bm.num_free_blocks) / max(1, bm.num_usable_blocks)
 
 
 def _queue(sim: _Sim) -> int:

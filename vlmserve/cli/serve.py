@@ -62,7 +62,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     replicas.add_argument(
         "--router-max-imbalance", type=int, default=2, metavar="N",
-        help="affinity yields when its replica's queue exceeds the shortest by more than N",
+        help="prefix router: affinity yields when its replica's queue exceeds the shortest "
+        "by more than N",
+    )  # fmt: skip
+    replicas.add_argument(
+        "--router-load-factor", type=float, default=0.25, metavar="EPS",
+        help="cache_aware router: affinity only while the replica's load (queue + KV use) "
+        "and its share of recent requests stay within (1 + EPS) x the mean",
     )  # fmt: skip
     replicas.add_argument("--ray-cpus-per-replica", type=float, default=1.0, metavar="N")
     replicas.add_argument("--ray-gpus-per-replica", type=float, default=0.0, metavar="N")

@@ -29,6 +29,7 @@ def serve_replicas(args: argparse.Namespace, engine: EngineConfig, server) -> in
         address=args.ray or LOCAL,
         router=args.router,
         max_imbalance=args.router_max_imbalance,
+        load_factor=args.router_load_factor,
         cpus_per_replica=args.ray_cpus_per_replica,
         gpus_per_replica=args.ray_gpus_per_replica,
     )  # ValueError: a message, exit 2

@@ -60,7 +60,8 @@ class ReplicaConfig:
     num_replicas: int = 2
     address: str = LOCAL  # a running cluster ("auto", "HEAD_IP:6379"), or start one here
     router: str = "cache_aware"  # cache_aware | prefix | pow2 (scheduler.routing.policy)
-    max_imbalance: int = 2  # requests a replica's queue may exceed the least-loaded one's
+    max_imbalance: int = 2  # prefix: requests its queue may exceed the shortest by
+    load_factor: float = 0.25  # cache_aware: eps of its bounded loads
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
     max_ongoing_requests: int = 256  # per replica; the engine queues behind its KV pool
@@ -77,6 +78,8 @@ class ReplicaConfig:
             raise ValueError(f"--router {self.router!r}: choose one of {', '.join(ROUTERS)}")
         if self.max_imbalance < 0:
             raise ValueError(f"--router-max-imbalance {self.max_imbalance}: must be >= 0")
+        if self.load_factor < 0:
+            raise ValueError(f"--router-load-factor {self.load_factor}: must be >= 0")
         if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0:
             raise ValueError("--ray-cpus-per-replica must be > 0 and GPUs >= 0")
 
@@ -98,9 +101,11 @@ def start_replicas(engine: EngineConfig, server: Any, config: ReplicaConfig) -> 
         request_router_kwargs={
             "kind": config.router,
             "max_imbalance": config.max_imbalance,
+            "load_factor": config.load_factor,
             "seed": config.seed,
         },
-        request_routing_stats_period_s=60.0,  # the router reads queue lengths, not stats
+        # Each replica's KV use (`EngineReplica.record_routing_stats`), this often.
+        request_routing_stats_period_s=1.0,
     )
     deployment = serve.deployment(
         EngineReplica,

@@ -4,8 +4,9 @@ pluggable routing API, as Ray Serve LLM's `PrefixCacheAffinityRouter` is one).
 Ray Serve runs it in the process that holds the deployment handle (here the front door)
 and asks `choose_replicas` for ranks of replicas per request; this one asks the pure
 policy (`scheduler.routing.policy.ReplicaRouter`) with each replica's queue length
-(Ray Serve's cached figure, probed where it has none) and the request's `route` keys,
-and returns the choice first and the others, shortest queue first, as the fallback rank
+(Ray Serve's cached figure, probed where it has none), its KV use (the `kv_usage` its
+`record_routing_stats` last reported) and the request's `route` keys,
+and returns the choice first and the others, lightest first, as the fallback rank
 (a replica at `max_ongoing_requests` refuses and the next rank is tried).
 `on_request_routed` records where the keys went; a replica that dies or leaves the
 replica set loses its entries (its restart comes back with a new id and cold caches).
@@ -40,11 +41,14 @@ class CacheAwareRequestRouter(RequestRouter):
         self,
         kind: str = "cache_aware",
         max_imbalance: int = 2,
+        load_factor: float = 0.25,
         max_keys: int = 200_000,
         max_sessions: int = 50_000,
         seed: int | None = None,
     ) -> None:
-        config = RouterConfig(kind, max_imbalance, max_keys, max_sessions)
+        config = RouterConfig(
+            kind, max_imbalance, load_factor, max_keys=max_keys, max_sessions=max_sessions
+        )
         self.policy = ReplicaRouter(config, seed)
         self.decisions: dict[str, int] = {}
         # Ray Serve pickles this module by value: the registry lives in one it does not.
@@ -70,9 +74,16 @@ class CacheAwareRequestRouter(RequestRouter):
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         route = kwargs.get("route")
-        decision = self.policy.choose(route if isinstance(route, RouteKeys) else RouteKeys(), loads)
+        kv = {r.replica_id.unique_id: float(r.routing_stats.get("kv_usage", 0.0))
+              for r in candidate_replicas}  # fmt: skip
+        keys = route if isinstance(route, RouteKeys) else RouteKeys()
+        decision = self.policy.choose(keys, loads, kv)
         self.decisions[decision.reason] = self.decisions.get(decision.reason, 0) + 1
-        rest = sorted((r for r in loads if r != decision.replica), key=loads.__getitem__)
+        # The fallback rank: the rest, lightest first, by the load the policy weighs.
+        weighed = (
+            self.policy.loads(loads, kv) if self.policy.config.kind == "cache_aware" else loads
+        )
+        rest = sorted((r for r in loads if r != decision.replica), key=weighed.__getitem__)
         return [[by_id[decision.replica]], [by_id[r] for r in rest]]
 
     async def _queue_lengths(self, replicas: list[RunningReplica]) -> dict[str, int]:
@@ -99,8 +110,13 @@ class CacheAwareRequestRouter(RequestRouter):
             self.policy.record(route, replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        # Called on each new routing-stats report too: the tables are walked only when the
+        # replica set changed.
         super().update_replicas(replicas)
-        self.policy.keep_only({r.replica_id.unique_id for r in replicas})
+        live = {r.replica_id.unique_id for r in replicas}
+        if live != getattr(self, "_live", None):
+            self._live = live
+            self.policy.keep_only(live)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

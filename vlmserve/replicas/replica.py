@@ -3,8 +3,9 @@ runs N of.
 
 It holds the app one `vlmserve serve` runs (engine thread, routes, metrics) and answers
 the front door's calls: `handle_http` (one HTTP request, streamed back through
-`asgi_call`), `metrics` (its Prometheus text) and `check_health` (Ray Serve's probe: an
-engine that died fails it, and Ray Serve replaces the replica). The constructor returns
+`asgi_call`), `metrics` (its Prometheus text), `record_routing_stats` (its KV use, for
+the request router) and `check_health` (Ray Serve's probe: an engine that died fails
+it, and Ray Serve replaces the replica). The constructor returns
 once the engine is loaded and warmed, so Ray Serve counts the replica RUNNING only then.
 """
 
@@ -58,6 +59,11 @@ class EngineReplica:
     async def metrics(self, target: str | None = None) -> str:
         """This replica's /metrics text (`target` is the router's: which replica)."""
         return self.app.state.metrics.render()
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """Ray Serve polls this every `request_routing_stats_period_s` and hands it to the
+        request router with the replica: the share of the KV pool in use (a load term)."""
+        return {"kv_usage": float(self.loop.stats().get("kv_usage", 0.0))}
 
     def check_health(self) -> None:
         if self.deaths or self.loop.state != "ready":

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scheduler.routing.policy import RouterConfig
+from scheduler.routing.policy import ReplicaRouter, RouterConfig
 from search.costmodel.presets import get_accelerator, get_encoder, get_model
 from search.image_budget import ImageAssumptions
 from search.sim.affinity_trace import AffinityShape, affinity_trace
@@ -33,8 +33,9 @@ def where(result) -> dict[str, int]:
 
 def test_a_conversation_stays_on_one_replica_and_every_request_finishes():
     trace = affinity_trace(60, 30.0, seed=1)
-    # No load bound: a conversation moves only when its replica is overloaded.
-    result = simulate_cluster(trace, HW, 4, RouterConfig("cache_aware", max_imbalance=10**6))
+    # No load bound: a conversation never moves.
+    no_bound = RouterConfig("cache_aware", load_factor=1e6, share_window=0)
+    result = simulate_cluster(trace, HW, 4, no_bound)
     assert not result.hang and sum(result.num_routed) == 60
     assert all(r.finish_s is not None for r in result.records)
     placed = where(result)
@@ -47,10 +48,11 @@ def test_a_conversation_stays_on_one_replica_and_every_request_finishes():
 
 def test_encoder_hits_are_images_already_on_the_chosen_replica():
     # One image, eight requests far apart (each done before the next): ours sends the
-    # repeats where it is (7 hits); pow2 hits wherever it happens to have been before.
+    # repeats where it is (7 hits; no share bound, which would spread this hot image);
+    # pow2 hits wherever it happens to have been before.
     image = (TraceImage("same", 4),)
     trace = [TraceRequest(f"r{i}", 10.0 * i, "image", 20, 8, image) for i in range(8)]
-    ours = simulate_cluster(trace, HW, 2, RouterConfig("cache_aware"))
+    ours = simulate_cluster(trace, HW, 2, RouterConfig("cache_aware", share_window=0))
     assert (ours.num_image_lookups, ours.num_image_hits) == (8, 7)
     pow2 = simulate_cluster(trace, HW, 2, RouterConfig("pow2"), seed=5)
     placed = where(pow2)
@@ -60,6 +62,29 @@ def test_encoder_hits_are_images_already_on_the_chosen_replica():
         expected += placed[req.request_id] in seen
         seen.add(placed[req.request_id])
     assert pow2.num_image_hits == expected < 7
+
+
+def test_the_oracle_sends_an_image_where_a_cache_holds_it():
+    # The pow2 router alone misses (seed 5, above); the oracle peeks into the caches.
+    image = (TraceImage("same", 4),)
+    trace = [TraceRequest(f"r{i}", 10.0 * i, "image", 20, 8, image) for i in range(8)]
+    oracle = simulate_cluster(trace, HW, 2, RouterConfig("pow2"), seed=5, oracle=True)
+    assert (oracle.num_image_lookups, oracle.num_image_hits) == (8, 7)
+    assert oracle.reasons == {"balance": 1, "image": 7}
+
+
+def test_the_router_sees_each_replicas_kv_use(monkeypatch):
+    seen: list[dict] = []
+    real = ReplicaRouter.choose
+
+    def spy(self, keys, loads, kv_usage=None):
+        seen.append(dict(kv_usage))
+        return real(self, keys, loads, kv_usage)
+
+    monkeypatch.setattr(ReplicaRouter, "choose", spy)
+    simulate_cluster(affinity_trace(40, 40.0, seed=2), HW, 2, RouterConfig())
+    assert all(set(kv) == {0, 1} and all(0.0 <= v <= 1.0 for v in kv.values()) for kv in seen)
+    assert any(v > 0.0 for kv in seen for v in kv.values())  # requests hold KV blocks
 
 
 def test_the_affinity_trace_continues_conversations_and_round_trips_jsonl(tmp_path):

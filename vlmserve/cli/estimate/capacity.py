@@ -88,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--router", choices=ROUTERS, default="cache_aware",
         help="how requests pick a replica (with --replicas > 1): as `vlmserve serve --router`",
     )  # fmt: skip
-    p.add_argument("--router-max-imbalance", type=int, default=2)
+    p.add_argument("--router-max-imbalance", type=int, default=2, help="as `vlmserve serve`'s")
+    p.add_argument("--router-load-factor", type=float, default=0.25, help="as `vlmserve serve`'s")
 
 
 def _ms(s: float | None) -> str:
@@ -149,7 +150,7 @@ def run_capacity(args: argparse.Namespace) -> Outcome:
     make_trace, rate = _trace_maker(args)
     if args.replicas < 1:
         raise ValueError(f"--replicas {args.replicas}: must be >= 1")
-    router = RouterConfig(args.router, args.router_max_imbalance)
+    router = RouterConfig(args.router, args.router_max_imbalance, args.router_load_factor)
     clusters: list[ClusterResult] = []
 
     def run(trace: list[TraceRequest]) -> SimResult:
