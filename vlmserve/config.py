@@ -147,7 +147,7 @@ class ModelConfig:
 
     @property
     def weight_format(self) -> str:
-        """"none", "gguf" or "int8": what `quantization` resolved to for this model."""
+        """ "none", "gguf" or "int8": what `quantization` resolved to for this model."""
         if self.quantization != "auto":
             return self.quantization
         on_cpu = torch.device(self.device).type == "cpu"

@@ -14,11 +14,13 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 NEW_TOKENS = 48
 
 
-def _engine(gguf, dtype: str):
+def _engine(gguf, dtype: str, quantization: str = "none"):
+    """The engine on the file dequantized to `dtype` (none), or on its blocks (gguf)."""
     from vlmserve.config import EngineConfig, ModelConfig
     from vlmserve.engine.core import Engine
 
-    return Engine(EngineConfig(ModelConfig(str(gguf), dtype=dtype, max_model_len=2048)))
+    model = ModelConfig(str(gguf), dtype=dtype, max_model_len=2048, quantization=quantization)
+    return Engine(EngineConfig(model))
 
 
 def _ours(engine, tokenizer, new_tokens: int = NEW_TOKENS) -> list[list[int]]:

@@ -148,6 +148,8 @@ def load_model(
     decoder.load(decoder_tensors, prefix, lm_head)
     if weight_format == "int8":
         quantized.quantize_int8_decoder(decoder)
+    if weight_format != "none":
+        quantized.calibrate(decoder, dtype)
     decoder = decoder.to(device).eval()
 
     vision, image_token_id = None, None

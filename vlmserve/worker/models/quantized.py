@@ -20,7 +20,13 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from kernels.quant_linear import QuantEmbedding, QuantLinear, QuantWeight, quantize_int8
+from kernels.quant_linear import (
+    QuantEmbedding,
+    QuantLinear,
+    QuantWeight,
+    qtype_name,
+    quantize_int8,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +85,14 @@ def quantize_int8_decoder(decoder: nn.Module) -> int:
     return count
 
 
+def calibrate(decoder: nn.Module, dtype: torch.dtype) -> None:
+    """Measure (or read from this CPU's cache) every quantized layer's kernel crossover
+    now, at load, so that no step measures."""
+    for module in decoder.modules():
+        if isinstance(module, QuantLinear):
+            module.max_rows(dtype)
+
+
 def _groups_fit(weight: torch.Tensor, name: str) -> bool:
     if weight.shape[-1] % INT8_GROUP == 0:
         return True
@@ -126,12 +140,40 @@ class DenseView(Mapping[str, torch.Tensor]):
 
 
 def describe(decoder: nn.Module) -> list[str]:
-    """One line per kind of quantized module: its kernels and bytes per weight (`vlmserve
-    info`); empty for a dense decoder."""
+    """One line per kind of quantized module: its block types, bits per weight and kernel
+    paths (`vlmserve info`); empty for a dense decoder."""
     lines: dict[str, int] = {}
     for name, module in decoder.named_modules():
-        if isinstance(module, (QuantLinear, QuantEmbedding)):
-            kind = name.split(".")[-1] if "layers." in name else name
-            line = f"{kind}: {module.describe()}"
-            lines[line] = lines.get(line, 0) + 1
+        if isinstance(module, QuantLinear):
+            line = f"{name.split('.')[-1]}: {module.describe()}"
+        elif isinstance(module, QuantEmbedding):
+            weight = module.weight_q
+            line = f"{name}: {qtype_name(weight.qtype)} {weight.bits_per_weight:.3g} " \
+                   "bits/weight, rows decoded as looked up"  # fmt: skip
+        else:
+            continue
+        lines[line] = lines.get(line, 0) + 1
     return [f"{line} (x{count})" if count > 1 else line for line, count in lines.items()]
+
+
+def weight_bytes(decoder: nn.Module) -> tuple[int, int]:
+    """(weights, bytes) the decoder holds: dense parameters and quantized blocks, a tied
+    head's blocks counted once."""
+    seen: set[int] = set()
+    weights = size = 0
+    for module in decoder.modules():
+        if isinstance(module, QuantLinear):
+            quant = module.parts
+        elif isinstance(module, QuantEmbedding):
+            quant = [module.weight_q]
+        else:
+            quant = []
+        for part in quant:
+            if id(part.blocks) not in seen:
+                seen.add(id(part.blocks))
+                weights += part.out_features * part.in_features
+                size += part.blocks.numel()
+    for param in decoder.parameters():
+        weights += param.numel()
+        size += param.numel() * param.element_size()
+    return weights, size
