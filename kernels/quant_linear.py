@@ -91,7 +91,7 @@ class QuantWeight:
             raise ValueError(f"in_features {self.in_features} is not a multiple of {block}")
         expected = self.in_features // block * block_bytes
         assert self.blocks.dtype == torch.uint8 and self.blocks.dim() == 2, "uint8 [rows, bytes]"
-        assert self.blocks.shape[1] == expected, f"{self.blocks.shape[1]} bytes a row, not {expected}"
+        assert self.blocks.shape[1] == expected, f"{self.blocks.shape[1]} bytes, not {expected}"
         assert self.blocks.is_contiguous(), "blocks: contiguous"
 
     @property
