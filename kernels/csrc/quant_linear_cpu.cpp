@@ -54,7 +54,11 @@ inline bool is_k(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K; }
 inline float f16(const uint8_t* p) {  // exact
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
   return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
 }
 
 // Q4_K's 6-bit scales and mins of its 8 sub-blocks, packed in 12 bytes (gguf's
@@ -187,6 +191,7 @@ struct QuantRows {
   std::vector<int8_t> q;      // [M, K]
   std::vector<float> scale;   // [M, K / group]
   std::vector<int32_t> sums;  // [M, K / 16] (K-quants) or [M, K / 32] (offset * sum)
+  std::vector<int16_t> sums16;  // K-quants: the same sums as int16 (|sum| <= 16 * 127)
 };
 
 template <typename T>
@@ -195,7 +200,7 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
   const int64_t group = k ? 256 : 32;
   const int32_t offset = qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : 0;
   QuantRows r{M, K, group, std::vector<int8_t>(M * K), std::vector<float>(M * K / group),
-              std::vector<int32_t>(M * K / (k ? 16 : 32))};
+              std::vector<int32_t>(M * K / (k ? 16 : 32)), std::vector<int16_t>(k ? M * K / 16 : 0)};
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> v(group);
     for (int64_t m = begin; m < end; ++m)
@@ -212,7 +217,7 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
         for (int64_t s = 0; s < group / 16; ++s) {
           int32_t sum = 0;
           for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
-          if (k) r.sums[m * (K / 16) + g * 16 + s] = sum;
+          if (k) r.sums[m * (K / 16) + g * 16 + s] = sum, r.sums16[m * (K / 16) + g * 16 + s] = sum;
           else r.sums[m * (K / 32) + g] += offset * sum;  // zeroed at construction
         }
       }
@@ -223,6 +228,7 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
 // -- the integer dot products ----------------------------------------------------------------
 
 constexpr int64_t kRowChunk = 32;  // rows of x a pass over a weight row (their sums on the stack)
+constexpr int64_t kRegRows = 4;    // rows of x whose accumulators stay in registers
 
 int64_t best_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -234,6 +240,19 @@ int64_t best_isa() {
 #else
   return SCALAR;
 #endif
+}
+
+// Whether this build has the int-dot path `isa` (AVX-VNNI, say, only where -march=native
+// found it); an `isa` it lacks runs the best one below it.
+bool has_isa(int64_t isa) {
+  if (isa == AVX_VNNI) {
+#if defined(__AVXVNNI__)
+    return true;
+#else
+    return false;
+#endif
+  }
+  return isa >= SCALAR && isa <= best_isa();
 }
 
 // A block's weight codes as stored, unsigned (Q8_0: signed), 32 or 256 of them.
@@ -377,61 +396,81 @@ inline __m256i bytes_from_bits(const uint8_t* p) {
   return _mm256_cmpeq_epi8(_mm256_or_si256(spread, all_but), _mm256_set1_epi64x(-1));
 }
 
-template <int64_t ISA>
+// R rows of x (a register's accumulator each) against one weight row.
+template <int64_t ISA, int R>
 void dot_row_legacy(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq, int64_t m0,
-                    int64_t rows, float* sums) {
+                    float* sums) {
   const int64_t nb = K / 32, bytes = layout(qtype).bytes;
-  __m256 acc[kRowChunk];
-  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bytes;
     const float d = f16(blk);
-    __m256i u, signs = _mm256_setzero_si256();
+    __m256i signs;  // the signed weights: |w| times x with w's sign
     if (qtype == Q4_0) {
-      u = nibbles32(blk + 2);
+      signs = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
     } else if (qtype == Q5_0) {
-      u = _mm256_or_si256(nibbles32(blk + 6),
-                          _mm256_and_si256(bytes_from_bits(blk + 2), _mm256_set1_epi8(16)));
-    } else {  // Q8_0: |w| times x with w's sign
+      const __m256i high = _mm256_and_si256(bytes_from_bits(blk + 2), _mm256_set1_epi8(16));
+      signs = _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 6), high), _mm256_set1_epi8(16));
+    } else {
       signs = load32(blk + 2);
-      u = _mm256_abs_epi8(signs);
     }
-    for (int64_t r = 0; r < rows; ++r) {
+    const __m256i u = _mm256_abs_epi8(signs);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
-      __m256i x = load32(xq.q.data() + m * K + b * 32);
-      if (qtype == Q8_0) x = _mm256_sign_epi8(x, signs);
-      const __m256i init = _mm256_setr_epi32(-xq.sums[m * nb + b], 0, 0, 0, 0, 0, 0, 0);
-      const __m256i dot = dpbusd<ISA>(init, u, x);
+      const __m256i x = _mm256_sign_epi8(load32(xq.q.data() + m * K + b * 32), signs);
+      const __m256i dot = dpbusd<ISA>(_mm256_setzero_si256(), u, x);
       acc[r] = fmadd(_mm256_set1_ps(d * xq.scale[m * nb + b]), _mm256_cvtepi32_ps(dot), acc[r]);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) sums[r] = hsum(acc[r]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) sums[r] = hsum(acc[r]);
 }
 
-template <int64_t ISA>
+// Q4_K's 8 scales (bytes 0-7) and 8 mins (bytes 8-15) from its 12 packed bytes (as
+// k4_scales, on 32-bit words).
+inline void k4_scales_words(const uint8_t* s, uint32_t* out) {
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  out[0] = u[0] & k1;
+  out[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  out[2] = u[1] & k1;
+  out[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+}
+
+template <int64_t ISA, int R>
 void dot_row_k(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq, int64_t m0,
-               int64_t rows, float* sums) {
+               float* sums) {
   const int64_t nb = K / 256, bytes = layout(qtype).bytes;
   const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
-  __m256 acc[kRowChunk];
-  float mins[kRowChunk];
-  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
+  __m256 acc[R], mins[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = _mm256_setzero_ps();
+  alignas(32) int16_t sc16[16];
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bytes;
     __m256i u[8], scale[8];  // 8 groups of 32 codes (unsigned), their 16-bit scales
+    __m256i mins16 = _mm256_setzero_si256(), sc_all = _mm256_setzero_si256();
     float d, dmin = 0.f;
-    uint8_t sc[8], mn[8];
-    const int8_t* sc6 = reinterpret_cast<const int8_t*>(blk + 192);
     if (qtype == Q4_K) {
       d = f16(blk), dmin = f16(blk + 2);
-      k4_scales(blk + 4, sc, mn);
+      alignas(16) uint32_t words[4];
+      k4_scales_words(blk + 4, words);
+      const __m128i both = _mm_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<__m128i*>(words)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(sc16), both);  // the 8 scales
+      const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<__m128i*>(words + 2)));
+      // each min twice: it scales two of x's 16-sums
+      mins16 = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
       for (int c = 0; c < 4; ++c) {
         const __m256i q = load32(blk + 16 + 32 * c);
         u[2 * c] = _mm256_and_si256(q, low);
         u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
       }
-      for (int j = 0; j < 8; ++j) scale[j] = _mm256_set1_epi16(sc[j]);
-    } else {  // Q6_K: 4 low bits from ql, 2 high ones from qh; a scale per 16
+      for (int j = 0; j < 8; ++j) scale[j] = _mm256_set1_epi16(sc16[j]);
+    } else {  // Q6_K: 4 low bits from ql, 2 high ones from qh; a signed scale per 16
       d = f16(blk + 208);
       for (int h = 0; h < 2; ++h) {
         const __m256i l0 = load32(blk + 64 * h), l1 = load32(blk + 64 * h + 32);
@@ -444,36 +483,48 @@ void dot_row_k(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq, 
           u[4 * h + k] = _mm256_or_si256(lows[k], _mm256_slli_epi16(high, 4));
         }
       }
+      sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sc16), sc_all);
       for (int g = 0; g < 8; ++g)
-        scale[g] = _mm256_set_m128i(_mm_set1_epi16(sc6[2 * g + 1]), _mm_set1_epi16(sc6[2 * g]));
+        scale[g] = _mm256_set_m128i(_mm_set1_epi16(sc16[2 * g + 1]), _mm_set1_epi16(sc16[2 * g]));
     }
-    for (int64_t r = 0; r < rows; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const int8_t* x = xq.q.data() + m * K + b * 256;
-      const int32_t* bs = xq.sums.data() + m * (K / 16) + b * 16;
+      const __m256i bs = load32(xq.sums16.data() + m * (K / 16) + b * 16);  // x's 16-sums
       const float dx = xq.scale[m * nb + b];
-      int32_t offset = 0;  // Q6_K: 32 * the scaled sums of x, subtracted
-      if (qtype == Q6_K)
-        for (int s = 0; s < 16; ++s) offset += 32 * sc6[s] * bs[s];
-      __m256i isum = _mm256_setr_epi32(-offset, 0, 0, 0, 0, 0, 0, 0);
+      __m256i isum = _mm256_setzero_si256();
       for (int g = 0; g < 8; ++g)
         isum = dpwssd<ISA>(isum, _mm256_maddubs_epi16(u[g], load32(x + 32 * g)), scale[g]);
+      if (qtype == Q6_K)  // the codes' offset: 32 * sum_s sc_s * (x's sum s)
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bs), 5));
       acc[r] = fmadd(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum), acc[r]);
-      if (qtype == Q4_K) {
-        int32_t msum = 0;
-        for (int j = 0; j < 8; ++j) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-        mins[r] += (dmin * dx) * static_cast<float>(msum);
-      }
+      if (qtype == Q4_K)
+        mins[r] = fmadd(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(mins16, bs)),
+                        mins[r]);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) sums[r] = hsum(acc[r]) - mins[r];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_sub_ps(acc[r], mins[r]));
 }
 
 template <int64_t ISA>
 void dot_row_isa(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq, int64_t m0,
                  int64_t rows, float* sums) {
-  if (is_k(qtype)) dot_row_k<ISA>(qtype, w, K, xq, m0, rows, sums);
-  else dot_row_legacy<ISA>(qtype, w, K, xq, m0, rows, sums);
+  for (; rows > 0; m0 += kRegRows, rows -= kRegRows, sums += kRegRows) {
+    const bool k = is_k(qtype);
+    switch (std::min<int64_t>(rows, kRegRows)) {
+      case 1: k ? dot_row_k<ISA, 1>(qtype, w, K, xq, m0, sums)
+                : dot_row_legacy<ISA, 1>(qtype, w, K, xq, m0, sums); break;
+      case 2: k ? dot_row_k<ISA, 2>(qtype, w, K, xq, m0, sums)
+                : dot_row_legacy<ISA, 2>(qtype, w, K, xq, m0, sums); break;
+      case 3: k ? dot_row_k<ISA, 3>(qtype, w, K, xq, m0, sums)
+                : dot_row_legacy<ISA, 3>(qtype, w, K, xq, m0, sums); break;
+      default: k ? dot_row_k<ISA, 4>(qtype, w, K, xq, m0, sums)
+                 : dot_row_legacy<ISA, 4>(qtype, w, K, xq, m0, sums);
+    }
+  }
 }
 #endif
 
@@ -557,6 +608,7 @@ void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks
 
 TORCH_LIBRARY(vlmserve_quant, m) {
   m.def("best_isa() -> int", &best_isa);
+  m.def("has_isa(int isa) -> bool", &has_isa);
   m.def("dequantize(Tensor(a!) out, Tensor blocks, int qtype, Tensor? rows) -> ()");
   m.def("linear(Tensor(a!) out, Tensor x, Tensor blocks, int qtype, Tensor? bias, int isa) -> ()");
 }
