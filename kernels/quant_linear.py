@@ -91,7 +91,7 @@ class QuantWeight:
             raise ValueError(f"in_features {self.in_features} is not a multiple of {block}")
         expected = self.in_features // block * block_bytes
         assert self.blocks.dtype == torch.uint8 and self.blocks.dim() == 2, "uint8 [rows, bytes]"
-        assert self.blocks.shape[1] == expected, f"{self.blocks.shape[1]} bytes a row, not {expected}"
+        assert self.blocks.shape[1] == expected, f"{self.blocks.shape[1]} bytes, not {expected}"
         assert self.blocks.is_contiguous(), "blocks: contiguous"
 
     @property
@@ -237,6 +237,10 @@ class QuantLinear(nn.Module):
         self.path: Path = "auto"  # "int_dot" / "tile": forced (tests, benchmarks)
         self.isa: int | None = None  # None: the best this build has
         self._max_rows: dict[torch.dtype, list[int]] = {}  # calibrated, per dtype
+        self._isa: int | None = None
+        self._biases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        ends = np.cumsum([p.out_features for p in parts]).tolist()
+        self._spans = [(p, end - p.out_features, end) for p, end in zip(parts, ends, strict=True)]
 
     def max_rows(self, dtype: torch.dtype) -> list[int]:
         """Per part, the most rows the int-dot kernel takes in `dtype` (calibrated)."""
@@ -255,6 +259,7 @@ class QuantLinear(nn.Module):
         return self.run(x, torch.float32, self.path)
 
     def run(self, x: torch.Tensor, out_dtype: torch.dtype, path: Path = "auto") -> torch.Tensor:
+        """x @ W.T + bias in `out_dtype` by `path` ("auto": as calibrated)."""
         if x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"QuantLinear runs float32 or bfloat16 inputs, not {x.dtype}")
         rows = x.reshape(-1, self.in_features)
@@ -263,20 +268,32 @@ class QuantLinear(nn.Module):
         num_rows = rows.shape[0]
         out = torch.empty(num_rows, self.out_features, dtype=out_dtype)
         limits = self.max_rows(x.dtype) if path == "auto" else None
-        start = 0
-        for i, part in enumerate(self.parts):
-            end = start + part.out_features
-            bias = None if self.bias is None else self.bias[start:end]
-            use_int_dot = path == "int_dot" or (limits is not None and num_rows <= limits[i])
-            if use_int_dot and kernel_available() is None:
-                isa = best_isa() if self.isa is None else self.isa
-                b = None if bias is None else bias.to(rows.dtype).contiguous()
-                torch.ops.vlmserve_quant.linear(out[:, start:end], rows, part.blocks,
-                                                part.qtype, b, isa)  # fmt: skip
+        int_dot = kernel_available() is None
+        isa = self._best_isa() if self.isa is None else self.isa
+        single = len(self.parts) == 1
+        for i, (part, start, end) in enumerate(self._spans):
+            bias = self._bias(i, x.dtype)
+            target = out if single else out[:, start:end]
+            if int_dot and (path == "int_dot" or (limits is not None and num_rows <= limits[i])):
+                torch.ops.vlmserve_quant.linear(target, rows, part.blocks, part.qtype, bias, isa)
             else:
-                _tile_linear(out[:, start:end], rows, part, bias)
-            start = end
+                _tile_linear(target, rows, part, bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _best_isa(self) -> int:
+        if self._isa is None:
+            self._isa = best_isa()
+        return self._isa
+
+    def _bias(self, part: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Part `part`'s bias in `dtype` (made once)."""
+        if self.bias is None:
+            return None
+        key = (part, dtype)
+        if key not in self._biases:
+            _, start, end = self._spans[part]
+            self._biases[key] = self.bias[start:end].to(dtype).contiguous()
+        return self._biases[key]
 
     def describe(self) -> str:
         """The block types, bits a weight, and the paths with their calibrated crossover."""
@@ -300,13 +317,18 @@ def _tile_linear(
     buffer in out's dtype (the float32 sums for float32 out), multiplied by torch's GEMM."""
     dtype = out.dtype
     xs = x if x.dtype == dtype else x.to(dtype)
-    b = None if bias is None else bias.to(dtype)
     tile_rows = max(16, TILE_BYTES // (part.in_features * dtype.itemsize))
+    scratch = torch.empty(min(tile_rows, part.out_features), part.in_features, dtype=dtype)
+    native = kernel_available() is None
     for start in range(0, part.out_features, tile_rows):
         end = min(part.out_features, start + tile_rows)
-        piece = QuantWeight(part.blocks[start:end], part.qtype, part.in_features)
-        weight = piece.dequantize(dtype=dtype)
-        out[:, start:end] = F.linear(xs, weight, None if b is None else b[start:end])
+        if native:  # into the scratch buffer, reused tile after tile
+            weight = scratch[: end - start]
+            torch.ops.vlmserve_quant.dequantize(weight, part.blocks[start:end], part.qtype, None)
+        else:
+            weight = dequantize_reference(part.blocks[start:end], part.qtype).to(dtype)
+        b = None if bias is None else bias[start:end].to(dtype)
+        out[:, start:end] = F.linear(xs, weight, b)
 
 
 class QuantEmbedding(nn.Module):
