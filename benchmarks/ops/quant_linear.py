@@ -13,6 +13,9 @@ outputs are checked against each other first (the int8 activations' bound). The
 `decode_step_linears` rows sum the kinds: every linear of one decode step.
 
     .venv/bin/python -m benchmarks.ops.quant_linear   # -> benchmarks/results/quant_linear.json
+
+The crossovers are calibrated at first use (kernels/calibration.py; VLMSERVE_RECALIBRATE=1
+measures them anew, e.g. after a run on a loaded machine).
 """
 
 from __future__ import annotations
@@ -84,7 +87,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rows", default="1,4,16,64,256")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if (why := kernel_available()) is not None:
         raise SystemExit(f"the quantized kernels are unavailable here: {why}")
     groups = load_groups()
