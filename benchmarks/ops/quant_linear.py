@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,16,64,256")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--name", default="quant_linear", help="the result file's name")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -135,7 +136,7 @@ def main() -> None:
                         "quant_ms": t["quant"] * 1e3, "ratio": t["bf16"] / t["quant"]})  # fmt: skip
     columns = ["group", "layers", "rows", "bf16_ms", "quant_ms", "ratio", "quant_gb_s"]
     print(table(results, columns))
-    path = write_result("quant_linear", {
+    path = write_result(args.name, {
         "loadavg": os.getloadavg(), "threads": torch.get_num_threads(),
         "int_dot_isa": ISA_NAMES[best_isa()], "rounds": args.rounds, "results": results,
     })  # fmt: skip
