@@ -13,6 +13,9 @@ outputs are checked against each other first (the int8 activations' bound). The
 `decode_step_linears` rows sum the kinds: every linear of one decode step.
 
     .venv/bin/python -m benchmarks.ops.quant_linear   # -> benchmarks/results/quant_linear.json
+
+The crossovers are calibrated at first use (kernels/calibration.py; VLMSERVE_RECALIBRATE=1
+measures them anew, e.g. after a run on a loaded machine).
 """
 
 from __future__ import annotations
@@ -84,7 +87,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rows", default="1,4,16,64,256")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--name", default="quant_linear", help="the result file's name")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if (why := kernel_available()) is not None:
         raise SystemExit(f"the quantized kernels are unavailable here: {why}")
     groups = load_groups()
@@ -129,7 +136,7 @@ def main() -> None:
                         "quant_ms": t["quant"] * 1e3, "ratio": t["bf16"] / t["quant"]})  # fmt: skip
     columns = ["group", "layers", "rows", "bf16_ms", "quant_ms", "ratio", "quant_gb_s"]
     print(table(results, columns))
-    path = write_result("quant_linear", {
+    path = write_result(args.name, {
         "loadavg": os.getloadavg(), "threads": torch.get_num_threads(),
         "int_dot_isa": ISA_NAMES[best_isa()], "rounds": args.rounds, "results": results,
     })  # fmt: skip

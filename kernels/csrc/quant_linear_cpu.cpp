@@ -192,6 +192,9 @@ struct QuantRows {
   std::vector<float> scale;   // [M, K / group]
   std::vector<int32_t> sums;  // [M, K / 16] (K-quants) or [M, K / 32] (offset * sum)
   std::vector<int16_t> sums16;  // K-quants: the same sums as int16 (|sum| <= 16 * 127)
+  // Q4_0 / Q5_0: per block 8 int32 lanes, the first -offset * sum, the others 0: the
+  // integer dot product's starting value (one load).
+  std::vector<int32_t> start;
 };
 
 template <typename T>
@@ -200,7 +203,8 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
   const int64_t group = k ? 256 : 32;
   const int32_t offset = qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : 0;
   QuantRows r{M, K, group, std::vector<int8_t>(M * K), std::vector<float>(M * K / group),
-              std::vector<int32_t>(M * K / (k ? 16 : 32)), std::vector<int16_t>(k ? M * K / 16 : 0)};
+              std::vector<int32_t>(M * K / (k ? 16 : 32)), std::vector<int16_t>(k ? M * K / 16 : 0),
+              std::vector<int32_t>(offset ? M * K / 32 * 8 : 0)};
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> v(group);
     for (int64_t m = begin; m < end; ++m)
@@ -220,6 +224,7 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
           if (k) r.sums[m * (K / 16) + g * 16 + s] = sum, r.sums16[m * (K / 16) + g * 16 + s] = sum;
           else r.sums[m * (K / 32) + g] += offset * sum;  // zeroed at construction
         }
+        if (offset) r.start[(m * (K / 32) + g) * 8] = -r.sums[m * (K / 32) + g];
       }
   });
   return r;
@@ -380,23 +385,33 @@ inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<con
 
 // 16 bytes of nibble pairs -> 32 bytes: the low nibbles, then the high ones.
 inline __m256i nibbles32(const uint8_t* p) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i shifted = _mm256_srlv_epi16(both, _mm256_setr_epi64x(0, 0, 0x0004000400040004, 0x0004000400040004));
+  return _mm256_and_si256(shifted, _mm256_set1_epi8(15));
+#else
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i low = _mm_set1_epi8(15);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+#endif
 }
 
-// Byte j: 0xFF where bit j of the 32-bit word at p is set, else 0 (Q5_0's fifth bits).
-inline __m256i bytes_from_bits(const uint8_t* p) {
+// codes | 16 in the bytes j where bit j of the 32-bit word at p is set (Q5_0's fifth bits).
+inline __m256i with_fifth_bits(__m256i codes, const uint8_t* p) {
   uint32_t bits;
   std::memcpy(&bits, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_mask_add_epi8(codes, static_cast<__mmask32>(bits), codes, _mm256_set1_epi8(16));
+#else
   const __m256i spread = _mm256_shuffle_epi8(
       _mm256_set1_epi32(static_cast<int32_t>(bits)),
       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
   const __m256i all_but = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // byte i: all bits but i
-  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, all_but), _mm256_set1_epi64x(-1));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, all_but), _mm256_set1_epi64x(-1));
+  return _mm256_or_si256(codes, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
 }
 
-// R rows of x (a register's accumulator each) against one weight row.
 template <int64_t ISA, int R>
 void dot_row_legacy(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq, int64_t m0,
                     float* sums) {
@@ -407,21 +422,25 @@ void dot_row_legacy(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows&
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bytes;
     const float d = f16(blk);
-    __m256i signs;  // the signed weights: |w| times x with w's sign
-    if (qtype == Q4_0) {
-      signs = _mm256_sub_epi8(nibbles32(blk + 2), _mm256_set1_epi8(8));
-    } else if (qtype == Q5_0) {
-      const __m256i high = _mm256_and_si256(bytes_from_bits(blk + 2), _mm256_set1_epi8(16));
-      signs = _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 6), high), _mm256_set1_epi8(16));
-    } else {
-      signs = load32(blk + 2);
+    if (qtype == Q8_0) {  // signed codes: |w| times x with w's sign
+      const __m256i signs = load32(blk + 2);
+      const __m256i u = _mm256_abs_epi8(signs);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m256i x = _mm256_sign_epi8(load32(xq.q.data() + m * K + b * 32), signs);
+        const __m256i dot = dpbusd<ISA>(_mm256_setzero_si256(), u, x);
+        acc[r] = fmadd(_mm256_set1_ps(d * xq.scale[m * nb + b]), _mm256_cvtepi32_ps(dot), acc[r]);
+      }
+      continue;
     }
-    const __m256i u = _mm256_abs_epi8(signs);
+    // Q4_0 / Q5_0: the unsigned codes; the offset times x's sum starts the integer sum
+    const __m256i u = qtype == Q4_0 ? nibbles32(blk + 2) : with_fifth_bits(nibbles32(blk + 6), blk + 2);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
-      const __m256i x = _mm256_sign_epi8(load32(xq.q.data() + m * K + b * 32), signs);
-      const __m256i dot = dpbusd<ISA>(_mm256_setzero_si256(), u, x);
+      const __m256i x = load32(xq.q.data() + m * K + b * 32);
+      const __m256i dot = dpbusd<ISA>(load32(xq.start.data() + (m * nb + b) * 8), u, x);
       acc[r] = fmadd(_mm256_set1_ps(d * xq.scale[m * nb + b]), _mm256_cvtepi32_ps(dot), acc[r]);
     }
   }

@@ -118,7 +118,7 @@ def test_linear_against_float64_matmul(qtype, rows, path, dtype):
 def test_mixed_parts_with_bias_and_leading_dims(path, dtype):
     parts = [weight(Q.Q5_0, 64, 512, 1), weight(Q.Q8_0, 32, 512, 2), weight(Q.Q4_K, 48, 512, 3),
              weight(Q.Q6_K, 16, 512, 4), weight(Q.Q4_0, 8, 512, 5)]  # fmt: skip
-    bias = torch.randn(168).to(dtype)
+    bias = (torch.randn(168) * 10).to(dtype)  # about the outputs' size: a lost bias shows
     layer = QuantLinear(parts, bias)
     layer.path = path
     assert (layer.in_features, layer.out_features) == (512, 168)
@@ -186,7 +186,8 @@ def test_quantize_int8_is_gguf_q8_0_and_round_trips():
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(50, 320, generator=gen) * torch.rand(50, 1, generator=gen) * 4
     w[3, :32] = 0  # an all-zero block: scale 0
-    w[4, 5] = 0.5 * w[4, :32].abs().max() / 127 * 255  # ties of the rounding, roughly
+    w[4, :32] = 0.5  # scale 1 (amax 127, below): values at exactly k + 1/2, rounded away from 0
+    w[4, :8] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 6.5, -126.5])
     q = quantize_int8(w)
     assert q.qtype == Q.Q8_0 and (q.out_features, q.in_features) == (50, 320)
     assert np.array_equal(q.blocks.numpy(), quantize(w.numpy(), Q.Q8_0))
