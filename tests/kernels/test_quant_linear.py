@@ -152,6 +152,17 @@ def test_every_instruction_set_gives_the_same_sums(qtype):
         assert (out - scalar).abs().max() <= 1e-5 * scalar.abs().max(), name
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
+def test_odd_number_of_blocks(qtype, rows):
+    """7 blocks a row: the AVX-512 path takes them two at a time, the last one alone."""
+    w = weight(qtype, 24, 224, seed=rows)
+    layer = QuantLinear([w])
+    layer.path = "int_dot"
+    x = torch.randn(rows, 224, generator=torch.Generator().manual_seed(rows))
+    assert rel_error(layer(x), x.double() @ reference(w).double().T) < INT_DOT_BOUND
+
+
 def test_auto_path_follows_the_calibrated_rows():
     w = weight(Q.Q8_0, 64, 256)
     layer = QuantLinear([w])
