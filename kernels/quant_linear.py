@@ -7,10 +7,12 @@ No dequantized copy of a weight is kept. Two paths (kernels/csrc/quant_linear_cp
   to int8 once a call (per 32 for the legacy blocks, per 256 with per-16 sums for the
   K-quants), then integer dot products per weight block (AVX-512 VNNI / AVX-VNNI
   `dpbusd`, AVX2 `maddubs`, or scalar), float32 across blocks; each weight block read once
-  a call for all the rows. The int8 activations cost about 1e-2 relative error against the
-  float32 matmul on the dequantized weight (tests/kernels/test_quant_linear.py states it);
-- large batches (prefill chunks): tiles of weight rows dequantized into a scratch buffer
-  in x's dtype, each multiplied by torch's GEMM (oneDNN / MKL) into its output columns.
+  a call for all the rows (the legacy blocks two a 512-bit vector on AVX-512 VNNI). The int8
+  activations cost at most 9e-3 relative error (norm-wise) against the float64 matmul on
+  the dequantized weight (measured in tests/kernels/test_quant_linear.py, bound 2e-2);
+- larger batches: tiles of weight rows dequantized into a scratch buffer, each multiplied
+  into its output columns by the skinny bfloat16 / float32 kernel (kernels/packed_linear.py)
+  up to the rows calibrated for it, by torch's GEMM (oneDNN / MKL) above them.
 The rows from which the second takes over are measured per block type, dtype and shape on
 the CPU that runs it, at first use (kernels/calibration.py), never a constant.
 
@@ -33,6 +35,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from kernels import calibration, cpu_build
+from kernels.packed_linear import skinny_linear, skinny_max_rows
 
 __all__ = [
     "SUPPORTED_QTYPES", "QuantEmbedding", "QuantLinear", "QuantWeight", "kernel_available",
@@ -314,11 +317,14 @@ def _tile_linear(
     out: torch.Tensor, x: torch.Tensor, part: QuantWeight, bias: torch.Tensor | None
 ) -> None:
     """out = x @ part.T + bias, a tile of weight rows dequantized at a time into a scratch
-    buffer in out's dtype (the float32 sums for float32 out), multiplied by torch's GEMM."""
-    dtype = out.dtype
+    buffer, each multiplied by the engine's skinny kernel up to the rows calibrated for it
+    at the tile's shape (tile in x's dtype; float32 out: the float32 sums as they are),
+    above them by torch's GEMM (tile in out's dtype: float32 out is never rounded)."""
+    tile_rows = min(part.out_features, max(16, TILE_BYTES // (part.in_features * 2)))
+    skinny = x.shape[0] <= skinny_max_rows(x.dtype, part.in_features, tile_rows)
+    dtype = x.dtype if skinny else out.dtype
     xs = x if x.dtype == dtype else x.to(dtype)
-    tile_rows = max(16, TILE_BYTES // (part.in_features * dtype.itemsize))
-    scratch = torch.empty(min(tile_rows, part.out_features), part.in_features, dtype=dtype)
+    scratch = torch.empty(tile_rows, part.in_features, dtype=dtype)
     native = kernel_available() is None
     for start in range(0, part.out_features, tile_rows):
         end = min(part.out_features, start + tile_rows)
@@ -328,7 +334,10 @@ def _tile_linear(
         else:
             weight = dequantize_reference(part.blocks[start:end], part.qtype).to(dtype)
         b = None if bias is None else bias[start:end].to(dtype)
-        out[:, start:end] = F.linear(xs, weight, b)
+        if skinny:
+            out[:, start:end] = skinny_linear(xs, weight, b, out.dtype)
+        else:
+            out[:, start:end] = F.linear(xs, weight, b)
 
 
 class QuantEmbedding(nn.Module):

@@ -192,9 +192,11 @@ struct QuantRows {
   std::vector<float> scale;   // [M, K / group]
   std::vector<int32_t> sums;  // [M, K / 16] (K-quants) or [M, K / 32] (offset * sum)
   std::vector<int16_t> sums16;  // K-quants: the same sums as int16 (|sum| <= 16 * 127)
-  // Q4_0 / Q5_0: per block 8 int32 lanes, the first -offset * sum, the others 0: the
-  // integer dot product's starting value (one load).
+  // The legacy blocks: per block 8 int32 lanes, the first -offset * sum (the unsigned
+  // codes' offset: Q4_0 8, Q5_0 16, Q8_0 128 as w + 128), the others 0: the integer dot
+  // product's starting value (one load); and 8 lanes of the block's scale (a vector operand).
   std::vector<int32_t> start;
+  std::vector<float> scale8;
 };
 
 template <typename T>
@@ -204,7 +206,8 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
   const int32_t offset = qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : 0;
   QuantRows r{M, K, group, std::vector<int8_t>(M * K), std::vector<float>(M * K / group),
               std::vector<int32_t>(M * K / (k ? 16 : 32)), std::vector<int16_t>(k ? M * K / 16 : 0),
-              std::vector<int32_t>(offset ? M * K / 32 * 8 : 0)};
+              std::vector<int32_t>(k ? 0 : M * K / 32 * 8), std::vector<float>(k ? 0 : M * K / 32 * 8)};
+  const int32_t start_offset = qtype == Q8_0 ? 128 : offset;
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> v(group);
     for (int64_t m = begin; m < end; ++m)
@@ -224,7 +227,12 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
           if (k) r.sums[m * (K / 16) + g * 16 + s] = sum, r.sums16[m * (K / 16) + g * 16 + s] = sum;
           else r.sums[m * (K / 32) + g] += offset * sum;  // zeroed at construction
         }
-        if (offset) r.start[(m * (K / 32) + g) * 8] = -r.sums[m * (K / 32) + g];
+        if (!k) {
+          int32_t sum = 0;
+          for (int i = 0; i < 32; ++i) sum += q[i];
+          r.start[(m * (K / 32) + g) * 8] = -start_offset * sum;
+          for (int i = 0; i < 8; ++i) r.scale8[(m * (K / 32) + g) * 8 + i] = d;
+        }
       }
   });
   return r;
@@ -528,11 +536,73 @@ void dot_row_k(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq, 
   for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_sub_ps(acc[r], mins[r]));
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The legacy blocks two at a time in 512-bit vectors (AVX-512 VNNI): unsigned codes (Q8_0's
+// as w + 128), the offsets' sums as the dot product's start, the scales as vectors.
+inline __m256i legacy_codes(int64_t qtype, const uint8_t* blk) {
+  if (qtype == Q4_0) return nibbles32(blk + 2);
+  if (qtype == Q5_0) return with_fifth_bits(nibbles32(blk + 6), blk + 2);
+  return _mm256_xor_si256(load32(blk + 2), _mm256_set1_epi8(static_cast<char>(0x80)));
+}
+
+template <int R>
+void dot_row_legacy512(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq,
+                       int64_t m0, float* sums) {
+  const int64_t nb = K / 32, bytes = layout(qtype).bytes;
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 2) {
+    const bool pair = b + 1 < nb;
+    const uint8_t* blk = w + b * bytes;
+    const __m256i u0 = legacy_codes(qtype, blk);
+    const __m256i u1 = pair ? legacy_codes(qtype, blk + bytes) : _mm256_setzero_si256();
+    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+    const float d1 = pair ? f16(blk + bytes) : 0.f;
+    const __m512 dv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(f16(blk))),
+                                         _mm256_set1_ps(d1), 1);
+    const __mmask16 lanes = pair ? 0xFFFF : 0x00FF;  // a last odd block: its half only
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * nb + b;
+      const __m512i x = _mm512_maskz_loadu_epi32(lanes, xq.q.data() + i * 32);
+      const __m512i start = _mm512_maskz_loadu_epi32(lanes, xq.start.data() + i * 8);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, u, x));
+      const __m512 dx = _mm512_maskz_loadu_ps(lanes, xq.scale8.data() + i * 8);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dv), dx, acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// f(std::integral_constant<int, n>) for a runtime 1 <= n <= 4.
+template <typename F>
+inline void vlmserve_with_rows(int64_t n, F&& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+#endif
+
 template <int64_t ISA>
 void dot_row_isa(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq, int64_t m0,
                  int64_t rows, float* sums) {
   for (; rows > 0; m0 += kRegRows, rows -= kRegRows, sums += kRegRows) {
     const bool k = is_k(qtype);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if constexpr (ISA == AVX512_VNNI) {
+      if (!k) {
+        vlmserve_with_rows(std::min<int64_t>(rows, kRegRows), [&](auto n) {
+          dot_row_legacy512<decltype(n)::value>(qtype, w, K, xq, m0, sums);
+        });
+        continue;
+      }
+    }
+#endif
     switch (std::min<int64_t>(rows, kRegRows)) {
       case 1: k ? dot_row_k<ISA, 1>(qtype, w, K, xq, m0, sums)
                 : dot_row_legacy<ISA, 1>(qtype, w, K, xq, m0, sums); break;
