@@ -16,7 +16,7 @@ from encoders.config import EncoderConfig
 from kernels.cpu_build import native_bf16
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.sample.structured import StructuredConfig
-from vlmserve.worker.models.gguf_checkpoint import resolve_model_path
+from vlmserve.worker.models.gguf_checkpoint import resolve_model_path, weights_file
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *_DTYPES)
@@ -73,6 +73,9 @@ def default_device() -> str:
     return os.environ.get("VLMSERVE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str
@@ -104,6 +107,12 @@ class ModelConfig:
     nano_batch: str = "off"
     # A GGUF file's tokenizer: a HF tokenizer folder instead of the file's own vocabulary.
     tokenizer: str | None = None
+    # How the decoder's weights are held (QUANTIZATION_CHOICES; kernels/quant_linear.py):
+    # "auto" runs a GGUF file's quantized blocks as stored on a CPU and anything else in its
+    # dtype; "none" dequantizes a GGUF file at load; "gguf" insists on the file's blocks;
+    # "int8" quantizes a checkpoint's linears, embedding and LM head to int8 at load
+    # (weight-only, a scale per 32 weights). `weight_format` is what it resolved to.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         # A GGUF file (or a folder holding one) is served through its sidecar folder.
@@ -118,6 +127,31 @@ class ModelConfig:
             )
         if self.max_images_per_request < 0:
             raise ValueError(f"max_images_per_request={self.max_images_per_request} must be >= 0")
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not one of {list(QUANTIZATION_CHOICES)}"
+            )
+        if self.quantization == "gguf" and weights_file(self.path) is None:
+            raise ValueError(
+                "--quantization gguf runs a GGUF file's blocks, but the model is a checkpoint "
+                "folder: pass a .gguf file, or --quantization int8 to quantize this one"
+            )
+        if self.quantization in ("gguf", "int8") and torch.device(self.device).type != "cpu":
+            raise ValueError(
+                f"--quantization {self.quantization} runs on the CPU only so far; on "
+                f"{self.device} use --quantization none (a GGUF file is dequantized at load)"
+            )
+
+    @property
+    def weight_format(self) -> str:
+        """ "none", "gguf" or "int8": what `quantization` resolved to for this model."""
+        if self.quantization != "auto":
+            return self.quantization
+        on_cpu = torch.device(self.device).type == "cpu"
+        return "gguf" if on_cpu and weights_file(self.path) is not None else "none"
 
     @functools.cached_property
     def dtype_choice(self) -> DtypeChoice:

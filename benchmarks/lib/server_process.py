@@ -24,16 +24,17 @@ def free_port() -> int:
 @contextlib.contextmanager
 def server_process(  # noqa: PLR0913
     cmd: list[str], env: dict, cwd: Path, log: Path, url: str, name: str,
-    timeout_s: float, poll_s: float = 1.0,
+    timeout_s: float, poll_s: float = 1.0, health: str = "/health",
 ) -> Iterator[int]:  # fmt: skip
-    """Run `cmd` (output to `log`) until `url` is healthy; yields its pid. RuntimeError
-    naming `name` and the log when it exits or stays unhealthy for `timeout_s`."""
+    """Run `cmd` (output to `log`) until GET `url` + `health` answers 200; yields its pid.
+    RuntimeError naming `name` and the log when it exits or stays unhealthy for
+    `timeout_s`."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + timeout_s
-        while not healthy(url):
+        while not healthy(url, health):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{name} did not start; log: {log}")
             time.sleep(poll_s)
@@ -48,8 +49,8 @@ def server_process(  # noqa: PLR0913
             proc.wait()
 
 
-def healthy(url: str) -> bool:
+def healthy(url: str, health: str = "/health") -> bool:
     try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
+        return httpx.get(url + health, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False

@@ -17,7 +17,7 @@ from kernels.backends import BACKENDS
 from scheduler.config import CacheConfig, SchedulerConfig, SloConfig, SpeculativeConfig
 from vlmserve.cli.arg_types import device, int_at_least, positive_float, ttft_targets
 from vlmserve.cli.precision_args import add_dtype_arg, add_kv_cache_dtype_arg, add_warmup_arg
-from vlmserve.config import EngineConfig, ModelConfig, ParallelConfig
+from vlmserve.config import QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig
 from vlmserve.embedded import DEFAULT_MODEL_DIR
 from vlmserve.sample.structured import StructuredConfig
 
@@ -55,8 +55,8 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--model",
         default=str(DEFAULT_MODEL_DIR),
-        help="checkpoint folder, or a GGUF file (or a folder holding one), dequantized at "
-        "load (default: the embedded model trained on generated scenes)",
+        help="checkpoint folder, or a GGUF file (or a folder holding one; see "
+        "--quantization) (default: the embedded model trained on generated scenes)",
     )
     group.add_argument(
         "--tokenizer",
@@ -67,6 +67,15 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         "--device", type=device, default=None, help="cpu, cuda (default: $VLMSERVE_DEVICE)"
     )
     add_dtype_arg(group)
+    group.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_CHOICES,
+        default="auto",
+        help="the decoder's weights: auto (default) runs a GGUF file's quantized blocks as "
+        "stored on a CPU and any other checkpoint in --dtype; none dequantizes a GGUF file "
+        "to --dtype at load; gguf requires a GGUF file; int8 quantizes a checkpoint's "
+        "linears, embedding and LM head to weight-only int8 at load (CPU)",
+    )
     group.add_argument(
         "--max-model-len", type=int_at_least(2), default=None, help="default: the checkpoint's"
     )
@@ -339,6 +348,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         args.model,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_images_per_request=args.max_images_per_request,
         pack_weights=not args.eager,

@@ -173,13 +173,41 @@ def model_summary(model_path: str) -> dict[str, object]:
     return summary
 
 
+def quantization_summary(model_path: str, quantization: str, dtype: torch.dtype) -> dict:
+    """What `--quantization` resolves to for the model here and, when quantized, each kind
+    of layer's block types, bits per weight and kernel paths (the model is loaded), and the
+    decoder's weight bytes."""
+    from kernels.attention import TorchPagedAttention
+    from vlmserve.config import ModelConfig
+    from vlmserve.worker.models import quantized
+    from vlmserve.worker.models.loader import load_model
+
+    config = ModelConfig(model_path, quantization=quantization, device=default_device())
+    fmt = config.weight_format
+    if fmt == "none":
+        return {"weights": f"dense {str(dtype).removeprefix('torch.')} (--quantization "
+                           f"{quantization})"}  # fmt: skip
+    device = torch.device("cpu")
+    decoder = load_model(model_path, dtype, device, TorchPagedAttention(), None, fmt).decoder
+    weights, size = quantized.weight_bytes(decoder)
+    summary: dict[str, object] = {
+        "weights": f"{fmt}: {size / 2**20:.1f} MiB for {weights / 1e6:.1f}M weights "
+        f"({8 * size / weights:.2f} bits/weight)",
+    }
+    for i, line in enumerate(quantized.describe(decoder)):
+        summary[f"layer{i}"] = line
+    return summary
+
+
 def collect(
     model_path: str | None = None,
     tp: int = 1,
     tokenizer: str | None = None,
     recalibrate: bool = False,
+    quantization: str = "auto",
 ) -> dict[str, object]:
-    """`recalibrate`: drop this machine's calibration and measure every choice anew."""
+    """`recalibrate`: drop this machine's calibration and measure every choice anew;
+    `quantization`: how the model's weights would run (`ModelConfig.quantization`)."""
     from vlmserve.worker.models.gguf_checkpoint import resolve_model_path
 
     device = default_device()
@@ -221,6 +249,7 @@ def collect(
     if model_path is not None:
         info["model"] = model_summary(model_path)
         info["tensor_parallel"] = tensor_parallel(model_path, tp)
+        info["quantization"] = quantization_summary(model_path, quantization, choice.dtype)
     if calibrated is not None:
         info["calibration"] = calibrated
     return info

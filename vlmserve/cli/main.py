@@ -11,6 +11,7 @@ from vlmserve.cli import caption_cli
 from vlmserve.cli import serve as serve_cli
 from vlmserve.cli.engine_args import add_engine_args, engine_config_from_args
 from vlmserve.cli.estimate import main as estimate_cli
+from vlmserve.config import QUANTIZATION_CHOICES
 from vlmserve.engine.stats import render_engine_stats
 
 
@@ -18,7 +19,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     from vlmserve.cli import info
 
     kernels, built = info.build_kernels() if args.build_kernels else ({}, True)
-    data = info.collect(args.model, args.tensor_parallel_size, args.tokenizer, args.recalibrate)
+    data = info.collect(
+        args.model, args.tensor_parallel_size, args.tokenizer, args.recalibrate, args.quantization
+    )
     if kernels:
         data["cpu_kernels"] = kernels
     print(json.dumps(data, indent=2) if args.json else info.render(data))
@@ -91,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokenizer", default=None, help="a GGUF model's HF tokenizer folder")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N")
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_CHOICES,
+        default="auto",
+        help="with --model: how its weights would run (as `serve --quantization`): each "
+        "quantized layer's block types, bytes per weight and kernels",
+    )
     p.add_argument(
         "--build-kernels",
         action="store_true",

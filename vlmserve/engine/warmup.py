@@ -144,7 +144,7 @@ def warm_linears(decoder: torch.nn.Module, max_rows: int, max_seconds: float) ->
         if isinstance(module, PackedLinear):
             key = (module.in_features, module.out_features, module.bias is None)
             layers.setdefault(key, module)
-    dtype = decoder.embed_tokens.weight.dtype
+    dtype = decoder.dtype
     deadline = time.perf_counter() + max_seconds
     rows = 0
     with torch.inference_mode():

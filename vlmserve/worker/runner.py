@@ -25,6 +25,7 @@ from kernels.attention import AttentionBatch
 from kernels.backends import choose_prefill_path, select_backend
 from kernels.malloc_tuning import keep_freed_memory
 from kernels.packed_linear import logits_head, pack_linears
+from kernels.quant_linear import QuantLinear
 from scheduler.config import kv_pool_num_blocks, seq_peak_blocks
 from scheduler.step_plan import ScheduledSeq, StepPlan
 from vlmserve.config import EngineConfig, kv_cache_torch_dtype
@@ -112,8 +113,9 @@ class ModelRunner:
         check_dtypes(config, self.dtype, self.kv_dtype, self.backend.name)
         shard = None if group is None else TPShard(group.rank, group.size)
         self.model: LoadedModel = load_model(
-            config.model.path, self.dtype, self.device, self.backend, shard
-        )
+            config.model.path, self.dtype, self.device, self.backend, shard,
+            config.model.weight_format,
+        )  # fmt: skip
         if group is not None:
             shard_decoder(self.model.decoder, group)
         # The longest prompt + output served: the flag, capped by the checkpoint's context
@@ -127,7 +129,8 @@ class ModelRunner:
         if config.model.pack_weights and self.device.type == "cpu":
             decoder = self.model.decoder
             pack_linears(decoder, plain=config.model.plain_weights)
-            decoder.lm_head = logits_head(decoder.lm_head, decoder.embed_tokens.weight)
+            if not isinstance(decoder.lm_head, QuantLinear):  # a quantized head is its own
+                decoder.lm_head = logits_head(decoder.lm_head, decoder.embed_tokens.weight)
             if self.model.vision is not None:
                 self.model.vision.pack_weights()
         # The decoder takes its eager path wherever the kernels do not apply or build.

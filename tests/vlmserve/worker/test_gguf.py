@@ -76,7 +76,8 @@ def test_engine_on_the_file_is_greedy_token_exact_with_transformers(converted):
 
     arch, hf, gguf_file = converted
     reference = _transformers_reference(hf, gguf_file)
-    engine = Engine(EngineConfig(ModelConfig(str(gguf_file), tokenizer=str(hf), dtype="float32")))
+    model = ModelConfig(str(gguf_file), tokenizer=str(hf), dtype="float32", quantization="none")
+    engine = Engine(EngineConfig(model))
     prompts = [[5, 17, 42, 9, 33, 7], [100, 3, 64, 12]]
     requests = [
         Request(prompt_token_ids=p, sampling=SamplingParams(max_tokens=12, temperature=0.0))

@@ -18,6 +18,7 @@ from encoders.weights import CheckpointError, load_into, take
 from kernels import fused_ops
 from kernels.attention import AttentionBackend
 from kernels.packed_linear import linear_float
+from kernels.quant_linear import QuantLinear
 from vlmserve.worker.models import gemma3
 from vlmserve.worker.models.layers import DecoderConfig, RMSNorm
 from vlmserve.worker.models.rope import RotaryEmbedding
@@ -131,6 +132,11 @@ class Decoder(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the final norm's weight is always dense)."""
+        return self.norm.weight.dtype
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         embeds = self.embed_tokens(token_ids)
         if self.cfg.variant == "gemma3":  # image rows are written over these, unscaled
@@ -163,7 +169,9 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden] -> [num_rows, vocab], float32 for sampling. In
         # bfloat16 on a CPU the head's float32 sums come out unrounded (packed_linear).
-        if self.fused or self.lm_head is not None:
+        if isinstance(self.lm_head, QuantLinear):  # tied or not: its blocks
+            logits = self.lm_head.forward_float(hidden)
+        elif self.fused or self.lm_head is not None:
             logits = linear_float(self.lm_head, hidden, self.embed_tokens.weight)
         else:  # the eager path (the fused ops off), tied embeddings
             logits = F.linear(hidden, self.embed_tokens.weight).float()
@@ -182,7 +190,7 @@ class Decoder(nn.Module):
         if self.cfg.variant == "gemma3":
             tensors = gemma3.GemmaNormWeights(tensors)
         tensors = _FusedWeights(tensors, prefix, self.cfg)
-        if self.lm_head is not None and lm_head_name not in tensors:
+        if not self.cfg.tie_word_embeddings and lm_head_name not in tensors:
             raise CheckpointError(
                 f"missing weight {lm_head_name!r} and the config does not tie word embeddings"
             )

@@ -1,4 +1,4 @@
-"""A GGUF file's tensors under the HF names our decoders load, dequantized.
+"""A GGUF file's tensors under the HF names our decoders load: blocks or float32.
 
 GGUF names a decoder's tensors `blk.N.<part>` (llama.cpp's convert_hf_to_gguf.py wrote
 them from a HF checkpoint); this module undoes that conversion for the families served
@@ -7,20 +7,25 @@ from GGUF (llama, qwen2, gemma3):
 - llama's q/k rows: the converter interleaves each head's two rotary halves for ggml's
   "normal" RoPE; HF's rotate-half layout takes them back apart (`_unpermute`);
 - Gemma's norms: the converter stored (1 + w) (ggml has no Gemma RMSNorm); w = stored - 1.
-Blocks (read by gguf_file.py) are dequantized by `gguf.quants.dequantize` (the reference
-llama.cpp's Python package ships; transformers' GGUF path uses it too), one tensor at a
-time, straight into float32 torch tensors.
+Blocks (read by gguf_file.py) stay blocks where the quantized kernels run their type
+(`keep_blocks`, kernels/quant_linear.py), or are dequantized by `gguf.quants.dequantize`
+(the reference llama.cpp's Python package ships; transformers' GGUF path uses it too),
+one tensor at a time, straight into float32 torch tensors.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from encoders.weights import CheckpointError
 from vlmserve.worker.models.gguf_file import GGUFFile, TensorInfo
+
+if TYPE_CHECKING:
+    from kernels.quant_linear import QuantWeight
 
 # GGUF `general.architecture` -> the HF model_type our loader serves from it.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
@@ -91,23 +96,38 @@ def dequantized(file: GGUFFile, info: TensorInfo) -> np.ndarray:
     return values.astype(np.float32, copy=False).reshape(info.shape)
 
 
-def read_gguf_tensors(path: str | Path, config: dict) -> dict[str, torch.Tensor]:
+def read_gguf_tensors(
+    path: str | Path, config: dict, keep_blocks: bool = False
+) -> dict[str, torch.Tensor | QuantWeight]:
     """Every tensor the decoder loads, by its HF name, as float32. `config`: the HF config
-    the checkpoint's metadata gave (heads for llama's un-permutation)."""
+    the checkpoint's metadata gave (heads for llama's un-permutation). `keep_blocks`: a
+    2-D tensor in a block type the quantized kernels run stays a `QuantWeight` (its blocks
+    copied, never dequantized; rows un-permuted as blocks)."""
+    from kernels.quant_linear import SUPPORTED_QTYPES, QuantWeight
+
     file = GGUFFile(path)
     arch = str(file.field("general.architecture"))
     if arch not in ARCHITECTURES:
         raise CheckpointError(unsupported_architecture(arch))
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantWeight] = {}
     for info in file.tensors:
         name = hf_name(info.name, arch)
         if name is None:
             continue
+        permuted = arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
+        num_heads = heads if "q_proj" in name else kv_heads
+        if keep_blocks and len(info.shape) == 2 and info.qtype in SUPPORTED_QTYPES:
+            weight = QuantWeight.from_gguf(file.raw(info), info.qtype, info.shape)
+            if permuted:
+                rows = _unpermute(np.arange(info.shape[0])[:, None], num_heads)[:, 0]
+                weight = weight.select_rows(torch.from_numpy(rows))
+            tensors[name] = weight
+            continue
         values = dequantized(file, info)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            values = _unpermute(values, heads if "q_proj" in name else kv_heads)
+        if permuted:
+            values = _unpermute(values, num_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             values = values - np.float32(1.0)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(values))

@@ -14,6 +14,7 @@ import torch
 
 from encoders.weights import CheckpointError, load_tensors, read_config
 from kernels.attention import AttentionBackend
+from vlmserve.worker.models import quantized
 from vlmserve.worker.models.decoder import Decoder, DecoderConfig
 from vlmserve.worker.models.gemma3 import gemma3_decoder_config
 from vlmserve.worker.models.gguf_checkpoint import weights_file
@@ -108,15 +109,27 @@ def load_model(
     device: torch.device,
     backend: AttentionBackend,
     shard: TPShard | None = None,
+    weight_format: str = "none",
 ) -> LoadedModel:
     """`shard`: a tensor-parallel rank's slice of the decoder (its heads and MLP rows);
-    the vision tower and the embeddings are whole on every rank."""
+    the vision tower and the embeddings are whole on every rank. `weight_format`
+    (ModelConfig.weight_format): "none" dense in `dtype`; "gguf" a GGUF file's blocks
+    run as stored; "int8" quantized at load (models/quantized.py)."""
     config = read_config(path)
     spec = family_of(config)
     text_config = config.get("text_config", config) if spec.multimodal else config
     decoder_cfg = decoder_config(config)
     gguf = weights_file(path)  # a GGUF file's sidecar: weights dequantized from the file
-    tensors = read_gguf_tensors(gguf, text_config) if gguf else load_tensors(path)
+    if weight_format == "gguf" and gguf is None:
+        raise CheckpointError(f"{path} is not a GGUF file's folder: its weights have no blocks")
+    if weight_format != "none" and shard is not None:
+        raise CheckpointError(
+            "quantized weights do not run with tensor parallelism yet: --quantization none"
+        )
+    if gguf:
+        tensors = read_gguf_tensors(gguf, text_config, keep_blocks=weight_format == "gguf")
+    else:
+        tensors = load_tensors(path)
     embed = _pick(tensors, tuple(p + "embed_tokens.weight" for p in spec.decoder_prefixes), "")
     prefix = embed[: -len("embed_tokens.weight")]
     lm_head = next((n for n in spec.lm_head_names if n in tensors), spec.lm_head_names[0])
@@ -128,8 +141,15 @@ def load_model(
         decoder_cfg = shard.local_config(decoder_cfg)
     with torch.device("meta"):
         decoder = Decoder(decoder_cfg, backend)
-    decoder = decoder.to_empty(device="cpu").to(dtype)
+    if weight_format == "gguf":
+        quantized.install_blocks(decoder, tensors, prefix, lm_head, dtype)
+        decoder_tensors = quantized.DenseView(tensors)
+    decoder = quantized.materialize(decoder, dtype)
     decoder.load(decoder_tensors, prefix, lm_head)
+    if weight_format == "int8":
+        quantized.quantize_int8_decoder(decoder)
+    if weight_format != "none":
+        quantized.calibrate(decoder, dtype)
     decoder = decoder.to(device).eval()
 
     vision, image_token_id = None, None

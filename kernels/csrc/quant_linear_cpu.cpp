@@ -1,0 +1,708 @@
+// Linear layers on weights stored as GGUF blocks (Q4_0, Q5_0, Q8_0, Q4_K, Q6_K), on the CPU.
+// Registered as torch.ops.vlmserve_quant.*; kernels/quant_linear.py builds it on first use.
+//
+// - dequantize: rows of blocks -> float32 (or bfloat16: that float32 rounded to nearest
+//   even), bit-identical to gguf.quants.dequantize: the same float32 operations in the
+//   same order (-ffp-contract=off: no fused multiply-add the source does not write).
+// - linear: out[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) for a few rows of x, as
+//   llama.cpp's CPU backend does it: each row of x quantized once a call to int8 (a float
+//   scale per 32 values for the legacy blocks, Q8_0-style; per 256 with the sums of each
+//   16 for the K-quants, Q8_K-style), then integer dot products per weight block
+//   (int32, exact), scaled and summed in float32 across blocks. Unsigned weight codes
+//   times signed activations: AVX-512 VNNI / AVX-VNNI `dpbusd` (4 products a 32-bit lane),
+//   AVX2 `maddubs` + `madd`, or scalar loops (`isa` picks one at run time, for tests).
+//   Codes stored with an offset (Q4_0's q - 8, Q5_0's q - 16, Q6_K's q - 32) are
+//   multiplied unsigned and the offset times the activation block's sum subtracted in
+//   int32; Q8_0's signed codes take the sign trick (|w| times x with w's sign); Q4_K's
+//   mins come from the activation's per-16 sums. Each thread takes a share of the weight's
+//   rows; each weight block is unpacked once and used for every row of x.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+enum QType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX_VNNI = 2, AVX512_VNNI = 3 };
+
+struct Layout {
+  int64_t block, bytes;  // values a block, bytes a block
+};
+Layout layout(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return {32, 18};
+    case Q5_0: return {32, 22};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q6_K: return {256, 210};
+    default: TORCH_CHECK(false, "quantized linear: unsupported block type ", qtype);
+  }
+}
+inline bool is_k(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K; }
+
+inline float f16(const uint8_t* p) {  // exact
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// Q4_K's 6-bit scales and mins of its 8 sub-blocks, packed in 12 bytes (gguf's
+// Q4_K.get_scale_min).
+inline void k4_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+  }
+}
+
+// -- dequantization: one block -> float32, as gguf's numpy decoders compute it -------------
+
+void dequant_block(int64_t qtype, const uint8_t* b, float* y) {
+  switch (qtype) {
+    case Q4_0: {  // d * (q - 8)
+      const float d = f16(b);
+      for (int j = 0; j < 16; ++j) {
+        y[j] = d * static_cast<float>((b[2 + j] & 15) - 8);
+        y[j + 16] = d * static_cast<float>((b[2 + j] >> 4) - 8);
+      }
+      break;
+    }
+    case Q5_0: {  // d * (q - 16), q's fifth bit from the 32-bit word qh
+      const float d = f16(b);
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      const uint8_t* qs = b + 6;
+      for (int j = 0; j < 16; ++j) {
+        const int lo = (qs[j] & 15) | (((qh >> j) & 1) << 4);
+        const int hi = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        y[j] = d * static_cast<float>(lo - 16);
+        y[j + 16] = d * static_cast<float>(hi - 16);
+      }
+      break;
+    }
+    case Q8_0: {  // q * d
+      const float d = f16(b);
+      for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(static_cast<int8_t>(b[2 + j])) * d;
+      break;
+    }
+    case Q4_K: {  // (d * sc) * q - (dmin * m) per sub-block of 32
+      const float d = f16(b), dmin = f16(b + 2);
+      uint8_t sc[8], mn[8];
+      k4_scales(b + 4, sc, mn);
+      const uint8_t* qs = b + 16;
+      for (int j = 0; j < 8; ++j) {
+        const float ds = d * static_cast<float>(sc[j]);
+        const float dm = dmin * static_cast<float>(mn[j]);
+        const uint8_t* q = qs + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        for (int l = 0; l < 32; ++l) {
+          const float prod = ds * static_cast<float>((q[l] >> shift) & 15);
+          y[32 * j + l] = prod - dm;
+        }
+      }
+      break;
+    }
+    case Q6_K: {  // (d * sc) * (q - 32) per 16, q: 4 low bits from ql, 2 high from qh
+      const uint8_t *ql = b, *qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = f16(b + 208);
+      for (int i = 0; i < 256; ++i) {
+        const int h = i / 128, e = i % 128, k = e / 32;
+        const uint8_t lb = ql[h * 64 + e % 64];
+        const int lo = e < 64 ? (lb & 15) : (lb >> 4);
+        const int hi = (qh[h * 32 + e % 32] >> (2 * k)) & 3;
+        y[i] = (d * static_cast<float>(sc[i / 16])) * static_cast<float>((lo | (hi << 4)) - 32);
+      }
+      break;
+    }
+    default: TORCH_CHECK(false, "unsupported block type ", qtype);
+  }
+}
+
+template <typename T>
+void dequant_rows(T* out, const uint8_t* blocks, int64_t row_bytes, const int64_t* index,
+                  int64_t count, int64_t K, int64_t qtype) {
+  const Layout lay = layout(qtype);
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* src = blocks + (index ? index[r] : r) * row_bytes;
+      float* y = std::is_same_v<T, float> ? reinterpret_cast<float*>(out + r * K) : row.data();
+      for (int64_t b = 0; b < K / lay.block; ++b)
+        dequant_block(qtype, src + b * lay.bytes, y + b * lay.block);
+      if constexpr (!std::is_same_v<T, float>)
+        for (int64_t k = 0; k < K; ++k) out[r * K + k] = T(row[k]);  // round to nearest even
+    }
+  });
+}
+
+void dequantize(const at::Tensor& out, const at::Tensor& blocks, int64_t qtype,
+                const c10::optional<at::Tensor>& rows) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks: contiguous uint8 [rows, bytes]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out: contiguous [rows, in]");
+  const Layout lay = layout(qtype);
+  const int64_t K = out.size(1), count = out.size(0);
+  TORCH_CHECK(K % lay.block == 0 && blocks.size(1) == K / lay.block * lay.bytes,
+              "blocks do not hold rows of ", K, " values");
+  const int64_t* index = nullptr;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() &&
+                    rows->numel() == count, "rows: contiguous int64, one per output row");
+    index = rows->data_ptr<int64_t>();
+    for (int64_t r = 0; r < count; ++r)
+      TORCH_CHECK(index[r] >= 0 && index[r] < blocks.size(0), "row index out of range");
+  } else {
+    TORCH_CHECK(count == blocks.size(0), "out: one row per weight row");
+  }
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  if (out.scalar_type() == at::kFloat)
+    dequant_rows(out.data_ptr<float>(), src, blocks.size(1), index, count, K, qtype);
+  else if (out.scalar_type() == at::kBFloat16)
+    dequant_rows(out.data_ptr<at::BFloat16>(), src, blocks.size(1), index, count, K, qtype);
+  else
+    TORCH_CHECK(false, "dequantize: float32 or bfloat16 out");
+}
+
+// -- the activations, quantized once a call -------------------------------------------------
+
+// x's rows as int8 with a float32 scale per `group` values (32, or 256 for the K-quants)
+// and, per 16 values, their sum times `offset` (the legacy blocks' weight offset: Q4_0 8,
+// Q5_0 16, Q8_0 0, folded into the block's integer sum) or, for the K-quants, their sum.
+struct QuantRows {
+  int64_t M, K, group;
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> scale;   // [M, K / group]
+  std::vector<int32_t> sums;  // [M, K / 16] (K-quants) or [M, K / 32] (offset * sum)
+  std::vector<int16_t> sums16;  // K-quants: the same sums as int16 (|sum| <= 16 * 127)
+  // The legacy blocks: per block 8 int32 lanes, the first -offset * sum (the unsigned
+  // codes' offset: Q4_0 8, Q5_0 16, Q8_0 128 as w + 128), the others 0: the integer dot
+  // product's starting value (one load); and 8 lanes of the block's scale (a vector operand).
+  std::vector<int32_t> start;
+  std::vector<float> scale8;
+};
+
+template <typename T>
+QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qtype) {
+  const bool k = is_k(qtype);
+  const int64_t group = k ? 256 : 32;
+  const int32_t offset = qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : 0;
+  QuantRows r{M, K, group, std::vector<int8_t>(M * K), std::vector<float>(M * K / group),
+              std::vector<int32_t>(M * K / (k ? 16 : 32)), std::vector<int16_t>(k ? M * K / 16 : 0),
+              std::vector<int32_t>(k ? 0 : M * K / 32 * 8), std::vector<float>(k ? 0 : M * K / 32 * 8)};
+  const int32_t start_offset = qtype == Q8_0 ? 128 : offset;
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(group);
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t g = 0; g < K / group; ++g) {
+        float amax = 0.f;
+        for (int64_t i = 0; i < group; ++i) {
+          v[i] = static_cast<float>(x[m * xs + g * group + i]);
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        r.scale[m * (K / group) + g] = d;
+        int8_t* q = r.q.data() + m * K + g * group;
+        for (int64_t i = 0; i < group; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * id));
+        for (int64_t s = 0; s < group / 16; ++s) {
+          int32_t sum = 0;
+          for (int i = 0; i < 16; ++i) sum += q[16 * s + i];
+          if (k) r.sums[m * (K / 16) + g * 16 + s] = sum, r.sums16[m * (K / 16) + g * 16 + s] = sum;
+          else r.sums[m * (K / 32) + g] += offset * sum;  // zeroed at construction
+        }
+        if (!k) {
+          int32_t sum = 0;
+          for (int i = 0; i < 32; ++i) sum += q[i];
+          r.start[(m * (K / 32) + g) * 8] = -start_offset * sum;
+          for (int i = 0; i < 8; ++i) r.scale8[(m * (K / 32) + g) * 8 + i] = d;
+        }
+      }
+  });
+  return r;
+}
+
+// -- the integer dot products ----------------------------------------------------------------
+
+constexpr int64_t kRowChunk = 32;  // rows of x a pass over a weight row (their sums on the stack)
+constexpr int64_t kRegRows = 4;    // rows of x whose accumulators stay in registers
+
+int64_t best_isa() {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return AVX512_VNNI;
+#elif defined(__AVXVNNI__)
+  return AVX_VNNI;
+#elif defined(__AVX2__)
+  return AVX2;
+#else
+  return SCALAR;
+#endif
+}
+
+// Whether this build has the int-dot path `isa` (AVX-VNNI, say, only where -march=native
+// found it); an `isa` it lacks runs the best one below it.
+bool has_isa(int64_t isa) {
+  if (isa == AVX_VNNI) {
+#if defined(__AVXVNNI__)
+    return true;
+#else
+    return false;
+#endif
+  }
+  return isa >= SCALAR && isa <= best_isa();
+}
+
+// A block's weight codes as stored, unsigned (Q8_0: signed), 32 or 256 of them.
+void codes(int64_t qtype, const uint8_t* b, int32_t* q) {
+  switch (qtype) {
+    case Q4_0:
+      for (int j = 0; j < 16; ++j) q[j] = b[2 + j] & 15, q[j + 16] = b[2 + j] >> 4;
+      break;
+    case Q5_0: {
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      for (int j = 0; j < 16; ++j) {
+        q[j] = (b[6 + j] & 15) | (((qh >> j) & 1) << 4);
+        q[j + 16] = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      }
+      break;
+    }
+    case Q8_0:
+      for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(b[2 + j]);
+      break;
+    case Q4_K:
+      for (int j = 0; j < 8; ++j)
+        for (int l = 0; l < 32; ++l) q[32 * j + l] = (b[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+      break;
+    case Q6_K:
+      for (int i = 0; i < 256; ++i) {
+        const int h = i / 128, e = i % 128;
+        const uint8_t lb = b[h * 64 + e % 64];
+        const int hi = (b[128 + h * 32 + e % 32] >> (2 * (e / 32))) & 3;
+        q[i] = (e < 64 ? (lb & 15) : (lb >> 4)) | (hi << 4);
+      }
+      break;
+  }
+}
+
+// The scalar loops: rows [m0, m0 + rows) of xq against one weight row, into sums.
+void dot_row_scalar(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq,
+                    int64_t m0, int64_t rows, float* sums) {
+  const Layout lay = layout(qtype);
+  const int64_t nb = K / lay.block;
+  int32_t q[256];
+  for (int64_t r = 0; r < rows; ++r) sums[r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * lay.bytes;
+    codes(qtype, blk, q);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* x = xq.q.data() + m * K + b * lay.block;
+      const float dx = xq.scale[m * nb + b];
+      if (qtype == Q4_K) {
+        uint8_t sc[8], mn[8];
+        k4_scales(blk + 4, sc, mn);
+        const int32_t* bs = xq.sums.data() + m * (K / 16) + b * 16;
+        int32_t isum = 0, msum = 0;
+        for (int j = 0; j < 8; ++j) {
+          int32_t s = 0;
+          for (int l = 0; l < 32; ++l) s += q[32 * j + l] * x[32 * j + l];
+          isum += sc[j] * s;
+          msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+        }
+        sums[r] += (f16(blk) * dx) * static_cast<float>(isum) -
+                   (f16(blk + 2) * dx) * static_cast<float>(msum);
+      } else if (qtype == Q6_K) {
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const int32_t* bs = xq.sums.data() + m * (K / 16) + b * 16;
+        int32_t isum = 0;
+        for (int s = 0; s < 16; ++s) {
+          int32_t t = 0;
+          for (int l = 0; l < 16; ++l) t += q[16 * s + l] * x[16 * s + l];
+          isum += sc[s] * (t - 32 * bs[s]);
+        }
+        sums[r] += (f16(blk + 208) * dx) * static_cast<float>(isum);
+      } else {
+        int32_t isum = -xq.sums[m * nb + b];
+        for (int l = 0; l < 32; ++l) isum += q[l] * x[l];
+        sums[r] += (f16(blk) * dx) * static_cast<float>(isum);
+      }
+    }
+  }
+}
+
+#if defined(__AVX2__)
+
+// acc + the sums of each 4 products u * s (u unsigned, s signed bytes), a 32-bit lane each.
+template <int64_t ISA>
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  if constexpr (ISA == AVX512_VNNI) return _mm256_dpbusd_epi32(acc, u, s);
+#endif
+#if defined(__AVXVNNI__)
+  if constexpr (ISA == AVX_VNNI) return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // no saturation: |u| <= 128, |s| <= 127
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// acc + the sums of each 2 products of 16-bit lanes a * b.
+template <int64_t ISA>
+inline __m256i dpwssd(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  if constexpr (ISA == AVX512_VNNI) return _mm256_dpwssd_epi32(acc, a, b);
+#endif
+#if defined(__AVXVNNI__)
+  if constexpr (ISA == AVX_VNNI) return _mm256_dpwssd_avx_epi32(acc, a, b);
+#endif
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+}
+
+inline __m256 fmadd(__m256 a, __m256 b, __m256 c) {
+#if defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return _mm256_add_ps(_mm256_mul_ps(a, b), c);
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// 16 bytes of nibble pairs -> 32 bytes: the low nibbles, then the high ones.
+inline __m256i nibbles32(const uint8_t* p) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i shifted = _mm256_srlv_epi16(both, _mm256_setr_epi64x(0, 0, 0x0004000400040004, 0x0004000400040004));
+  return _mm256_and_si256(shifted, _mm256_set1_epi8(15));
+#else
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+#endif
+}
+
+// codes | 16 in the bytes j where bit j of the 32-bit word at p is set (Q5_0's fifth bits).
+inline __m256i with_fifth_bits(__m256i codes, const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_mask_add_epi8(codes, static_cast<__mmask32>(bits), codes, _mm256_set1_epi8(16));
+#else
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i all_but = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // byte i: all bits but i
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, all_but), _mm256_set1_epi64x(-1));
+  return _mm256_or_si256(codes, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
+}
+
+template <int64_t ISA, int R>
+void dot_row_legacy(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq, int64_t m0,
+                    float* sums) {
+  const int64_t nb = K / 32, bytes = layout(qtype).bytes;
+  __m256 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bytes;
+    const float d = f16(blk);
+    if (qtype == Q8_0) {  // signed codes: |w| times x with w's sign
+      const __m256i signs = load32(blk + 2);
+      const __m256i u = _mm256_abs_epi8(signs);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m256i x = _mm256_sign_epi8(load32(xq.q.data() + m * K + b * 32), signs);
+        const __m256i dot = dpbusd<ISA>(_mm256_setzero_si256(), u, x);
+        acc[r] = fmadd(_mm256_set1_ps(d * xq.scale[m * nb + b]), _mm256_cvtepi32_ps(dot), acc[r]);
+      }
+      continue;
+    }
+    // Q4_0 / Q5_0: the unsigned codes; the offset times x's sum starts the integer sum
+    const __m256i u = qtype == Q4_0 ? nibbles32(blk + 2) : with_fifth_bits(nibbles32(blk + 6), blk + 2);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const __m256i x = load32(xq.q.data() + m * K + b * 32);
+      const __m256i dot = dpbusd<ISA>(load32(xq.start.data() + (m * nb + b) * 8), u, x);
+      acc[r] = fmadd(_mm256_set1_ps(d * xq.scale[m * nb + b]), _mm256_cvtepi32_ps(dot), acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) sums[r] = hsum(acc[r]);
+}
+
+// Q4_K's 8 scales (bytes 0-7) and 8 mins (bytes 8-15) from its 12 packed bytes (as
+// k4_scales, on 32-bit words).
+inline void k4_scales_words(const uint8_t* s, uint32_t* out) {
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  out[0] = u[0] & k1;
+  out[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  out[2] = u[1] & k1;
+  out[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+}
+
+template <int64_t ISA, int R>
+void dot_row_k(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq, int64_t m0,
+               float* sums) {
+  const int64_t nb = K / 256, bytes = layout(qtype).bytes;
+  const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+  __m256 acc[R], mins[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = _mm256_setzero_ps();
+  alignas(32) int16_t sc16[16];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bytes;
+    __m256i u[8], scale[8];  // 8 groups of 32 codes (unsigned), their 16-bit scales
+    __m256i mins16 = _mm256_setzero_si256(), sc_all = _mm256_setzero_si256();
+    float d, dmin = 0.f;
+    if (qtype == Q4_K) {
+      d = f16(blk), dmin = f16(blk + 2);
+      alignas(16) uint32_t words[4];
+      k4_scales_words(blk + 4, words);
+      const __m128i both = _mm_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<__m128i*>(words)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(sc16), both);  // the 8 scales
+      const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<__m128i*>(words + 2)));
+      // each min twice: it scales two of x's 16-sums
+      mins16 = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
+      for (int c = 0; c < 4; ++c) {
+        const __m256i q = load32(blk + 16 + 32 * c);
+        u[2 * c] = _mm256_and_si256(q, low);
+        u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+      }
+      for (int j = 0; j < 8; ++j) scale[j] = _mm256_set1_epi16(sc16[j]);
+    } else {  // Q6_K: 4 low bits from ql, 2 high ones from qh; a signed scale per 16
+      d = f16(blk + 208);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = load32(blk + 64 * h), l1 = load32(blk + 64 * h + 32);
+        const __m256i hb = load32(blk + 128 + 32 * h);
+        const __m256i lows[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                                 _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                 _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+        for (int k = 0; k < 4; ++k) {
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * k), two);
+          u[4 * h + k] = _mm256_or_si256(lows[k], _mm256_slli_epi16(high, 4));
+        }
+      }
+      sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(sc16), sc_all);
+      for (int g = 0; g < 8; ++g)
+        scale[g] = _mm256_set_m128i(_mm_set1_epi16(sc16[2 * g + 1]), _mm_set1_epi16(sc16[2 * g]));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* x = xq.q.data() + m * K + b * 256;
+      const __m256i bs = load32(xq.sums16.data() + m * (K / 16) + b * 16);  // x's 16-sums
+      const float dx = xq.scale[m * nb + b];
+      __m256i isum = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g)
+        isum = dpwssd<ISA>(isum, _mm256_maddubs_epi16(u[g], load32(x + 32 * g)), scale[g]);
+      if (qtype == Q6_K)  // the codes' offset: 32 * sum_s sc_s * (x's sum s)
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bs), 5));
+      acc[r] = fmadd(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum), acc[r]);
+      if (qtype == Q4_K)
+        mins[r] = fmadd(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(_mm256_madd_epi16(mins16, bs)),
+                        mins[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) sums[r] = hsum(_mm256_sub_ps(acc[r], mins[r]));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The legacy blocks two at a time in 512-bit vectors (AVX-512 VNNI): unsigned codes (Q8_0's
+// as w + 128), the offsets' sums as the dot product's start, the scales as vectors.
+inline __m256i legacy_codes(int64_t qtype, const uint8_t* blk) {
+  if (qtype == Q4_0) return nibbles32(blk + 2);
+  if (qtype == Q5_0) return with_fifth_bits(nibbles32(blk + 6), blk + 2);
+  return _mm256_xor_si256(load32(blk + 2), _mm256_set1_epi8(static_cast<char>(0x80)));
+}
+
+template <int R>
+void dot_row_legacy512(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq,
+                       int64_t m0, float* sums) {
+  const int64_t nb = K / 32, bytes = layout(qtype).bytes;
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 2) {
+    const bool pair = b + 1 < nb;
+    const uint8_t* blk = w + b * bytes;
+    const __m256i u0 = legacy_codes(qtype, blk);
+    const __m256i u1 = pair ? legacy_codes(qtype, blk + bytes) : _mm256_setzero_si256();
+    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(u0), u1, 1);
+    const float d1 = pair ? f16(blk + bytes) : 0.f;
+    const __m512 dv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(f16(blk))),
+                                         _mm256_set1_ps(d1), 1);
+    const __mmask16 lanes = pair ? 0xFFFF : 0x00FF;  // a last odd block: its half only
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * nb + b;
+      const __m512i x = _mm512_maskz_loadu_epi32(lanes, xq.q.data() + i * 32);
+      const __m512i start = _mm512_maskz_loadu_epi32(lanes, xq.start.data() + i * 8);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, u, x));
+      const __m512 dx = _mm512_maskz_loadu_ps(lanes, xq.scale8.data() + i * 8);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dv), dx, acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// f(std::integral_constant<int, n>) for a runtime 1 <= n <= 4.
+template <typename F>
+inline void vlmserve_with_rows(int64_t n, F&& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+#endif
+
+template <int64_t ISA>
+void dot_row_isa(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq, int64_t m0,
+                 int64_t rows, float* sums) {
+  for (; rows > 0; m0 += kRegRows, rows -= kRegRows, sums += kRegRows) {
+    const bool k = is_k(qtype);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if constexpr (ISA == AVX512_VNNI) {
+      if (!k) {
+        vlmserve_with_rows(std::min<int64_t>(rows, kRegRows), [&](auto n) {
+          dot_row_legacy512<decltype(n)::value>(qtype, w, K, xq, m0, sums);
+        });
+        continue;
+      }
+    }
+#endif
+    switch (std::min<int64_t>(rows, kRegRows)) {
+      case 1: k ? dot_row_k<ISA, 1>(qtype, w, K, xq, m0, sums)
+                : dot_row_legacy<ISA, 1>(qtype, w, K, xq, m0, sums); break;
+      case 2: k ? dot_row_k<ISA, 2>(qtype, w, K, xq, m0, sums)
+                : dot_row_legacy<ISA, 2>(qtype, w, K, xq, m0, sums); break;
+      case 3: k ? dot_row_k<ISA, 3>(qtype, w, K, xq, m0, sums)
+                : dot_row_legacy<ISA, 3>(qtype, w, K, xq, m0, sums); break;
+      default: k ? dot_row_k<ISA, 4>(qtype, w, K, xq, m0, sums)
+                 : dot_row_legacy<ISA, 4>(qtype, w, K, xq, m0, sums);
+    }
+  }
+}
+#endif
+
+// Rows [m0, m0 + rows) of xq against one weight row w (K values), with instruction set isa.
+inline void dot_row(int64_t isa, int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq,
+                    int64_t m0, int64_t rows, float* sums) {
+#if defined(__AVX2__)
+  switch (isa) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    case AVX512_VNNI: return dot_row_isa<AVX512_VNNI>(qtype, w, K, xq, m0, rows, sums);
+#endif
+#if defined(__AVXVNNI__)
+    case AVX_VNNI: return dot_row_isa<AVX_VNNI>(qtype, w, K, xq, m0, rows, sums);
+#endif
+    case SCALAR: return dot_row_scalar(qtype, w, K, xq, m0, rows, sums);
+    default: return dot_row_isa<AVX2>(qtype, w, K, xq, m0, rows, sums);
+  }
+#else
+  dot_row_scalar(qtype, w, K, xq, m0, rows, sums);
+#endif
+}
+
+template <typename T, typename O>
+void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uint8_t* w,
+                int64_t N, int64_t K, int64_t qtype, const T* bias, int64_t isa) {
+  const QuantRows xq = quantize_rows(x, xs, M, K, qtype);
+  const Layout lay = layout(qtype);
+  const int64_t row_bytes = K / lay.block * lay.bytes;
+  const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    float sums[kRowChunk];
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+        const int64_t rows = std::min<int64_t>(kRowChunk, M - m0);
+        dot_row(isa, qtype, w + n * row_bytes, K, xq, m0, rows, sums);
+        const float b = bias ? static_cast<float>(bias[n]) : 0.f;
+        for (int64_t r = 0; r < rows; ++r) out[(m0 + r) * os + n] = O(sums[r] + b);
+      }
+  });
+}
+
+void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
+            const c10::optional<at::Tensor>& bias, int64_t isa) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quantized linear: float32 or "
+              "bfloat16 x, not ", dtype);
+  TORCH_CHECK(out.scalar_type() == dtype || out.scalar_type() == at::kFloat,
+              "quantized linear: out in x's dtype or float32");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
+              "quantized linear: [rows, width] tensors with dense rows");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks: contiguous uint8 [out, bytes]");
+  const Layout lay = layout(qtype);
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  TORCH_CHECK(K % lay.block == 0 && blocks.size(1) == K / lay.block * lay.bytes,
+              "blocks do not hold rows of ", K, " values");
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [rows, out]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == dtype,
+                "bias: [out] in x's dtype");
+  isa = std::min<int64_t>(isa, best_isa());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  if (M == 0 || N == 0) return;
+  if (dtype == at::kFloat) {
+    const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    run_linear(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0), M, w, N,
+               K, qtype, b, isa);
+  } else {
+    using bf16 = at::BFloat16;
+    const bf16* b = bias.has_value() ? bias->data_ptr<bf16>() : nullptr;
+    if (out.scalar_type() == at::kFloat)
+      run_linear(out.data_ptr<float>(), out.stride(0), x.data_ptr<bf16>(), x.stride(0), M, w, N,
+                 K, qtype, b, isa);
+    else
+      run_linear(out.data_ptr<bf16>(), out.stride(0), x.data_ptr<bf16>(), x.stride(0), M, w, N,
+                 K, qtype, b, isa);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vlmserve_quant, m) {
+  m.def("best_isa() -> int", &best_isa);
+  m.def("has_isa(int isa) -> bool", &has_isa);
+  m.def("dequantize(Tensor(a!) out, Tensor blocks, int qtype, Tensor? rows) -> ()");
+  m.def("linear(Tensor(a!) out, Tensor x, Tensor blocks, int qtype, Tensor? bias, int isa) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(vlmserve_quant, CPU, m) {
+  m.impl("dequantize", &dequantize);
+  m.impl("linear", &linear);
+}

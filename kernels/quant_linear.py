@@ -1,0 +1,353 @@
+"""Linear layers and embeddings run from quantized weights as stored: GGUF's legacy blocks
+(Q4_0, Q5_0, Q8_0) and K-quants (Q4_K, Q6_K), and our `--quantization int8` (weight-only
+int8 with a scale per 32 weights, in the Q8_0 block layout, so the same kernels run it).
+
+No dequantized copy of a weight is kept. Two paths (kernels/csrc/quant_linear_cpu.cpp):
+- small batches (decode: a few rows), as llama.cpp does it: each activation row quantized
+  to int8 once a call (per 32 for the legacy blocks, per 256 with per-16 sums for the
+  K-quants), then integer dot products per weight block (AVX-512 VNNI / AVX-VNNI
+  `dpbusd`, AVX2 `maddubs`, or scalar), float32 across blocks; each weight block read once
+  a call for all the rows (the legacy blocks two a 512-bit vector on AVX-512 VNNI). The int8
+  activations cost at most 9e-3 relative error (norm-wise) against the float64 matmul on
+  the dequantized weight (measured in tests/kernels/test_quant_linear.py, bound 2e-2);
+- larger batches: tiles of weight rows dequantized into a scratch buffer, each multiplied
+  into its output columns by the skinny bfloat16 / float32 kernel (kernels/packed_linear.py)
+  up to the rows calibrated for it, by torch's GEMM (oneDNN / MKL) above them.
+The rows from which the second takes over are measured per block type, dtype and shape on
+the CPU that runs it, at first use (kernels/calibration.py), never a constant.
+
+Dequantization (the embedding's rows, the tiles, the tests) is float32 bit-identical to
+`gguf.quants.dequantize` (the same float32 operations in the same order); bfloat16 is
+that float32 rounded. Without a C++ compiler both paths fall back to `gguf`'s numpy
+decoders and torch's GEMM (slow, correct).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+from kernels import calibration, cpu_build
+from kernels.packed_linear import skinny_linear, skinny_max_rows
+
+__all__ = [
+    "SUPPORTED_QTYPES", "QuantEmbedding", "QuantLinear", "QuantWeight", "kernel_available",
+    "quantize_int8",
+]  # fmt: skip
+
+Q = GGMLQuantizationType
+SUPPORTED_QTYPES: frozenset[int] = frozenset(
+    int(t) for t in (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)
+)
+KQUANTS = frozenset(int(t) for t in (Q.Q4_K, Q.Q6_K))
+# The instruction sets the int-dot kernel can be told to use (`isa`): the best this build
+# has, or a fallback forced (tests, benchmarks).
+ISA = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3}
+Path = Literal["auto", "int_dot", "tile"]
+# Weight rows a dequantized tile holds at most (the scratch stays within ~L2 in bfloat16).
+TILE_BYTES = 1 << 20
+# Calibration: the rows the two paths are timed at, and how much of the weight (dequantized
+# bytes) is measured (kernels/packed_linear.py's ladders, the same protocol).
+LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
+MEASURE_BYTES = 8 << 20
+
+
+def qtype_name(qtype: int) -> str:
+    return Q(qtype).name
+
+
+@functools.cache
+def kernel_available() -> str | None:
+    """None when the C++ kernels are built and loaded here; otherwise why not."""
+    return cpu_build.load("quant_linear_cpu")
+
+
+def best_isa() -> int:
+    """The int-dot instruction set the built kernel uses by default (an `ISA` value)."""
+    return int(torch.ops.vlmserve_quant.best_isa()) if kernel_available() is None else 0
+
+
+@dataclass
+class QuantWeight:
+    """One [out_features, in_features] weight stored as GGUF blocks, row by row."""
+
+    blocks: torch.Tensor  # uint8 [out_features, bytes per row], contiguous, owned
+    qtype: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in SUPPORTED_QTYPES:
+            names = ", ".join(sorted(qtype_name(t) for t in SUPPORTED_QTYPES))
+            raise ValueError(
+                f"quantization type {qtype_name(self.qtype)} is not supported by the quantized "
+                f"kernels (supported: {names}); use --quantization none to dequantize it"
+            )
+        block, block_bytes = GGML_QUANT_SIZES[Q(self.qtype)]
+        if self.in_features % block:
+            raise ValueError(f"in_features {self.in_features} is not a multiple of {block}")
+        expected = self.in_features // block * block_bytes
+        assert self.blocks.dtype == torch.uint8 and self.blocks.dim() == 2, "uint8 [rows, bytes]"
+        assert self.blocks.shape[1] == expected, f"{self.blocks.shape[1]} bytes, not {expected}"
+        assert self.blocks.is_contiguous(), "blocks: contiguous"
+
+    @property
+    def out_features(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def bits_per_weight(self) -> float:
+        block, block_bytes = GGML_QUANT_SIZES[Q(self.qtype)]
+        return 8 * block_bytes / block
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> QuantWeight:
+        """A copy of a GGUF tensor's stored bytes (`GGUFFile.raw`'s read-only view) of
+        `shape` (out, in); refuses a type the kernels do not run."""
+        if int(qtype) not in SUPPORTED_QTYPES:
+            cls(torch.empty(0, 0, dtype=torch.uint8), int(qtype), 0)  # raises, naming them
+        rows, in_features = shape
+        blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).reshape(rows, -1)
+        return cls(blocks.contiguous(), int(qtype), int(in_features))
+
+    def select_rows(self, index: torch.Tensor) -> QuantWeight:
+        """The rows `index` (a subset or a permutation), as a new weight."""
+        return QuantWeight(self.blocks.index_select(0, index.long()), self.qtype, self.in_features)
+
+    def dequantize(
+        self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The rows `rows` (all: None) as [len(rows) or out, in] in `dtype`: float32
+        bit-identical to gguf.quants.dequantize; bfloat16 that rounded."""
+        count = self.out_features if rows is None else rows.numel()
+        if kernel_available() is None and dtype in (torch.float32, torch.bfloat16):
+            out = torch.empty(count, self.in_features, dtype=dtype)
+            index = None if rows is None else rows.reshape(-1).long().contiguous()
+            torch.ops.vlmserve_quant.dequantize(out, self.blocks, self.qtype, index)
+            return out
+        blocks = self.blocks if rows is None else self.blocks[rows.reshape(-1).long()]
+        return dequantize_reference(blocks, self.qtype).to(dtype)
+
+
+def dequantize_reference(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """gguf's numpy decoder: float32 [rows, in] (the fallback without the C++ kernels)."""
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(blocks.numpy(), Q(qtype)).copy())
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantWeight:
+    """`--quantization int8`: `weight` [out, in] (in a multiple of 32) as int8 with one
+    float16 scale per 32 weights, in the Q8_0 block layout; the bytes gguf.quants.quantize
+    writes for Q8_0 (scale amax / 127; values x / scale rounded half away from zero)."""
+    out_features, in_features = weight.shape
+    if in_features % 32:
+        raise ValueError(f"int8 quantization needs in_features a multiple of 32, not {in_features}")
+    blocks = weight.detach().float().reshape(out_features, in_features // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127  # float32, as numpy computes it
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    scaled = blocks * inverse
+    magnitude = scaled.abs()
+    whole = magnitude.trunc()
+    rounded = (whole + (magnitude - whole >= 0.5).float()).copysign(scaled)
+    values = rounded.to(torch.int8).view(torch.uint8)
+    scale16 = scale.to(torch.float16).view(torch.uint8)  # [out, in / 32, 2]
+    packed = torch.cat([scale16, values], dim=-1).reshape(out_features, -1)
+    return QuantWeight(packed.contiguous(), int(Q.Q8_0), in_features)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def int_dot_max_rows(qtype: int, dtype: torch.dtype, in_features: int, out_features: int) -> int:
+    """The most rows the int-dot kernel takes for this weight in `dtype` (the dequant-tile
+    GEMM above), calibrated on this CPU at that shape; 0 where the kernel is unavailable."""
+    if kernel_available() is not None:
+        return 0
+    out_m = max(1, min(out_features, MEASURE_BYTES // (in_features * dtype.itemsize)))
+    name = f"quant_int_dot_max_rows/{qtype_name(qtype)}/{_dtype_name(dtype)}/{in_features}x{out_m}"
+    return calibration.calibrated(
+        name,
+        lambda: _measure(qtype, dtype, in_features, out_m),
+        lambda m: calibration.decide_max_rows(m, "int_dot", "tile"),
+    )
+
+
+def random_weight(qtype: int, out_features: int, in_features: int, seed: int = 0) -> QuantWeight:
+    """A weight of random blocks (finite, moderate scales): calibration and benchmarks."""
+    from gguf.quants import quantize
+
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    if qtype in KQUANTS:  # gguf cannot quantize these: random bytes, scales set below
+        block, block_bytes = GGML_QUANT_SIZES[Q(qtype)]
+        nblocks = in_features // block
+        raw = torch.randint(0, 256, (out_features, nblocks, block_bytes), generator=gen)
+        raw = raw.to(torch.uint8)
+        scale = torch.full((out_features, nblocks, 1), 2e-3 / in_features**0.5)
+        scale16 = scale.to(torch.float16).view(torch.uint8).reshape(out_features, nblocks, 2)
+        if qtype == Q.Q6_K:
+            raw[..., 208:210] = scale16
+        else:  # Q4_K: d and dmin
+            raw[..., 0:2] = scale16
+            raw[..., 2:4] = scale16
+        blocks = raw.reshape(out_features, -1).contiguous()
+        return QuantWeight(blocks, int(qtype), in_features)
+    raw = quantize(dense.numpy(), Q(qtype))
+    return QuantWeight(torch.from_numpy(raw.copy()), int(qtype), in_features)
+
+
+def _measure(qtype: int, dtype: torch.dtype, in_features: int, out_features: int):
+    weight = random_weight(qtype, out_features, in_features)
+    layer = QuantLinear([weight])
+    gen = torch.Generator().manual_seed(1)
+    measured, losses = [], 0
+    for rows in LADDER:
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        seconds = calibration.time_paths({
+            "int_dot": lambda x=x: layer.run(x, dtype, "int_dot"),
+            "tile": lambda x=x: layer.run(x, dtype, "tile"),
+        })  # fmt: skip
+        measured.append({"rows": rows, **seconds})
+        losses = losses + 1 if seconds["int_dot"] > calibration.MARGIN * seconds["tile"] else 0
+        if losses == 2:  # larger batches only widen the gap
+            break
+    return measured
+
+
+class QuantLinear(nn.Module):
+    """x @ W.T (+ bias) with W stored quantized: `parts` are row segments stacked along
+    out (a fused q|k|v or gate|up projection, each part its own block type), all with
+    the same in_features. x: float32 or bfloat16, any leading dims."""
+
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if not parts:
+            raise ValueError("QuantLinear needs at least one part")
+        self.in_features = parts[0].in_features
+        if any(p.in_features != self.in_features for p in parts):
+            raise ValueError("QuantLinear parts must share in_features")
+        self.parts = list(parts)
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = bias
+        self.path: Path = "auto"  # "int_dot" / "tile": forced (tests, benchmarks)
+        self.isa: int | None = None  # None: the best this build has
+        self._max_rows: dict[torch.dtype, list[int]] = {}  # calibrated, per dtype
+        self._isa: int | None = None
+        self._biases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        ends = np.cumsum([p.out_features for p in parts]).tolist()
+        self._spans = [(p, end - p.out_features, end) for p, end in zip(parts, ends, strict=True)]
+
+    def max_rows(self, dtype: torch.dtype) -> list[int]:
+        """Per part, the most rows the int-dot kernel takes in `dtype` (calibrated)."""
+        if dtype not in self._max_rows:
+            self._max_rows[dtype] = [
+                int_dot_max_rows(p.qtype, dtype, p.in_features, p.out_features)
+                for p in self.parts
+            ]  # fmt: skip
+        return self._max_rows[dtype]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x, x.dtype, self.path)
+
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """As forward, float32 out, never rounded to bfloat16 (the LM head's logits)."""
+        return self.run(x, torch.float32, self.path)
+
+    def run(self, x: torch.Tensor, out_dtype: torch.dtype, path: Path = "auto") -> torch.Tensor:
+        """x @ W.T + bias in `out_dtype` by `path` ("auto": as calibrated)."""
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"QuantLinear runs float32 or bfloat16 inputs, not {x.dtype}")
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        num_rows = rows.shape[0]
+        out = torch.empty(num_rows, self.out_features, dtype=out_dtype)
+        limits = self.max_rows(x.dtype) if path == "auto" else None
+        int_dot = kernel_available() is None
+        isa = self._best_isa() if self.isa is None else self.isa
+        single = len(self.parts) == 1
+        for i, (part, start, end) in enumerate(self._spans):
+            bias = self._bias(i, x.dtype)
+            target = out if single else out[:, start:end]
+            if int_dot and (path == "int_dot" or (limits is not None and num_rows <= limits[i])):
+                torch.ops.vlmserve_quant.linear(target, rows, part.blocks, part.qtype, bias, isa)
+            else:
+                _tile_linear(target, rows, part, bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _best_isa(self) -> int:
+        if self._isa is None:
+            self._isa = best_isa()
+        return self._isa
+
+    def _bias(self, part: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Part `part`'s bias in `dtype` (made once)."""
+        if self.bias is None:
+            return None
+        key = (part, dtype)
+        if key not in self._biases:
+            _, start, end = self._spans[part]
+            self._biases[key] = self.bias[start:end].to(dtype).contiguous()
+        return self._biases[key]
+
+    def describe(self) -> str:
+        """The block types, bits a weight, and the paths with their calibrated crossover."""
+        types = "+".join(qtype_name(p.qtype) for p in self.parts)
+        total_bits = sum(p.bits_per_weight * p.out_features for p in self.parts)
+        bits = total_bits / self.out_features
+        if kernel_available() is not None:
+            return f"{types} {bits:.2g} bits/weight, dequant-tile GEMM (no C++ kernel)"
+        limits = sorted(set(self.max_rows(torch.bfloat16)))
+        shown = "/".join(str(n) for n in limits)
+        return (
+            f"{types} {bits:.3g} bits/weight, int-dot up to {shown} rows (calibrated, "
+            f"bfloat16), then dequant-tile GEMM"
+        )
+
+
+def _tile_linear(
+    out: torch.Tensor, x: torch.Tensor, part: QuantWeight, bias: torch.Tensor | None
+) -> None:
+    """out = x @ part.T + bias, a tile of weight rows dequantized at a time into a scratch
+    buffer, each multiplied by the engine's skinny kernel up to the rows calibrated for it
+    at the tile's shape (tile in x's dtype; float32 out: the float32 sums as they are),
+    above them by torch's GEMM (tile in out's dtype: float32 out is never rounded)."""
+    tile_rows = min(part.out_features, max(16, TILE_BYTES // (part.in_features * 2)))
+    skinny = x.shape[0] <= skinny_max_rows(x.dtype, part.in_features, tile_rows)
+    dtype = x.dtype if skinny else out.dtype
+    xs = x if x.dtype == dtype else x.to(dtype)
+    scratch = torch.empty(tile_rows, part.in_features, dtype=dtype)
+    native = kernel_available() is None
+    for start in range(0, part.out_features, tile_rows):
+        end = min(part.out_features, start + tile_rows)
+        if native:  # into the scratch buffer, reused tile after tile
+            weight = scratch[: end - start]
+            torch.ops.vlmserve_quant.dequantize(weight, part.blocks[start:end], part.qtype, None)
+        else:
+            weight = dequantize_reference(part.blocks[start:end], part.qtype).to(dtype)
+        b = None if bias is None else bias[start:end].to(dtype)
+        if skinny:
+            out[:, start:end] = skinny_linear(xs, weight, b, out.dtype)
+        else:
+            out[:, start:end] = F.linear(xs, weight, b)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table stored quantized: a lookup decodes only the asked rows."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight_q.dequantize(ids.reshape(-1), self.dtype)
+        return rows.view(*ids.shape, self.weight_q.in_features)

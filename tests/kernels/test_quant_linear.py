@@ -1,0 +1,225 @@
+"""Quantized weights (kernels/quant_linear.py, csrc/quant_linear_cpu.cpp) against the `gguf`
+package's own decoders and a float64 matmul on the dequantized weight."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from kernels import quant_linear as ql
+from kernels.quant_linear import ISA, QuantEmbedding, QuantLinear, QuantWeight, quantize_int8
+
+Q = GGMLQuantizationType
+TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+REAL = Path.home() / ".cache" / "vlmserve" / "real" / "gemma-3-270m-q4_k_m.gguf"
+# Relative error (Frobenius norm of the difference over the reference's) measured at these
+# shapes, every block type, rows 1-300: the int-dot path (activations quantized to int8 per
+# 32 or 256 values) at most 9.0e-3, float32 or bfloat16 x alike (x is rounded before the
+# reference sees it); the tile path 2.4e-7 in float32, 2.9e-3 in bfloat16 (bfloat16-rounded
+# weights, bfloat16 out). Bounds with margin:
+INT_DOT_BOUND = 2e-2
+TILE_BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def needs_kernel():
+    """Built on first use, when a test needs it, never at collection."""
+    if (why := ql.kernel_available()) is not None:
+        pytest.skip(f"quantized kernels unavailable: {why}")
+
+
+def random_blocks(qtype: int, rows: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """gguf's own quantization of random weights where it can quantize that type;
+    otherwise random bytes with finite float16 scales of varied magnitude."""
+    rng = np.random.default_rng(seed)
+    if qtype in (Q.Q4_0, Q.Q5_0, Q.Q8_0):
+        dense = rng.standard_normal((rows, in_features)).astype(np.float32)
+        dense *= rng.uniform(0.01, 3, (rows, 1)).astype(np.float32)
+        return quantize(dense, Q(qtype))
+    block, block_bytes = GGML_QUANT_SIZES[Q(qtype)]
+    raw = rng.integers(0, 256, (rows, in_features // block, block_bytes), dtype=np.uint8)
+    scales = (rng.standard_normal((rows, in_features // block, 2)) * 1e-2).astype(np.float16)
+    if qtype == Q.Q6_K:
+        raw[..., 208:210] = scales[..., :1].view(np.uint8)
+    else:  # Q4_K: d and dmin
+        raw[..., 0:4] = scales.view(np.uint8).reshape(rows, -1, 4)
+    return raw.reshape(rows, -1)
+
+
+def weight(qtype: int, rows: int, in_features: int, seed: int = 0) -> QuantWeight:
+    raw = random_blocks(qtype, rows, in_features, seed)
+    return QuantWeight.from_gguf(raw, int(qtype), (rows, in_features))
+
+
+def reference(w: QuantWeight) -> torch.Tensor:
+    """gguf's numpy decoder, float32 [out, in]."""
+    return torch.from_numpy(dequantize(w.blocks.numpy(), Q(w.qtype)).copy())
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_is_bit_identical_to_gguf(qtype):
+    w = weight(qtype, 37, 512, seed=int(qtype))
+    ref = reference(w)
+    assert torch.equal(w.dequantize().view(torch.int32), ref.view(torch.int32))
+    assert torch.equal(w.dequantize(dtype=torch.bfloat16), ref.to(torch.bfloat16))
+    rows = torch.tensor([36, 0, 5, 5, 17])
+    assert torch.equal(w.dequantize(rows).view(torch.int32), ref[rows].view(torch.int32))
+    permuted = w.select_rows(torch.arange(36, -1, -1))
+    assert torch.equal(permuted.dequantize(), ref.flip(0))
+
+
+@pytest.mark.skipif(not REAL.exists(), reason="the real checkpoint is not fetched")
+def test_dequantize_real_tensors_bit_identical():
+    from vlmserve.worker.models.gguf_file import GGUFFile
+
+    gguf_file = GGUFFile(REAL)
+    seen = set()
+    for info in gguf_file.tensors:
+        if info.qtype not in ql.SUPPORTED_QTYPES or info.qtype in seen or len(info.shape) != 2:
+            continue
+        seen.add(info.qtype)
+        raw = gguf_file.raw(info)[:2048]  # the 262k-row embedding: its first rows
+        w = QuantWeight.from_gguf(raw, info.qtype, (raw.shape[0], info.shape[1]))
+        expected = dequantize(np.asarray(raw), Q(info.qtype))
+        assert np.array_equal(w.dequantize().numpy().view(np.int32), expected.view(np.int32))
+    assert seen == {int(t) for t in (Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", ["int_dot", "tile"])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_linear_against_float64_matmul(qtype, rows, path, dtype):
+    w = weight(qtype, 96, 512, seed=rows)
+    layer = QuantLinear([w])
+    layer.path = path
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    ref = x.double() @ reference(w).double().T
+    bound = INT_DOT_BOUND if path == "int_dot" else TILE_BOUND[dtype]
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (rows, 96)
+    assert rel_error(out, ref) < bound
+    out32 = layer.forward_float(x)
+    assert out32.dtype == torch.float32
+    assert rel_error(out32, ref) < bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", ["int_dot", "tile"])
+def test_mixed_parts_with_bias_and_leading_dims(path, dtype):
+    parts = [weight(Q.Q5_0, 64, 512, 1), weight(Q.Q8_0, 32, 512, 2), weight(Q.Q4_K, 48, 512, 3),
+             weight(Q.Q6_K, 16, 512, 4), weight(Q.Q4_0, 8, 512, 5)]  # fmt: skip
+    bias = (torch.randn(168) * 10).to(dtype)  # about the outputs' size: a lost bias shows
+    layer = QuantLinear(parts, bias)
+    layer.path = path
+    assert (layer.in_features, layer.out_features) == (512, 168)
+    x = torch.randn(2, 3, 512).to(dtype)
+    full = torch.cat([reference(p) for p in parts]).double()
+    ref = x.double() @ full.T + bias.double()
+    out = layer.forward_float(x)
+    assert out.shape == (2, 3, 168)
+    assert rel_error(out, ref) < (INT_DOT_BOUND if path == "int_dot" else TILE_BOUND[dtype])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_every_instruction_set_gives_the_same_sums(qtype):
+    """The int-dot paths (scalar, AVX2, the VNNI ones where built) compute the same integer
+    sums; only float32 accumulation order differs."""
+    w = weight(qtype, 40, 1024, seed=7)
+    layer = QuantLinear([w])
+    layer.path = "int_dot"
+    x = torch.randn(5, 1024)
+    ref = x.double() @ reference(w).double().T
+    outs = {}
+    for name, isa in ISA.items():
+        if not torch.ops.vlmserve_quant.has_isa(isa):
+            continue
+        layer.isa = isa
+        outs[name] = layer(x)
+        assert rel_error(outs[name], ref) < INT_DOT_BOUND, name
+    scalar = outs.pop("scalar")
+    assert outs or ql.best_isa() == ISA["scalar"]
+    for name, out in outs.items():  # measured: within 7e-7 of the largest output
+        assert (out - scalar).abs().max() <= 1e-5 * scalar.abs().max(), name
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
+def test_odd_number_of_blocks(qtype, rows):
+    """7 blocks a row: the AVX-512 path takes them two at a time, the last one alone."""
+    w = weight(qtype, 24, 224, seed=rows)
+    layer = QuantLinear([w])
+    layer.path = "int_dot"
+    x = torch.randn(rows, 224, generator=torch.Generator().manual_seed(rows))
+    assert rel_error(layer(x), x.double() @ reference(w).double().T) < INT_DOT_BOUND
+
+
+def test_auto_path_follows_the_calibrated_rows():
+    w = weight(Q.Q8_0, 64, 256)
+    layer = QuantLinear([w])
+    layer._max_rows[torch.float32] = [2]
+    forced = {}
+    for path in ("int_dot", "tile"):
+        layer.path = path
+        forced[path] = (layer(torch.ones(2, 256) / 3), layer(torch.ones(3, 256) / 3))
+    layer.path = "auto"
+    assert torch.equal(layer(torch.ones(2, 256) / 3), forced["int_dot"][0])
+    assert torch.equal(layer(torch.ones(3, 256) / 3), forced["tile"][1])
+    assert not torch.equal(forced["int_dot"][0], forced["tile"][0])  # the check can tell
+
+
+def test_describe_names_types_bits_and_crossover(monkeypatch):
+    monkeypatch.setattr(ql, "int_dot_max_rows", lambda *args: 16)
+    layer = QuantLinear([weight(Q.Q5_0, 8, 256), weight(Q.Q8_0, 8, 256)])
+    text = layer.describe()
+    assert text.startswith("Q5_0+Q8_0 7 bits/weight") and "up to 16 rows" in text
+
+
+@pytest.mark.slow
+def test_calibration_measures_and_caches(monkeypatch, tmp_path):
+    monkeypatch.setattr(ql.calibration, "CACHE_DIR", tmp_path)
+    rows = ql.int_dot_max_rows(int(Q.Q4_K), torch.bfloat16, 512, 256)
+    assert rows in (0, *ql.LADDER)
+    stored = ql.calibration.report()["choices"]
+    assert stored["quant_int_dot_max_rows/Q4_K/bfloat16/512x256"]["choice"] == rows
+
+
+def test_quantize_int8_is_gguf_q8_0_and_round_trips():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(50, 320, generator=gen) * torch.rand(50, 1, generator=gen) * 4
+    w[3, :32] = 0  # an all-zero block: scale 0
+    w[4, :32] = 0.5  # scale 1 (amax 127, below): values at exactly k + 1/2, rounded away from 0
+    w[4, :8] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 6.5, -126.5])
+    q = quantize_int8(w)
+    assert q.qtype == Q.Q8_0 and (q.out_features, q.in_features) == (50, 320)
+    assert np.array_equal(q.blocks.numpy(), quantize(w.numpy(), Q.Q8_0))
+    blockmax = w.reshape(50, 10, 32).abs().amax(-1, keepdim=True)
+    err = (q.dequantize() - w).abs().reshape(50, 10, 32)
+    assert (err <= 0.57 * blockmax / 127 + 1e-12).all()  # half a step, plus the f16 scale
+    bf = quantize_int8(w.to(torch.bfloat16))
+    assert np.array_equal(bf.blocks.numpy(), quantize(w.to(torch.bfloat16).float().numpy(), Q.Q8_0))
+
+
+def test_unsupported_type_is_refused_naming_the_supported():
+    raw = np.zeros((4, 176), dtype=np.uint8)  # Q5_K: 176 bytes a 256-block
+    with pytest.raises(ValueError, match="Q5_K.*supported: Q4_0, Q4_K, Q5_0, Q6_K, Q8_0"):
+        QuantWeight.from_gguf(raw, int(Q.Q5_K), (4, 256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_embedding_decodes_the_asked_rows(dtype):
+    w = weight(Q.Q8_0, 100, 256)
+    emb = QuantEmbedding(w, dtype)
+    ids = torch.tensor([[3, 99, 0], [3, 4, 5]])
+    out = emb(ids)
+    assert out.shape == (2, 3, 256) and out.dtype == dtype
+    assert torch.equal(out, reference(w)[ids].to(dtype))

@@ -1,0 +1,147 @@
+"""A decoder run from quantized weights (`--quantization`): a GGUF file's blocks as stored,
+or any checkpoint quantized to int8 at load, against the same engine on the dequantized
+(float32) weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from encoders.weights import CheckpointError
+from kernels.attention import TorchPagedAttention
+from kernels.quant_linear import QuantEmbedding, QuantLinear
+from tests.fixtures.gguf_files import gguf_names, write_gguf
+from tests.helpers import make_engine
+from vlmserve.config import ModelConfig
+from vlmserve.inputs.processing import Request
+from vlmserve.sample.params import SamplingParams
+from vlmserve.worker.models.gguf_file import GGUFFile
+from vlmserve.worker.models.loader import load_model
+from vlmserve.worker.models.random_checkpoint import make_gemma3_checkpoint, make_text_checkpoint
+from vlmserve.worker.parallel.sharding import TPShard
+
+pytest.importorskip("gguf")
+
+ARCHS = ("llama", "qwen2", "gemma3")
+PROMPTS = [[5, 17, 42, 9, 33, 7, 81, 12, 64, 3, 99, 21, 8, 45, 30, 2], [100, 3, 64, 12, 7, 7, 19]]
+# Teacher-forced prompt logprobs, quantized against dequantized weights (float32): the
+# int-dot kernels quantize activations to int8 (about 1e-2 relative on a layer's output);
+# on these random 64-wide models the largest gap measured was MEASURED_GAP.
+LOGPROB_BOUND = 0.25
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def converted(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"quant_{request.param}")
+    if request.param == "gemma3":
+        hf = make_gemma3_checkpoint(root / "hf", text_only=True, query_pre_attn_scalar=16)
+    else:
+        hf = make_text_checkpoint(root / "hf", request.param, hidden=64, kv_heads=2)
+    return request.param, hf, write_gguf(hf, root / "model.gguf", request.param)
+
+
+def _load(path, tokenizer, weight_format):
+    sidecar = ModelConfig(str(path), tokenizer=str(tokenizer)).path
+    return load_model(sidecar, torch.float32, torch.device("cpu"), TorchPagedAttention(),
+                      weight_format=weight_format)  # fmt: skip
+
+
+def test_the_files_blocks_are_what_runs(converted):
+    arch, hf, gguf_file = converted
+    decoder = _load(gguf_file, hf, "gguf").decoder
+    stored = {info.name: info.qtype for info in GGUFFile(gguf_file).tensors}
+    names = gguf_names(arch, decoder.cfg.num_layers)
+    attn = decoder.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, QuantLinear) and isinstance(attn.o_proj, QuantLinear)
+    assert isinstance(decoder.layers[-1].mlp.down_proj, QuantLinear)
+    assert isinstance(decoder.embed_tokens, QuantEmbedding)
+    assert isinstance(decoder.lm_head, QuantLinear)
+    parts = [p.qtype for p in attn.qkv_proj.parts]
+    prefix = "model.layers.0.self_attn."
+    want = [stored[names[f"{prefix}{p}_proj.weight"]] for p in "qkv"]
+    assert parts == want and len(set(parts)) > 1  # each part in its own block type
+    assert decoder.embed_tokens.weight_q.qtype == stored["token_embd.weight"]
+    # no dense copy of a quantized weight: the float parameters left are the norms (and
+    # Qwen2's biases)
+    dense = {n: p for n, p in decoder.named_parameters() if p.dim() > 1}
+    assert not dense, sorted(dense)[:3]
+
+
+def _prompt_logprobs(engine) -> list[float]:
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = engine.generate([Request(prompt_token_ids=p, sampling=sampling) for p in PROMPTS])
+    return [r.logprob for o in outs for r in o.prompt_logprobs if r is not None]
+
+
+def _greedy(engine) -> list[list[int]]:
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = engine.generate([Request(prompt_token_ids=p, sampling=sampling) for p in PROMPTS])
+    return [list(o.token_ids) for o in outs]
+
+
+def _gap(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.slow
+def test_blocks_track_the_dequantized_weights(converted):
+    arch, hf, gguf_file = converted
+    blocks = make_engine(gguf_file, tokenizer=str(hf), dtype="float32")
+    dense = make_engine(gguf_file, tokenizer=str(hf), dtype="float32", quantization="none")
+    assert blocks.config.model.weight_format == "gguf"
+    assert dense.config.model.weight_format == "none"
+    gap = _gap(_prompt_logprobs(blocks), _prompt_logprobs(dense))
+    assert 0 < gap <= LOGPROB_BOUND, (arch, gap)  # 0: the dense path ran twice
+    a, b = _greedy(blocks), _greedy(dense)
+    agree = sum(x == y for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
+    assert agree >= 0.75 * sum(map(len, a)), (arch, a, b)
+
+
+@pytest.mark.slow
+def test_int8_quantizes_any_checkpoint_at_load(tmp_path):
+    hf = make_text_checkpoint(tmp_path / "hf", "llama", hidden=64, kv_heads=2)
+    int8 = make_engine(hf, dtype="float32", quantization="int8")
+    dense = make_engine(hf, dtype="float32")
+    decoder = int8.runner.model.decoder
+    linears = [m for m in decoder.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 4 * decoder.cfg.num_layers + 1  # + the LM head
+    assert {p.qtype for m in linears for p in m.parts} == {8}  # Q8_0's layout
+    assert isinstance(decoder.embed_tokens, QuantEmbedding)
+    gap = _gap(_prompt_logprobs(int8), _prompt_logprobs(dense))
+    assert 0 < gap <= LOGPROB_BOUND, gap
+
+
+def test_quantization_choices_are_checked(tmp_path, converted):
+    arch, hf, gguf_file = converted
+    with pytest.raises(ValueError, match="--quantization gguf runs a GGUF file's blocks"):
+        ModelConfig(str(hf), quantization="gguf")
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        ModelConfig(str(hf), quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match="not one of"):
+        ModelConfig(str(hf), quantization="fp4")
+    assert ModelConfig(str(hf)).weight_format == "none"  # auto: a checkpoint in its dtype
+    assert ModelConfig(str(gguf_file), tokenizer=str(hf)).weight_format == "gguf"
+    assert ModelConfig(str(gguf_file), tokenizer=str(hf), device="cuda").weight_format == "none"
+    sidecar = ModelConfig(str(gguf_file), tokenizer=str(hf)).path
+    with pytest.raises(CheckpointError, match="tensor parallelism"):
+        load_model(sidecar, torch.float32, torch.device("cpu"), TorchPagedAttention(),
+                   TPShard(0, 2), weight_format="gguf")  # fmt: skip
+
+
+def test_info_prints_each_layers_blocks_bits_and_kernels(converted, capsys):
+    from vlmserve.cli.main import main
+
+    arch, hf, gguf_file = converted
+    args = ["info", "--model", str(gguf_file), "--tokenizer", str(hf), "--json"]
+    assert main(args) == 0
+    shown = json.loads(capsys.readouterr().out)["quantization"]
+    assert shown["weights"].startswith("gguf: ") and "bits/weight" in shown["weights"]
+    lines = [v for k, v in shown.items() if k.startswith("layer")]
+    assert any(line.startswith("qkv_proj: ") and "+" in line for line in lines), lines
+    assert any(line.startswith("embed_tokens: ") for line in lines), lines
+    assert all("bits/weight" in line for line in lines), lines
+    assert main([*args, "--quantization", "none"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantization"]["weights"].startswith("dense")

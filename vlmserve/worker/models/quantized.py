@@ -1,0 +1,179 @@
+"""The decoder's weights held quantized, run by kernels/quant_linear.py (CPU).
+
+Two sources (`ModelConfig.weight_format`):
+- "gguf": a GGUF file's blocks as stored. `install_blocks` swaps the meta decoder's
+  linears for `QuantLinear`s before any weight memory is allocated: each fused projection
+  (q|k|v, gate|up) whose parts are all in a block type the kernels run becomes one
+  QuantLinear of row segments (Q4_K_M stores them in different types); the embedding
+  becomes a `QuantEmbedding` (rows decoded as looked up) and the LM head, tied or not, a
+  QuantLinear over its blocks. A tensor in another type is dequantized (`DenseView`) and
+  runs dense, with the norms.
+- "int8": any checkpoint, loaded in its dtype, then `quantize_int8_decoder` quantizes the
+  same modules to weight-only int8 (a scale per 32 weights, Q8_0's layout).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from kernels.quant_linear import (
+    QuantEmbedding,
+    QuantLinear,
+    QuantWeight,
+    qtype_name,
+    quantize_int8,
+)  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+# Our (fused) linear -> the checkpoint's parts, in row order.
+_LINEARS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+INT8_GROUP = 32  # weights per int8 scale: a row's length must be a multiple
+
+
+def install_blocks(
+    decoder: nn.Module, tensors: Mapping, prefix: str, lm_head_name: str, dtype: torch.dtype
+) -> None:
+    """Swap `decoder`'s linears, embedding and LM head for quantized modules wherever the
+    checkpoint holds their weights as `QuantWeight`s (read_gguf_tensors(keep_blocks=True))."""
+    for i, layer in enumerate(decoder.layers):
+        base = f"{prefix}layers.{i}."
+        for ours, parts in _LINEARS.items():
+            weights = [tensors.get(f"{base}{part}.weight") for part in parts]
+            if not all(isinstance(w, QuantWeight) for w in weights):
+                continue
+            biases = [tensors.get(f"{base}{part}.bias") for part in parts]
+            bias = torch.cat(biases).to(dtype) if all(b is not None for b in biases) else None
+            _replace(layer, ours, QuantLinear(weights, bias))
+    embed = tensors.get(prefix + "embed_tokens.weight")
+    if isinstance(embed, QuantWeight):
+        decoder.embed_tokens = QuantEmbedding(embed, dtype)
+    head = embed if decoder.cfg.tie_word_embeddings else tensors.get(lm_head_name)
+    if isinstance(head, QuantWeight):
+        decoder.lm_head = QuantLinear([head])
+
+
+def quantize_int8_decoder(decoder: nn.Module) -> int:
+    """Quantize a loaded decoder's linears, embedding and LM head to weight-only int8 in
+    place; returns how many weights. A weight whose rows are not a multiple of INT8_GROUP
+    long stays as it is (logged)."""
+    count = 0
+    for layer in decoder.layers:
+        for ours in _LINEARS:
+            linear = layer.get_submodule(ours)
+            if _groups_fit(linear.weight, ours):
+                _replace(layer, ours, QuantLinear([quantize_int8(linear.weight)], linear.bias))
+                count += 1
+    embed = decoder.embed_tokens
+    if _groups_fit(embed.weight, "embed_tokens"):
+        decoder.embed_tokens = QuantEmbedding(quantize_int8(embed.weight), embed.weight.dtype)
+        count += 1
+        if decoder.lm_head is None:  # tied: the head reads the embedding's blocks
+            decoder.lm_head = QuantLinear([decoder.embed_tokens.weight_q])
+    if isinstance(decoder.lm_head, nn.Linear) and _groups_fit(decoder.lm_head.weight, "lm_head"):
+        decoder.lm_head = QuantLinear([quantize_int8(decoder.lm_head.weight)])
+        count += 1
+    return count
+
+
+def calibrate(decoder: nn.Module, dtype: torch.dtype) -> None:
+    """Measure (or read from this CPU's cache) every quantized layer's kernel crossover
+    now, at load, so that no step measures."""
+    for module in decoder.modules():
+        if isinstance(module, QuantLinear):
+            module.max_rows(dtype)
+
+
+def _groups_fit(weight: torch.Tensor, name: str) -> bool:
+    if weight.shape[-1] % INT8_GROUP == 0:
+        return True
+    log.warning("%s stays unquantized: rows of %d are not a multiple of %d", name,
+                weight.shape[-1], INT8_GROUP)  # fmt: skip
+    return False
+
+
+def _replace(parent: nn.Module, path: str, module: nn.Module) -> None:
+    owner, _, name = path.rpartition(".")
+    setattr(parent.get_submodule(owner) if owner else parent, name, module)
+
+
+def materialize(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Allocate (uninitialized, on the CPU, in `dtype`) every parameter still on the meta
+    device; what was installed with real tensors is left alone (Module.to_empty would
+    replace it)."""
+    for child in module.modules():
+        for name, param in list(child.named_parameters(recurse=False)):
+            if param.is_meta:
+                empty = torch.empty(param.shape, dtype=dtype, device="cpu")
+                setattr(child, name, nn.Parameter(empty, requires_grad=False))
+    return module
+
+
+class DenseView(Mapping[str, torch.Tensor]):
+    """The checkpoint's tensors with any `QuantWeight` left in them dequantized on read
+    (to float32): the weights `install_blocks` did not take run dense."""
+
+    def __init__(self, tensors: Mapping) -> None:
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self.tensors[name]
+        return tensor.dequantize() if isinstance(tensor, QuantWeight) else tensor
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def describe(decoder: nn.Module) -> list[str]:
+    """One line per kind of quantized module: its block types, bits per weight and kernel
+    paths (`vlmserve info`); empty for a dense decoder."""
+    lines: dict[str, int] = {}
+    for name, module in decoder.named_modules():
+        if isinstance(module, QuantLinear):
+            line = f"{name.split('.')[-1]}: {module.describe()}"
+        elif isinstance(module, QuantEmbedding):
+            weight = module.weight_q
+            line = f"{name}: {qtype_name(weight.qtype)} {weight.bits_per_weight:.3g} " \
+                   "bits/weight, rows decoded as looked up"  # fmt: skip
+        else:
+            continue
+        lines[line] = lines.get(line, 0) + 1
+    return [f"{line} (x{count})" if count > 1 else line for line, count in lines.items()]
+
+
+def weight_bytes(decoder: nn.Module) -> tuple[int, int]:
+    """(weights, bytes) the decoder holds: dense parameters and quantized blocks, a tied
+    head's blocks counted once."""
+    seen: set[int] = set()
+    weights = size = 0
+    for module in decoder.modules():
+        if isinstance(module, QuantLinear):
+            quant = module.parts
+        elif isinstance(module, QuantEmbedding):
+            quant = [module.weight_q]
+        else:
+            quant = []
+        for part in quant:
+            if id(part.blocks) not in seen:
+                seen.add(id(part.blocks))
+                weights += part.out_features * part.in_features
+                size += part.blocks.numel()
+    for param in decoder.parameters():
+        weights += param.numel()
+        size += param.numel() * param.element_size()
+    return weights, size
