@@ -4,7 +4,7 @@ their tensors into our modules with errors that name the tensor and both shapes.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -40,6 +40,26 @@ def load_tensors(path: str | Path) -> dict[str, torch.Tensor]:
             for key in f.keys():
                 tensors[key] = f.get_tensor(key)
     return tensors
+
+
+class TensorView(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors seen through a change made as each is read (a subclass's
+    `__getitem__`): the names, and how many, are the underlying mapping's."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 def take(tensors: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -7,14 +7,14 @@ for (article §8: computing logits for every prompt position is the prefill logi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoders.weights import CheckpointError, load_into, take
+from encoders.weights import CheckpointError, TensorView, load_into, take
 from kernels import fused_ops
 from kernels.attention import AttentionBackend
 from kernels.packed_linear import linear_float
@@ -204,7 +204,7 @@ _FUSED_PARTS = {
 }
 
 
-class _FusedWeights(Mapping[str, torch.Tensor]):
+class _FusedWeights(TensorView):
     """The checkpoint's tensors plus our fused names, concatenated only when read (one
     layer at a time, so loading never holds a second copy of every projection)."""
 
@@ -234,9 +234,3 @@ class _FusedWeights(Mapping[str, torch.Tensor]):
 
     def __contains__(self, name: object) -> bool:
         return name in self.parts or name in self.tensors
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)

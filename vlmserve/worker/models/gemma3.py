@@ -10,11 +10,10 @@ weights at load time (`GemmaNormWeights`), so the plain RMSNorm kernels serve it
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-
 import torch
 from torch import nn
 
+from encoders.weights import TensorView
 from kernels import fused_ops
 from kernels.attention import LayeredMetadata
 from vlmserve.worker.models.layers import DecoderConfig, RMSNorm
@@ -149,27 +148,15 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x, ctx.fused), ctx.fused), residual
 
 
-class GemmaNormWeights(Mapping[str, torch.Tensor]):
+class GemmaNormWeights(TensorView):
     """The checkpoint's tensors with every RMSNorm weight `w` read as `1 + w` (computed in
     float32, as Gemma's norm multiplies), so the plain `x_normed * weight` kernels apply."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.tensors = tensors
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self.tensors[name]
         if name.endswith("norm.weight"):
             return 1.0 + tensor.float()
         return tensor
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
 
 def embed_scale(cfg, dtype: torch.dtype) -> torch.Tensor:

@@ -15,11 +15,12 @@ Two sources (`ModelConfig.weight_format`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
+from encoders.weights import TensorView
 from kernels.quant_linear import (
     QuantEmbedding,
     QuantLinear,
@@ -118,25 +119,13 @@ def materialize(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     return module
 
 
-class DenseView(Mapping[str, torch.Tensor]):
+class DenseView(TensorView):
     """The checkpoint's tensors with any `QuantWeight` left in them dequantized on read
     (to float32): the weights `install_blocks` did not take run dense."""
-
-    def __init__(self, tensors: Mapping) -> None:
-        self.tensors = tensors
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self.tensors[name]
         return tensor.dequantize() if isinstance(tensor, QuantWeight) else tensor
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
 
 def describe(decoder: nn.Module) -> list[str]:

@@ -14,11 +14,12 @@ are partial sums, all-reduced). Embeddings and the LM head are replicated (see
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from encoders.weights import TensorView
 from vlmserve.worker.models.decoder import DecoderConfig
 
 # Checkpoint projection -> (dim of its weight that is split, how it is split).
@@ -103,7 +104,7 @@ class TPShard:
         return slice(heads.start * cfg.head_dim, heads.stop * cfg.head_dim)
 
 
-class ShardedWeights(Mapping[str, torch.Tensor]):
+class ShardedWeights(TensorView):
     """A checkpoint's tensors as one rank sees them: the decoder's split projections
     (names under `prefix`) sliced to the rank's rows or columns when read, everything
     else (embeddings, norms, LM head, the vision tower) whole. Slices are views of the
@@ -135,15 +136,6 @@ class ShardedWeights(Mapping[str, torch.Tensor]):
             return tensor
         dim, kind = split
         return tensor.narrow(dim, *_start_len(self.shard.slice_rows(kind, self.cfg)))
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
 
 def _start_len(rows: slice) -> tuple[int, int]:
