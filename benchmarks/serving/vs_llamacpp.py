@@ -6,7 +6,7 @@
 
 Contenders, each a fresh process per round, rounds interleaved:
 - `llamacpp`: llama-cpp-python (llama.cpp built from source for this CPU's instruction
-  sets, benchmarks/lib/llamacpp.py), the file's blocks, every core;
+  sets, benchmarks/lib/llamacpp/), the file's blocks, every core;
 - `vlmserve_gguf`: our engine running the file's blocks (`--quantization gguf`);
 - `vlmserve_bf16`: our engine on the file dequantized to bfloat16 (`--quantization none`;
   float32 where the CPU has no native bfloat16): the dense baseline.
@@ -38,7 +38,7 @@ from benchmarks.lib import llamacpp
 from benchmarks.lib.common import machine, table, write_result
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "benchmarks" / "lib" / "llamacpp_worker.py"
+WORKER = REPO / "benchmarks" / "lib" / "llamacpp" / "worker.py"
 CONTENDERS = ("llamacpp", "vlmserve_gguf", "vlmserve_bf16")
 MAX_MODEL_LEN = 2048
 
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def serve_main(args, contenders: list[str], rounds: int, spec: dict, python: Path,
                workdir: Path) -> dict:  # fmt: skip
-    from benchmarks.lib.llamacpp_serve import serve_round
+    from benchmarks.lib.llamacpp.serve import serve_round
 
     runs: dict[str, list[dict]] = {c: [] for c in contenders}
     for r in range(rounds):

@@ -1,7 +1,7 @@
 """The llama.cpp side of benchmarks/serving/vs_llamacpp.py, run by the llama.cpp
-environment's Python (benchmarks/lib/llamacpp.py): no project imports.
+environment's Python (benchmarks/lib/llamacpp/__init__.py): no project imports.
 
-    python llamacpp_worker.py SPEC.json RESULT.json
+    python worker.py SPEC.json RESULT.json
 
 Each request: the KV cache reset (no prefix reuse between requests), its prompt token ids
 evaluated, then greedy tokens until max_tokens (EOS not stopping it: `generate` yields

@@ -79,7 +79,3 @@ def _run(cmd: list[str], extra_env: dict[str, str] | None = None) -> None:
     print("[llamacpp] $ " + " ".join(cmd), flush=True)
     env = {**os.environ, **(extra_env or {})}
     subprocess.run(cmd, check=True, stdout=sys.stdout, stderr=sys.stderr, env=env)
-
-
-if __name__ == "__main__":
-    print(ensure_venv())
