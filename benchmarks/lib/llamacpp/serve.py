@@ -5,7 +5,9 @@ The same requests go to both: `/v1/completions`, the prompt as text (the spec's 
 ids decoded; each server tokenizes it and adds BOS), greedy, streamed, `max_tokens` with
 both end-of-text tokens banned through `logit_bias` (llama-cpp-python's server has no
 `ignore_eos`), so both write exactly `max_tokens` tokens. TTFT: request sent to first
-streamed token; TPOT: the rest of the tokens over the time they took.
+streamed token; TPOT: the rest of the tokens over the time they took. llama-cpp-python's
+server runs one request at a time; by default a new request interrupts the one streaming
+(`--interrupt_requests`), which is turned off here so that concurrent requests queue.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def serving(name: str, spec: dict, python: Path, log: Path) -> Iterator[str]:
         env.pop("PYTHONPATH", None)
         cmd = [str(python), "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", str(spec["max_model_len"]), "--n_threads",
-               threads, "--n_threads_batch", threads, "--n_batch", "512"]  # fmt: skip
+               threads, "--n_threads_batch", threads, "--n_batch", "512",
+               "--interrupt_requests", "False"]  # fmt: skip
         health = "/v1/models"
     else:
         env.update(vlmserve.ENGINE_OPENMP)
@@ -46,7 +49,7 @@ def serving(name: str, spec: dict, python: Path, log: Path) -> Iterator[str]:
         cmd = [sys.executable, "-m", "vlmserve.cli", "serve", "--model", gguf, "--host",
                "127.0.0.1", "--port", str(port), "--quantization", quantization,
                "--max-model-len", str(spec["max_model_len"]), "--max-num-seqs", "64",
-               "--max-num-batched-tokens", "2048"]  # fmt: skip
+               "--max-num-batched-tokens", "2048", "--served-model-name", "bench"]  # fmt: skip
         health = "/health"
     url = f"http://127.0.0.1:{port}"
     repo = Path(__file__).resolve().parents[2]
