@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from encoders.weights import TensorView
+from kernels.packed_linear import PackedLinear
 from kernels.quant_linear import (
     QuantEmbedding,
     QuantLinear,
@@ -146,8 +147,9 @@ def describe(decoder: nn.Module) -> list[str]:
 
 
 def weight_bytes(decoder: nn.Module) -> tuple[int, int]:
-    """(weights, bytes) the decoder holds: dense parameters and quantized blocks, a tied
-    head's blocks counted once."""
+    """(weights, bytes) the decoder holds: dense parameters, oneDNN-packed linears (their
+    packed weight and any plain copy: not parameters) and quantized blocks, a tied head's
+    blocks counted once."""
     seen: set[int] = set()
     weights = size = 0
     for module in decoder.modules():
@@ -157,6 +159,12 @@ def weight_bytes(decoder: nn.Module) -> tuple[int, int]:
             quant = [module.weight_q]
         else:
             quant = []
+        if isinstance(module, PackedLinear):
+            weights += module.in_features * module.out_features
+            weights += 0 if module.bias is None else module.bias.numel()
+            for tensor in (module.weight, module.plain, module.bias):
+                if tensor is not None:
+                    size += tensor.numel() * tensor.element_size()
         for part in quant:
             if id(part.blocks) not in seen:
                 seen.add(id(part.blocks))
