@@ -234,7 +234,7 @@ class QuantLinear(nn.Module):
         self.in_features = parts[0].in_features
         if any(p.in_features != self.in_features for p in parts):
             raise ValueError("QuantLinear parts must share in_features")
-        self.parts = list(parts)
+        self.parts = _merge_same_type(parts)  # one kernel call (one x quantized) each
         self.out_features = sum(p.out_features for p in parts)
         self.bias = bias
         self.path: Path = "auto"  # "int_dot" / "tile": forced (tests, benchmarks)
@@ -242,8 +242,10 @@ class QuantLinear(nn.Module):
         self._max_rows: dict[torch.dtype, list[int]] = {}  # calibrated, per dtype
         self._isa: int | None = None
         self._biases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        ends = np.cumsum([p.out_features for p in parts]).tolist()
-        self._spans = [(p, end - p.out_features, end) for p, end in zip(parts, ends, strict=True)]
+        ends = np.cumsum([p.out_features for p in self.parts]).tolist()
+        self._spans = [
+            (p, end - p.out_features, end) for p, end in zip(self.parts, ends, strict=True)
+        ]
 
     def max_rows(self, dtype: torch.dtype) -> list[int]:
         """Per part, the most rows the int-dot kernel takes in `dtype` (calibrated)."""
@@ -311,6 +313,18 @@ class QuantLinear(nn.Module):
             f"{types} {bits:.3g} bits/weight, int-dot up to {shown} rows (calibrated, "
             f"bfloat16), then dequant-tile GEMM"
         )
+
+
+def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
+    """Neighbouring parts of one block type as one weight (their rows stacked)."""
+    merged: list[QuantWeight] = []
+    for part in parts:
+        if merged and merged[-1].qtype == part.qtype:
+            rows = torch.cat([merged[-1].blocks, part.blocks])
+            merged[-1] = QuantWeight(rows, part.qtype, part.in_features)
+        else:
+            merged.append(part)
+    return merged
 
 
 def _tile_linear(

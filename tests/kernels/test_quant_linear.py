@@ -116,17 +116,18 @@ def test_linear_against_float64_matmul(qtype, rows, path, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("path", ["int_dot", "tile"])
 def test_mixed_parts_with_bias_and_leading_dims(path, dtype):
-    parts = [weight(Q.Q5_0, 64, 512, 1), weight(Q.Q8_0, 32, 512, 2), weight(Q.Q4_K, 48, 512, 3),
-             weight(Q.Q6_K, 16, 512, 4), weight(Q.Q4_0, 8, 512, 5)]  # fmt: skip
-    bias = (torch.randn(168) * 10).to(dtype)  # about the outputs' size: a lost bias shows
+    shapes = [(Q.Q5_0, 64), (Q.Q5_0, 24), (Q.Q8_0, 32), (Q.Q4_K, 48), (Q.Q6_K, 16), (Q.Q4_0, 8)]
+    parts = [weight(qtype, rows, 512, seed) for seed, (qtype, rows) in enumerate(shapes, 1)]
+    bias = (torch.randn(192) * 10).to(dtype)  # about the outputs' size: a lost bias shows
     layer = QuantLinear(parts, bias)
     layer.path = path
-    assert (layer.in_features, layer.out_features) == (512, 168)
+    assert (layer.in_features, layer.out_features) == (512, 192)
+    assert len(layer.parts) == 5  # the two Q5_0 neighbours: one kernel call
     x = torch.randn(2, 3, 512).to(dtype)
     full = torch.cat([reference(p) for p in parts]).double()
     ref = x.double() @ full.T + bias.double()
     out = layer.forward_float(x)
-    assert out.shape == (2, 3, 168)
+    assert out.shape == (2, 3, 192)
     assert rel_error(out, ref) < (INT_DOT_BOUND if path == "int_dot" else TILE_BOUND[dtype])
 
 
