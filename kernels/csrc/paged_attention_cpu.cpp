@@ -42,12 +42,18 @@ constexpr int64_t kPrefetchAhead = 1;
 // independent FMA chains to keep both FMA ports busy: with one chain a dot product (or a
 // value row) waits out every FMA's latency, far below the memory bandwidth.
 constexpr int kTileRows = 4;
-constexpr int kTileKeys = kLanes == 16 ? 6 : 3;
+constexpr int kTileKeys = kLanes == 16 ? 4 : 3;  // AVX-512: a 16-token block in 4 tiles
 constexpr int kTileDims = kLanes == 16 ? 4 : 2;
 
+// A vector of K/V values, float32 or bfloat16 in the cache (widened in registers).
+inline vec::vfloat load_kv(const float* p) { return vec::load(p); }
+inline vec::vfloat load_kv(const at::BFloat16* p) {
+  return vec::load_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+
 // p[r * block_size + j] = dot(qs[r], kb[j]) for r < R, j < J (dim a multiple of kLanes).
-template <int R, int J>
-inline void score_tile(const float* qs, const float* kb, float* p, int64_t dim,
+template <int R, int J, typename kv_t>
+inline void score_tile(const float* qs, const kv_t* kb, float* p, int64_t dim,
                        int64_t block_size) {
   vec::vfloat acc[R][J];
 #pragma GCC unroll 8
@@ -57,7 +63,7 @@ inline void score_tile(const float* qs, const float* kb, float* p, int64_t dim,
   for (int64_t d = 0; d < dim; d += kLanes) {
     vec::vfloat kv[J];
 #pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) kv[j] = vec::load(kb + j * dim + d);
+    for (int j = 0; j < J; ++j) kv[j] = load_kv(kb + j * dim + d);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const vec::vfloat qv = vec::load(qs + r * dim + d);
@@ -71,8 +77,8 @@ inline void score_tile(const float* qs, const float* kb, float* p, int64_t dim,
     for (int j = 0; j < J; ++j) p[r * block_size + j] = vec::reduce_add(acc[r][j]);
 }
 
-template <int R>
-inline void score_rows(const float* qs, const float* kb, float* p, int64_t dim, int64_t count,
+template <int R, typename kv_t>
+inline void score_rows(const float* qs, const kv_t* kb, float* p, int64_t dim, int64_t count,
                        int64_t block_size) {
   int64_t j = 0;
   for (; j + kTileKeys <= count; j += kTileKeys)
@@ -82,8 +88,8 @@ inline void score_rows(const float* qs, const float* kb, float* p, int64_t dim, 
 
 // acc[r, d0 + i] = acc[r, d0 + i] * correction[r] + sum_j p[r, j] v[j, d0 + i] for r < R
 // and the D vectors from d0.
-template <int R, int D>
-inline void value_tile(const float* p, const float* vb, const float* correction, float* acc,
+template <int R, int D, typename kv_t>
+inline void value_tile(const float* p, const kv_t* vb, const float* correction, float* acc,
                        int64_t dim, int64_t count, int64_t block_size) {
   vec::vfloat a[R][D];
 #pragma GCC unroll 8
@@ -94,7 +100,7 @@ inline void value_tile(const float* p, const float* vb, const float* correction,
   for (int64_t j = 0; j < count; ++j) {
     vec::vfloat vv[D];
 #pragma GCC unroll 8
-    for (int i = 0; i < D; ++i) vv[i] = vec::load(vb + j * dim + i * kLanes);
+    for (int i = 0; i < D; ++i) vv[i] = load_kv(vb + j * dim + i * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const vec::vfloat pj = vec::set1(p[r * block_size + j]);
@@ -108,8 +114,8 @@ inline void value_tile(const float* p, const float* vb, const float* correction,
     for (int i = 0; i < D; ++i) vec::store(acc + r * dim + i * kLanes, a[r][i]);
 }
 
-template <int R>
-inline void value_rows(const float* p, const float* vb, const float* correction, float* acc,
+template <int R, typename kv_t>
+inline void value_rows(const float* p, const kv_t* vb, const float* correction, float* acc,
                        int64_t dim, int64_t count, int64_t block_size) {
   int64_t d = 0;
   for (; d + kTileDims * kLanes <= dim; d += kTileDims * kLanes)
@@ -134,7 +140,8 @@ inline void for_row_tiles(int64_t rows, F&& f) {
 
 // Scores of `rows` query rows against one block's keys: p[r * block_size + j] for the first
 // `count` keys (p is [rows, block_size]; callers mask positions past `last`).
-inline void block_scores(const float* qs, const float* kb, float* p, int64_t rows, int64_t dim,
+template <typename kv_t>
+inline void block_scores(const float* qs, const kv_t* kb, float* p, int64_t rows, int64_t dim,
                          int64_t count, int64_t block_size) {
 #if VLMSERVE_VEC_LANES
   if (dim % kLanes == 0) {
@@ -147,7 +154,7 @@ inline void block_scores(const float* qs, const float* kb, float* p, int64_t row
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < count; ++j) {
       float sum = 0.f;
-      for (int64_t d = 0; d < dim; ++d) sum += qs[r * dim + d] * kb[j * dim + d];
+      for (int64_t d = 0; d < dim; ++d) sum += qs[r * dim + d] * static_cast<float>(kb[j * dim + d]);
       p[r * block_size + j] = sum;
     }
 }
@@ -190,7 +197,8 @@ inline void softmax_block_row(float* p, int64_t count, int64_t visible, float& m
 }
 
 // acc[r] = acc[r] * correction[r] + sum_j p[r, j] v[j] over the block's first `count` rows.
-inline void block_values(const float* p, const float* vb, const float* correction, float* acc,
+template <typename kv_t>
+inline void block_values(const float* p, const kv_t* vb, const float* correction, float* acc,
                          int64_t rows, int64_t dim, int64_t count, int64_t block_size) {
 #if VLMSERVE_VEC_LANES
   if (dim % kLanes == 0) {
@@ -204,14 +212,15 @@ inline void block_values(const float* p, const float* vb, const float* correctio
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d = 0; d < dim; ++d) {
       float a = acc[r * dim + d] * correction[r];
-      for (int64_t j = 0; j < count; ++j) a += p[r * block_size + j] * vb[j * dim + d];
+      for (int64_t j = 0; j < count; ++j)
+        a += p[r * block_size + j] * static_cast<float>(vb[j * dim + d]);
       acc[r * dim + d] = a;
     }
 }
 
 // One (sequence, kv head): `rows` query rows (scaled, float) over `ctx` positions, with an
-// online softmax across blocks. K/V blocks are read as float32 (other cache dtypes are
-// converted into `kbuf`/`vbuf` first, a block at a time).
+// online softmax across blocks. K/V blocks are read in place, a float32 or bfloat16 cache
+// widened in registers (float16 is converted into `kbuf`/`vbuf` first, a block at a time).
 template <typename cache_t>
 void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t* lo,
                 int64_t rows, int64_t dim,
@@ -221,9 +230,11 @@ void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t*
   for (int64_t first = lo[0] / block_size * block_size; first < ctx; first += block_size) {
     const int64_t count = std::min(block_size, ctx - first);
     const int64_t slot = static_cast<int64_t>(table[first / block_size]) * block_size;
-    const float* kb;
-    const float* vb;
-    if constexpr (std::is_same_v<cache_t, float>) {
+    constexpr bool in_place = std::is_same_v<cache_t, float> || std::is_same_v<cache_t, at::BFloat16>;
+    using kv_t = std::conditional_t<in_place, cache_t, float>;
+    const kv_t* kb;
+    const kv_t* vb;
+    if constexpr (in_place) {
       kb = k_head + slot * dim;
       vb = v_head + slot * dim;
     } else {
@@ -243,8 +254,8 @@ void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t*
       const char* kn = reinterpret_cast<const char*>(k_head + next * dim);
       const char* vn = reinterpret_cast<const char*>(v_head + next * dim);
       for (int64_t off = 0; off < bytes; off += 64) {
-        _mm_prefetch(kn + off, _MM_HINT_T0);
-        _mm_prefetch(vn + off, _MM_HINT_T0);
+        _mm_prefetch(kn + off, _MM_HINT_T1);
+        _mm_prefetch(vn + off, _MM_HINT_T1);
       }
     }
     block_scores(qs, kb, p, rows, dim, count, block_size);
