@@ -238,6 +238,9 @@ class QuantLinear(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
         self.bias = bias
         self.path: Path = "auto"  # "int_dot" / "tile": forced (tests, benchmarks)
+        # The Triton tile GEMM (kernels/quant_gpu.py) instead of the CPU's kernels: set
+        # with the blocks on a CUDA device (models/quantized.py's `place`).
+        self.triton = False
         self.isa: int | None = None  # None: the best this build has
         self._max_rows: dict[torch.dtype, list[int]] = {}  # calibrated, per dtype
         self._isa: int | None = None
@@ -263,6 +266,8 @@ class QuantLinear(nn.Module):
 
     def run(self, x: torch.Tensor, out_dtype: torch.dtype, path: Path = "auto") -> torch.Tensor:
         """x @ W.T + bias in `out_dtype` by `path` ("auto": as calibrated)."""
+        if self.triton:
+            return self._run_triton(x, out_dtype)
         if x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"QuantLinear runs float32 or bfloat16 inputs, not {x.dtype}")
         rows = x.reshape(-1, self.in_features)
@@ -281,6 +286,15 @@ class QuantLinear(nn.Module):
                 torch.ops.vlmserve_quant.linear(target, rows, part.blocks, part.qtype, bias, isa)
             else:
                 _tile_linear(target, rows, part, bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _run_triton(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        from kernels.quant_gpu import gguf_linear
+
+        rows = x.reshape(-1, self.in_features)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype, device=x.device)
+        for i, (part, start, end) in enumerate(self._spans):
+            gguf_linear(rows, part.blocks, part.qtype, self._bias(i, x.dtype), out[:, start:end])
         return out.view(*x.shape[:-1], self.out_features)
 
     def _best_isa(self) -> int:
@@ -303,6 +317,8 @@ class QuantLinear(nn.Module):
         types = "+".join(qtype_name(p.qtype) for p in self.parts)
         total_bits = sum(p.bits_per_weight * p.out_features for p in self.parts)
         bits = total_bits / self.out_features
+        if self.triton:
+            return f"{types} {bits:.3g} bits/weight, Triton dequant-tile GEMM"
         if kernel_available() is not None:
             return f"{types} {bits:.2g} bits/weight, dequant-tile GEMM (no C++ kernel)"
         limits = sorted(set(self.max_rows(torch.bfloat16)))
@@ -347,7 +363,14 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.weight_q = weight
         self.dtype = dtype
+        self.triton = False  # rows decoded by kernels/quant_gpu.py (blocks on CUDA)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight_q.dequantize(ids.reshape(-1), self.dtype)
+        if self.triton:
+            from kernels.quant_gpu import dequantize_rows
+
+            w = self.weight_q
+            rows = dequantize_rows(w.blocks, w.qtype, w.in_features, ids, self.dtype)
+        else:
+            rows = self.weight_q.dequantize(ids.reshape(-1), self.dtype)
         return rows.view(*ids.shape, self.weight_q.in_features)

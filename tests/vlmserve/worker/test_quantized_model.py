@@ -118,8 +118,12 @@ def test_quantization_choices_are_checked(tmp_path, converted):
     arch, hf, gguf_file = converted
     with pytest.raises(ValueError, match="--quantization gguf runs a GGUF file's blocks"):
         ModelConfig(str(hf), quantization="gguf")
-    with pytest.raises(ValueError, match="runs on the CPU only"):
-        ModelConfig(str(hf), quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match="runs on a CPU or a CUDA GPU"):
+        ModelConfig(str(hf), quantization="int8", device="mps")
+    with pytest.raises(ValueError, match="--quantization fp8 runs on GPUs .* use --quantization int8"):
+        ModelConfig(str(hf), quantization="fp8", device="cpu")
+    assert ModelConfig(str(hf), quantization="fp8", device="cuda").weight_format == "fp8"
+    assert ModelConfig(str(hf), quantization="int8", device="cuda").weight_format == "int8"
     with pytest.raises(ValueError, match="not one of"):
         ModelConfig(str(hf), quantization="fp4")
     assert ModelConfig(str(hf)).weight_format == "none"  # auto: a checkpoint in its dtype
