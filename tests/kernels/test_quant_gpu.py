@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 
 # Without a GPU: TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported.
 from kernels import quant_gpu
-from kernels.quant_linear import random_weight
+from kernels.quant_linear import QuantWeight, random_weight
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if quant_gpu.available(DEVICE) is not None:
@@ -24,6 +24,24 @@ QTYPES = [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K]
 # subnormal weight (absolute); float32 sums of K terms add at most K * 2^-24 of sum |x w|.
 ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-9, torch.float16: 2.0**-11}
 F16_SUBNORMAL = 2.0**-25
+
+
+def _weight_blocks(qtype, out_features: int, in_features: int, seed: int) -> QuantWeight:
+    """Legacy blocks quantized by gguf from random weights; K-quants (gguf cannot quantize
+    them) random bytes with each block's float16 d (and Q4_K's dmin) drawn apart, so that
+    a decode that swaps or misplaces them is seen."""
+    if qtype not in (Q.Q4_K, Q.Q6_K):
+        return random_weight(int(qtype), out_features, in_features, seed=seed)
+    blocks = random_weight(int(qtype), out_features, in_features, seed=seed).blocks
+    gen = torch.Generator().manual_seed(seed)
+    size = 144 if qtype == Q.Q4_K else 210
+    view = blocks.view(out_features, -1, size)
+    # (byte offset, range): Q4_K's d and dmin an order of magnitude apart; Q6_K's d.
+    fields = [(0, 1e-4, 3e-4), (2, 1e-3, 3e-3)] if qtype == Q.Q4_K else [(208, 1e-4, 1e-3)]
+    for offset, low, high in fields:
+        d = torch.empty(view.shape[:2]).uniform_(low, high, generator=gen).to(torch.float16)
+        view[..., offset : offset + 2] = d.view(torch.uint8).reshape(*view.shape[:2], 2)
+    return QuantWeight(blocks, int(qtype), in_features)
 
 
 def _reference(weight) -> torch.Tensor:
@@ -36,7 +54,7 @@ def check_gguf_linear(qtype, rows, out_features, in_features, dtype, out_dtype, 
     """y = x @ W^T + b against the float64 matmul on gguf's dequantized W, elementwise:
     |y - ref| <= (r_in + r_out + K 2^-24) sum_k |x w| (+ float16's subnormal step), r the
     input and output dtypes' rounding; the output also written into a column slice."""
-    weight = random_weight(int(qtype), out_features, in_features, seed=seed)
+    weight = _weight_blocks(qtype, out_features, in_features, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     bias = torch.randn(out_features, generator=gen) * 0.1
@@ -74,7 +92,7 @@ def test_gguf_linear_float16_and_larger_batches(qtype):
 def test_dequantize_rows_equals_gguf(qtype):
     """An embedding's lookup: rows in any order, repeated, the last one; float32 equal to
     gguf's bit for bit in the interpreter (a GPU may fuse Q4_K's multiply-subtract)."""
-    weight = random_weight(int(qtype), 20, 512, seed=5)
+    weight = _weight_blocks(qtype, 20, 512, seed=5)
     ids = torch.tensor([[19, 0], [7, 7]])
     got = quant_gpu.dequantize_rows(weight.blocks.to(DEVICE), int(qtype), 512, ids, torch.float32)
     want = _reference(weight).float()[ids.reshape(-1)]
