@@ -57,13 +57,15 @@ def check_gguf_linear(qtype, rows, out_features, in_features, dtype, out_dtype, 
     weight = _weight_blocks(qtype, out_features, in_features, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    bias = torch.randn(out_features, generator=gen) * 0.1
+    w = _reference(weight)
+    products = x.double().abs() @ w.abs().T
+    # A bias of the outputs' size: dropping or misplacing it exceeds any bound below.
+    bias = torch.randn(out_features, generator=gen) * products.mean().float()
     blocks = weight.blocks.to(DEVICE)
     wide = torch.full((rows, out_features + 8), float("nan"), dtype=out_dtype, device=DEVICE)
     got = quant_gpu.gguf_linear(x.to(DEVICE), blocks, int(qtype), bias.to(DEVICE), wide[:, 3:-5])
-    w = _reference(weight)
     want = x.double() @ w.T + bias.double()
-    magnitude = x.double().abs() @ w.abs().T + bias.double().abs()
+    magnitude = products + bias.double().abs()
     tol = ROUNDING[dtype] + ROUNDING[out_dtype] + in_features * 2.0**-24
     bound = tol * magnitude + 1e-30
     if dtype == torch.float16:
