@@ -17,8 +17,8 @@ to e4m3 as well (a scale per token) where the device has FP8 matmuls (CUDA sm_89
 it dequantizes W to x's dtype and calls F.linear (the CPU's path: FP8 is refused as an
 engine option there, kernels/quant_linear.py's int8 is the CPU's format).
 
-Verified in Triton's interpreter (TRITON_INTERPRET=1) and on the CPU's `_scaled_mm` until a
-GPU run: tests/kernels/test_quant_gpu.py, whose `gpu` cases benchmarks/gpu_check.py runs.
+Verified in Triton's interpreter (TRITON_INTERPRET=1) and on the CPU's `_scaled_mm` until
+a GPU run: tests/kernels/quant/test_quant_gpu.py (its `gpu` cases: benchmarks/gpu_check.py).
 """
 
 from __future__ import annotations

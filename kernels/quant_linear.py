@@ -9,7 +9,7 @@ No dequantized copy of a weight is kept. Two paths (kernels/csrc/quant_linear_cp
   `dpbusd`, AVX2 `maddubs`, or scalar), float32 across blocks; each weight block read once
   a call for all the rows (the legacy blocks two a 512-bit vector on AVX-512 VNNI). The int8
   activations cost at most 9e-3 relative error (norm-wise) against the float64 matmul on
-  the dequantized weight (measured in tests/kernels/test_quant_linear.py, bound 2e-2);
+  the dequantized weight (measured in tests/kernels/quant/test_quant_linear.py, bound 2e-2);
 - larger batches: tiles of weight rows dequantized into a scratch buffer, each multiplied
   into its output columns by the skinny bfloat16 / float32 kernel (kernels/packed_linear.py)
   up to the rows calibrated for it, by torch's GEMM (oneDNN / MKL) above them.
