@@ -9,6 +9,9 @@
 3. benchmarks/ops/kernels.py: decode attention's bandwidth per backend (torch, Triton,
    FlashInfer) as a share of copy bandwidth at 2k/8k/32k x batch 1/64, and decode at
    batch 1 of the same model sizes against its bandwidth bound per backend;
+3b. the quantized GEMMs (kernels/quant_gpu.py, issue 39): FP8 and the GGUF tile GEMM
+   against the bfloat16 matmul, ms a call at 4,096 x 4,096 and the 262,144 x 640 LM head,
+   1 and 64 rows (a few seconds: its log is appended to the kernels part's);
 4. a short table, printed last.
 
 Each part runs on its own: a failing part prints its error and the rest still run (this
@@ -97,8 +100,78 @@ def nanobatch() -> dict:
     )  # fmt: skip
 
 
+# The quantized GEMMs timed: (out, in) of the weight, the GGUF block type it is stored in
+# (the real Gemma 3 270M file keeps its 262k-row head in Q8_0), the rows multiplied.
+QUANT_SHAPES = [((4096, 4096), "Q4_K"), ((262144, 640), "Q8_0")]
+QUANT_ROWS = (1, 64)
+
+
+def _random_blocks(qtype: str, out_features: int, in_features: int) -> torch.Tensor:
+    """Random GGUF bytes on the GPU with every block's float16 scales set to a sane value
+    (the speed does not depend on the values; NaNs would only obscure a broken run)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    nblocks = in_features // block
+    raw = torch.randint(0, 256, (out_features, nblocks, size), dtype=torch.uint8, device="cuda")
+    scale = torch.tensor([1e-3], dtype=torch.float16).view(torch.uint8).cuda()  # 2 bytes
+    scales = 2 if qtype == "Q8_0" else 4  # Q4_K: d and dmin
+    raw[..., :scales] = scale.repeat(scales // 2)
+    return raw.reshape(out_features, -1)
+
+
+def _cuda_ms(fn, reps: int = 20) -> float:
+    """Median ms a call, CUDA events around each of `reps` calls after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def quant() -> dict:
+    """Issue 39: y = x @ W^T with W as FP8 (kernels/quant_gpu.py's Fp8Linear: _scaled_mm
+    where the GPU has it) and as GGUF blocks (the Triton tile GEMM), against the bfloat16
+    matmul on the same GPU in the same run: ms a call, bfloat16 activations."""
+    rows = []
+    for (out_features, in_features), qtype in QUANT_SHAPES:
+        rows += _time_quant_shape(out_features, in_features, qtype)
+        torch.cuda.empty_cache()
+    return {"gpu": torch.cuda.get_device_name(0), "rows": rows}
+
+
+def _time_quant_shape(out_features: int, in_features: int, qtype: str) -> list[dict]:
+    from gguf.constants import GGMLQuantizationType
+
+    from kernels.quant_gpu import Fp8Linear, gguf_linear, quantize_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(out_features, in_features, device="cuda", generator=gen)
+    dense = (weight / in_features**0.5).bfloat16()
+    fp8 = Fp8Linear(*quantize_fp8(dense))
+    blocks = _random_blocks(qtype, out_features, in_features)
+    code = int(GGMLQuantizationType[qtype])
+    out = []
+    for rows in QUANT_ROWS:
+        x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+        row = {"shape": f"{out_features}x{in_features}", "rows": rows, "gguf_type": qtype,
+               "bf16_ms": _cuda_ms(lambda x=x: torch.nn.functional.linear(x, dense)),
+               "fp8_ms": _cuda_ms(lambda x=x: fp8(x)),
+               "gguf_ms": _cuda_ms(lambda x=x: gguf_linear(x, blocks, code))}  # fmt: skip
+        row["fp8_path"] = fp8.describe().rsplit(", ", 1)[-1]
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
 PARTS = {"tests": gpu_tests, "bf16": bf16_check, "offline": offline, "kernels": kernels,
-         "nanobatch": nanobatch}  # fmt: skip
+         "nanobatch": nanobatch, "quant": quant}  # fmt: skip
 
 
 def summary(results: dict[str, object], failures: list[str], gpu: str) -> list[str]:
@@ -111,7 +184,7 @@ def summary(results: dict[str, object], failures: list[str], gpu: str) -> list[s
         bf16 = results.get("bf16")
         lines.append("bf16 accuracy        " + ("passed" if bf16 == 0 else f"FAILED ({bf16})"))
     for name, fn in (("offline", _offline_lines), ("kernels", _kernel_lines),
-                     ("nanobatch", _nanobatch_lines)):  # fmt: skip
+                     ("nanobatch", _nanobatch_lines), ("quant", _quant_lines)):  # fmt: skip
         if results.get(name) is not None:
             try:
                 lines += fn(results[name])
@@ -142,6 +215,14 @@ def _kernel_lines(kern: dict) -> list[str]:
             lines.append(f"decode b1 {r['config']:<22} {r['ms_per_step']:.2f} ms/step, "
                          f"{r['bound_fraction']:.0%} of the bandwidth bound")  # fmt: skip
     return lines
+
+
+def _quant_lines(result: dict) -> list[str]:
+    return [
+        f"quant {r['shape']:>10} x{r['rows']:<3} bf16 {r['bf16_ms']:.3f} ms, fp8 "
+        f"{r['fp8_ms']:.3f} ms ({r['fp8_path']}), {r['gguf_type']} {r['gguf_ms']:.3f} ms"
+        for r in result["rows"]
+    ]
 
 
 def _nanobatch_lines(nano: dict) -> list[str]:

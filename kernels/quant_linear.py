@@ -9,7 +9,7 @@ No dequantized copy of a weight is kept. Two paths (kernels/csrc/quant_linear_cp
   `dpbusd`, AVX2 `maddubs`, or scalar), float32 across blocks; each weight block read once
   a call for all the rows (the legacy blocks two a 512-bit vector on AVX-512 VNNI). The int8
   activations cost at most 9e-3 relative error (norm-wise) against the float64 matmul on
-  the dequantized weight (measured in tests/kernels/test_quant_linear.py, bound 2e-2);
+  the dequantized weight (measured in tests/kernels/quant/test_quant_linear.py, bound 2e-2);
 - larger batches: tiles of weight rows dequantized into a scratch buffer, each multiplied
   into its output columns by the skinny bfloat16 / float32 kernel (kernels/packed_linear.py)
   up to the rows calibrated for it, by torch's GEMM (oneDNN / MKL) above them.
@@ -238,6 +238,9 @@ class QuantLinear(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
         self.bias = bias
         self.path: Path = "auto"  # "int_dot" / "tile": forced (tests, benchmarks)
+        # The Triton tile GEMM (kernels/quant_gpu.py) instead of the CPU's kernels: set
+        # with the blocks on a CUDA device (models/quantized.py's `place`).
+        self.triton = False
         self.isa: int | None = None  # None: the best this build has
         self._max_rows: dict[torch.dtype, list[int]] = {}  # calibrated, per dtype
         self._isa: int | None = None
@@ -265,6 +268,8 @@ class QuantLinear(nn.Module):
 
     def run(self, x: torch.Tensor, out_dtype: torch.dtype, path: Path = "auto") -> torch.Tensor:
         """x @ W.T + bias in `out_dtype` by `path` ("auto": as calibrated)."""
+        if self.triton:
+            return self._run_triton(x, out_dtype)
         if x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"QuantLinear runs float32 or bfloat16 inputs, not {x.dtype}")
         rows = x.reshape(-1, self.in_features)
@@ -283,6 +288,15 @@ class QuantLinear(nn.Module):
                 torch.ops.vlmserve_quant.linear(target, rows, part.blocks, part.qtype, bias, isa)
             else:
                 _tile_linear(target, rows, part, bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _run_triton(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        from kernels.quant_gpu import gguf_linear
+
+        rows = x.reshape(-1, self.in_features)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype, device=x.device)
+        for i, (part, start, end) in enumerate(self._spans):
+            gguf_linear(rows, part.blocks, part.qtype, self._bias(i, x.dtype), out[:, start:end])
         return out.view(*x.shape[:-1], self.out_features)
 
     def _best_isa(self) -> int:
@@ -305,6 +319,8 @@ class QuantLinear(nn.Module):
         types = "+".join(qtype_name(p.qtype) for p in self.parts)
         total_bits = sum(p.bits_per_weight * p.out_features for p in self.parts)
         bits = total_bits / self.out_features
+        if self.triton:
+            return f"{types} {bits:.3g} bits/weight, Triton dequant-tile GEMM"
         if kernel_available() is not None:
             return f"{types} {bits:.2g} bits/weight, dequant-tile GEMM (no C++ kernel)"
         limits = sorted(set(self.max_rows(torch.bfloat16)))
@@ -361,7 +377,14 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.weight_q = weight
         self.dtype = dtype
+        self.triton = False  # rows decoded by kernels/quant_gpu.py (blocks on CUDA)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight_q.dequantize(ids.reshape(-1), self.dtype)
+        if self.triton:
+            from kernels.quant_gpu import dequantize_rows
+
+            w = self.weight_q
+            rows = dequantize_rows(w.blocks, w.qtype, w.in_features, ids, self.dtype)
+        else:
+            rows = self.weight_q.dequantize(ids.reshape(-1), self.dtype)
         return rows.view(*ids.shape, self.weight_q.in_features)

@@ -73,7 +73,7 @@ def default_device() -> str:
     return os.environ.get("VLMSERVE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,9 @@ class ModelConfig:
     # "auto" runs a GGUF file's quantized blocks as stored on a CPU and anything else in its
     # dtype; "none" dequantizes a GGUF file at load; "gguf" insists on the file's blocks;
     # "int8" quantizes a checkpoint's linears, embedding and LM head to int8 at load
-    # (weight-only, a scale per 32 weights). `weight_format` is what it resolved to.
+    # (weight-only, a scale per 32 weights); on CUDA gguf and int8 run in a Triton GEMM
+    # (kernels/quant_gpu.py); "fp8" (CUDA only) stores the decoder layers' linears as e4m3
+    # with per-channel scales. `weight_format` is what it resolved to.
     quantization: str = "auto"
 
     def __post_init__(self) -> None:
@@ -139,15 +141,22 @@ class ModelConfig:
                 "--quantization gguf runs a GGUF file's blocks, but the model is a checkpoint "
                 "folder: pass a .gguf file, or --quantization int8 to quantize this one"
             )
-        if self.quantization in ("gguf", "int8") and torch.device(self.device).type != "cpu":
+        device = torch.device(self.device).type
+        if self.quantization in ("gguf", "int8") and device not in ("cpu", "cuda"):
             raise ValueError(
-                f"--quantization {self.quantization} runs on the CPU only so far; on "
+                f"--quantization {self.quantization} runs on a CPU or a CUDA GPU; on "
                 f"{self.device} use --quantization none (a GGUF file is dequantized at load)"
+            )
+        if self.quantization == "fp8" and device != "cuda":
+            raise ValueError(
+                f"--quantization fp8 runs on GPUs (CUDA), not on {self.device}: on a CPU use "
+                "--quantization int8 (weight-only int8 at load), or a GGUF file's blocks"
             )
 
     @property
     def weight_format(self) -> str:
-        """ "none", "gguf" or "int8": what `quantization` resolved to for this model."""
+        """ "none", "gguf", "int8" or "fp8": what `quantization` resolved to for this model
+        ("auto" on CUDA dequantizes a GGUF file: its Triton GEMM is chosen by name)."""
         if self.quantization != "auto":
             return self.quantization
         on_cpu = torch.device(self.device).type == "cpu"

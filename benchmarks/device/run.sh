@@ -6,7 +6,8 @@
 #      FlashInfer's API and pulp's CBC checked; then `pytest -m gpu --collect-only`;
 #   3. without a CUDA device it stops there (exit 2, "no CUDA device");
 #   4. benchmarks/gpu_check.py part by part (the gpu tests, bf16 against transformers, offline
-#      throughput in bf16, the kernels table, nano-batching), each in its own process under its own timeout: a part
+#      throughput in bf16, the kernels table, nano-batching, the quantized GEMMs' timings:
+#      their log appended to kernels.log), each in its own process under its own timeout: a part
 #      that fails or runs out of time leaves the others their turn;
 #   5. the summary table.
 # Everything it prints goes to OUT too: env.log, one log per part, summary.txt,
@@ -25,7 +26,9 @@ BUNDLE="${VLMSERVE_BUNDLE:-.device-bundle}"
 SITE="${VLMSERVE_SITE:-/tmp/vlmserve-site}"
 BUDGET_S="${VLMSERVE_GPU_BUDGET_S:-555}"
 # Seconds per part, at most; the budget left cuts the later ones shorter.
-declare -A LIMIT=([tests]=150 [bf16]=80 [offline]=110 [kernels]=100 [nanobatch]=80)
+declare -A LIMIT=([tests]=150 [bf16]=80 [offline]=110 [kernels]=100 [nanobatch]=80 [quant]=30)
+# A part without a log of its own writes into another's (8 files come back from a device).
+declare -A LOG=([quant]=kernels)
 for kv in ${VLMSERVE_PART_TIMEOUTS:-}; do LIMIT[${kv%%=*}]="${kv#*=}"; done  # "tests=200 ..."
 mkdir -p "$DEST"
 SCRATCH="$(mktemp -d)"
@@ -79,24 +82,25 @@ status=${PIPESTATUS[0]}
 [ "$status" -eq 0 ] || exit "$status"
 
 run_part() {
-    local name=$1 limit=${LIMIT[$1]} left
+    local name=$1 limit=${LIMIT[$1]} left log="$DEST/${LOG[$1]:-$1}.log" append=()
+    [ -n "${LOG[$1]:-}" ] && append=(-a)
     left=$((BUDGET_S - (SECONDS - START) - 20))  # 20 s kept for the summary
     ((limit > left)) && limit=$left
     if ((limit < 20)); then
-        echo "run.sh: no time left for $name" | tee "$DEST/$name.log"
+        echo "run.sh: no time left for $name" | tee "${append[@]}" "$log"
         return
     fi
-    echo "=== $name: at most ${limit}s ($((SECONDS - START))s in) ===" | tee "$DEST/$name.log"
+    echo "=== $name: at most ${limit}s ($((SECONDS - START))s in) ===" | tee "${append[@]}" "$log"
     local t0=$SECONDS
     timeout -k 10 "$limit" "$PY" -m benchmarks.gpu_check --part "$name" --save "$SCRATCH" \
-        --tests-timeout-s $((limit - 5)) 2>&1 | tee -a "$DEST/$name.log"
+        --tests-timeout-s $((limit - 5)) 2>&1 | tee -a "$log"
     local rc=${PIPESTATUS[0]}
     local why=""
     ((rc == 124 || rc == 137)) && why=" (its timeout)"
-    echo "run.sh: $name exit $rc$why after $((SECONDS - t0))s" | tee -a "$DEST/$name.log"
+    echo "run.sh: $name exit $rc$why after $((SECONDS - t0))s" | tee -a "$log"
 }
 
-for name in tests bf16 offline kernels nanobatch; do run_part "$name"; done
+for name in tests bf16 offline kernels nanobatch quant; do run_part "$name"; done
 "$PY" -m benchmarks.gpu_check --summary "$SCRATCH" 2>&1 | tee "$DEST/summary.txt"
 status=${PIPESTATUS[0]}
 cp "$SCRATCH/gpu_check.json" "$DEST/results.json" 2>/dev/null

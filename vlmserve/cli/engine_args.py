@@ -74,7 +74,9 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         help="the decoder's weights: auto (default) runs a GGUF file's quantized blocks as "
         "stored on a CPU and any other checkpoint in --dtype; none dequantizes a GGUF file "
         "to --dtype at load; gguf requires a GGUF file; int8 quantizes a checkpoint's "
-        "linears, embedding and LM head to weight-only int8 at load (CPU)",
+        "linears, embedding and LM head to weight-only int8 at load; gguf and int8 run the "
+        "C++ kernels on a CPU, a Triton GEMM on CUDA; fp8 (CUDA only) stores the decoder "
+        "layers' linears as e4m3 with per-channel scales (torch._scaled_mm)",
     )
     group.add_argument(
         "--max-model-len", type=int_at_least(2), default=None, help="default: the checkpoint's"

@@ -182,7 +182,10 @@ def quantization_summary(model_path: str, quantization: str, dtype: torch.dtype)
     from vlmserve.worker.models import quantized
     from vlmserve.worker.models.loader import load_model
 
-    config = ModelConfig(model_path, quantization=quantization, device=default_device())
+    try:
+        config = ModelConfig(model_path, quantization=quantization, device=default_device())
+    except ValueError as e:  # e.g. fp8 on a CPU: what `serve` would say
+        return {"weights": f"refused: {e}"}
     fmt = config.weight_format
     if fmt == "none":
         return {"weights": f"dense {str(dtype).removeprefix('torch.')} (--quantization "

@@ -131,6 +131,9 @@ def test_a_bad_value_is_an_argparse_error_naming_the_flag(flags, message, capsys
         (["--max-decode-pixels", "10", "--max-image-pixels", "20"], "--max-decode-pixels: max_"),
         # The default model has 6 attention heads.
         (["--tensor-parallel-size", "4"], "--tensor-parallel-size: tensor_parallel_size=4 does"),
+        # FP8 weights run on GPUs: on a CPU the message names the CPU's format.
+        (["--quantization", "fp8", "--device", "cpu"], "--quantization fp8 runs on GPUs (CUDA)"),
+        (["--quantization", "fp8", "--device", "cpu"], "on a CPU use --quantization int8"),
     ],
 )
 def test_a_bad_combination_is_a_message_naming_the_flags(flags, message, capsys):

@@ -17,6 +17,7 @@ from tests.helpers import make_engine
 from vlmserve.config import ModelConfig
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
+from vlmserve.worker.models import quantized
 from vlmserve.worker.models.gguf_file import GGUFFile
 from vlmserve.worker.models.loader import load_model
 from vlmserve.worker.models.random_checkpoint import make_gemma3_checkpoint, make_text_checkpoint
@@ -30,6 +31,12 @@ PROMPTS = [[5, 17, 42, 9, 33, 7, 81, 12, 64, 3, 99, 21, 8, 45, 30, 2], [100, 3, 
 # int-dot kernels quantize activations to int8 (about 1e-2 relative on a layer's output);
 # on these random 64-wide models the largest gap measured was MEASURED_GAP.
 LOGPROB_BOUND = 0.25
+# The Triton GEMM (kernels/quant_gpu.py) in float32 against the dense float32 engine on the
+# dequantized weights: float32 rounding only (the same weights, sums in another order).
+TRITON_LOGPROB_BOUND = 1e-3
+# FP8 weights (e4m3: up to 2^-4 relative a weight) against float32 on the 64-wide llama:
+# measured 0.012 (weights dequantized) and 0.015 (_scaled_mm, FP8 activations, on a CPU).
+FP8_LOGPROB_BOUND = 0.05
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -119,8 +126,12 @@ def test_quantization_choices_are_checked(tmp_path, converted):
     arch, hf, gguf_file = converted
     with pytest.raises(ValueError, match="--quantization gguf runs a GGUF file's blocks"):
         ModelConfig(str(hf), quantization="gguf")
-    with pytest.raises(ValueError, match="runs on the CPU only"):
-        ModelConfig(str(hf), quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match="runs on a CPU or a CUDA GPU"):
+        ModelConfig(str(hf), quantization="int8", device="mps")
+    with pytest.raises(ValueError, match="fp8 runs on GPUs .* use --quantization int8"):
+        ModelConfig(str(hf), quantization="fp8", device="cpu")
+    assert ModelConfig(str(hf), quantization="fp8", device="cuda").weight_format == "fp8"
+    assert ModelConfig(str(hf), quantization="int8", device="cuda").weight_format == "int8"
     with pytest.raises(ValueError, match="not one of"):
         ModelConfig(str(hf), quantization="fp4")
     assert ModelConfig(str(hf)).weight_format == "none"  # auto: a checkpoint in its dtype
@@ -146,3 +157,78 @@ def test_info_prints_each_layers_blocks_bits_and_kernels(converted, capsys):
     assert all("bits/weight" in line for line in lines), lines
     assert main([*args, "--quantization", "none"]) == 0
     assert json.loads(capsys.readouterr().out)["quantization"]["weights"].startswith("dense")
+    if not torch.cuda.is_available():  # what `serve --quantization fp8` would answer here
+        assert main([*args, "--quantization", "fp8"]) == 0
+        shown = json.loads(capsys.readouterr().out)["quantization"]["weights"]
+        assert shown.startswith("refused: --quantization fp8 runs on GPUs"), shown
+
+
+@pytest.mark.slow
+def test_the_triton_gemm_runs_the_files_blocks(converted):
+    """`place(..., triton=True)`, what a CUDA device gets: every quantized linear runs the
+    Triton tile GEMM and the embedding its row decode (here in Triton's interpreter),
+    matching the dense engine on the dequantized weights to float32 rounding."""
+    from kernels import quant_gpu
+
+    if quant_gpu.available(torch.device("cpu")) is not None:
+        pytest.skip(quant_gpu.available(torch.device("cpu")))
+    arch, hf, gguf_file = converted
+    blocks = make_engine(gguf_file, tokenizer=str(hf), dtype="float32")
+    decoder = blocks.runner.model.decoder
+    quantized.place(decoder, torch.device("cpu"), triton=True)
+    assert all(m.triton for m in decoder.modules() if isinstance(m, QuantLinear | QuantEmbedding))
+    assert all("Triton" in line for line in quantized.describe(decoder) if "proj" in line)
+    dense = make_engine(gguf_file, tokenizer=str(hf), dtype="float32", quantization="none")
+    gap = _gap(_prompt_logprobs(blocks), _prompt_logprobs(dense))
+    assert gap <= TRITON_LOGPROB_BOUND, (arch, gap)
+    assert _greedy(blocks) == _greedy(dense)
+
+
+def test_fp8_stores_the_decoder_layers_linears_as_e4m3(tmp_path):
+    """The loader's fp8 path (CUDA's; the config refuses it on a CPU, so it is called
+    directly): every layer linear an Fp8Linear, embedding and head dense; then an engine's
+    decoder so quantized (the dequantizing path here) tracks float32 within the bound."""
+    from kernels.quant_gpu import Fp8Linear
+
+    hf = make_text_checkpoint(tmp_path / "hf", "llama", hidden=64, kv_heads=2)
+    decoder = load_model(str(hf), torch.float32, torch.device("cpu"), TorchPagedAttention(),
+                         weight_format="fp8").decoder  # fmt: skip
+    fp8 = [m for m in decoder.modules() if isinstance(m, Fp8Linear)]
+    assert len(fp8) == 4 * decoder.cfg.num_layers
+    assert fp8[0].w8.dtype == torch.float8_e4m3fn
+    assert isinstance(decoder.embed_tokens, torch.nn.Embedding)
+    weights, size = quantized.weight_bytes(decoder)
+    dense_weights, dense_size = quantized.weight_bytes(_load_dense(hf))
+    assert weights == dense_weights and size < dense_size
+    engine = make_engine(hf, dtype="float32", pack_weights=False)
+    dense = make_engine(hf, dtype="float32")
+    assert quantized.quantize_fp8_decoder(engine.runner.model.decoder) == len(fp8)
+    gap = _gap(_prompt_logprobs(engine), _prompt_logprobs(dense))
+    assert 0 < gap <= FP8_LOGPROB_BOUND, gap
+
+
+def _load_dense(hf):
+    return load_model(str(hf), torch.float32, torch.device("cpu"), TorchPagedAttention()).decoder
+
+
+@pytest.mark.gpu
+def test_gguf_and_fp8_engines_on_cuda(tmp_path):
+    """On a GPU: `--quantization gguf` runs the file's blocks in the Triton GEMM (compiled)
+    and the embedding by its row decode, within float32 rounding of the dense engine on the
+    dequantized weights, greedy tokens equal; `--quantization fp8` within FP8's bound."""
+    hf = make_text_checkpoint(tmp_path / "hf", "llama", hidden=64, kv_heads=2)
+    gguf_file = write_gguf(hf, tmp_path / "model.gguf", "llama")
+    common = {"tokenizer": str(hf), "dtype": "float32", "device": "cuda"}
+    blocks = make_engine(gguf_file, quantization="gguf", **common)
+    decoder = blocks.runner.model.decoder
+    assert isinstance(decoder.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert decoder.layers[0].self_attn.qkv_proj.triton and decoder.embed_tokens.triton
+    assert decoder.embed_tokens.weight_q.blocks.is_cuda
+    dense = make_engine(gguf_file, quantization="none", **common)
+    gap = _gap(_prompt_logprobs(blocks), _prompt_logprobs(dense))
+    assert gap <= TRITON_LOGPROB_BOUND, gap
+    assert _greedy(blocks) == _greedy(dense)
+    fp8 = make_engine(gguf_file, quantization="fp8", **common)
+    assert fp8.config.model.weight_format == "fp8"
+    gap = _gap(_prompt_logprobs(fp8), _prompt_logprobs(dense))
+    assert 0 < gap <= FP8_LOGPROB_BOUND, gap

@@ -114,7 +114,7 @@ def load_model(
     """`shard`: a tensor-parallel rank's slice of the decoder (its heads and MLP rows);
     the vision tower and the embeddings are whole on every rank. `weight_format`
     (ModelConfig.weight_format): "none" dense in `dtype`; "gguf" a GGUF file's blocks
-    run as stored; "int8" quantized at load (models/quantized.py)."""
+    run as stored; "int8" / "fp8" quantized at load (models/quantized.py)."""
     config = read_config(path)
     spec = family_of(config)
     text_config = config.get("text_config", config) if spec.multimodal else config
@@ -148,9 +148,13 @@ def load_model(
     decoder.load(decoder_tensors, prefix, lm_head)
     if weight_format == "int8":
         quantized.quantize_int8_decoder(decoder)
-    if weight_format != "none":
+    if weight_format in ("gguf", "int8") and device.type == "cpu":
         quantized.calibrate(decoder, dtype)
     decoder = decoder.to(device).eval()
+    if weight_format in ("gguf", "int8"):
+        quantized.place(decoder, device)  # the blocks and their kernels (Triton on CUDA)
+    if weight_format == "fp8":
+        quantized.quantize_fp8_decoder(decoder)
 
     vision, image_token_id = None, None
     if spec.multimodal:

@@ -1,6 +1,7 @@
-"""The decoder's weights held quantized, run by kernels/quant_linear.py (CPU).
+"""The decoder's weights held quantized, run by kernels/quant_linear.py (CPU) and
+kernels/quant_gpu.py (CUDA).
 
-Two sources (`ModelConfig.weight_format`):
+Three sources (`ModelConfig.weight_format`):
 - "gguf": a GGUF file's blocks as stored. `install_blocks` swaps the meta decoder's
   linears for `QuantLinear`s before any weight memory is allocated: each fused projection
   (q|k|v, gate|up) whose parts are all in a block type the kernels run becomes one
@@ -10,11 +11,19 @@ Two sources (`ModelConfig.weight_format`):
   runs dense, with the norms.
 - "int8": any checkpoint, loaded in its dtype, then `quantize_int8_decoder` quantizes the
   same modules to weight-only int8 (a scale per 32 weights, Q8_0's layout).
+- "fp8" (CUDA): any checkpoint, loaded in its dtype, then `quantize_fp8_decoder` stores the
+  decoder layers' linears as e4m3 with a float32 scale per output channel (`Fp8Linear`:
+  torch._scaled_mm); the embedding and LM head stay in the dtype, as vLLM keeps them.
+
+Where the kernels run is picked per device by `place`: on a CPU the C++ kernels (nothing
+moves); on CUDA the blocks move to the GPU and every quantized module runs the Triton
+dequant-tile GEMM (the embedding its row decode).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -87,6 +96,48 @@ def quantize_int8_decoder(decoder: nn.Module) -> int:
     return count
 
 
+def quantize_fp8_decoder(decoder: nn.Module) -> int:
+    """Store every decoder layer's linears as FP8 (e4m3, per-output-channel scales) in
+    place, on the device they are on; returns how many."""
+    from kernels.quant_gpu import Fp8Linear
+
+    count = 0
+    for layer in decoder.layers:
+        for ours in _LINEARS:
+            _replace(layer, ours, Fp8Linear.from_linear(layer.get_submodule(ours)))
+            count += 1
+    return count
+
+
+def place(decoder: nn.Module, device: torch.device, triton: bool | None = None) -> None:
+    """Move the quantized modules' blocks (and biases) to `device` and pick their kernels:
+    the Triton GEMM where `triton` (default: on CUDA), else the CPU's. A block tensor
+    shared by two modules (a tied head) moves once."""
+    triton = device.type == "cuda" if triton is None else triton
+    moved: set[int] = set()
+    for module in decoder.modules():
+        if isinstance(module, QuantLinear):
+            weights = module.parts
+            if module.bias is not None:
+                module.bias = module.bias.to(device)
+        elif isinstance(module, QuantEmbedding):
+            weights = [module.weight_q]
+        else:
+            continue
+        module.triton = triton
+        for weight in weights:
+            if id(weight) not in moved:
+                moved.add(id(weight))
+                weight.blocks = weight.blocks.to(device)
+
+
+def _fp8_linear() -> type | tuple:
+    """Fp8Linear where kernels/quant_gpu.py was imported (only FP8 makes one), else () (an
+    isinstance of nothing): a CPU engine never imports triton for it."""
+    module = sys.modules.get("kernels.quant_gpu")
+    return module.Fp8Linear if module is not None else ()
+
+
 def calibrate(decoder: nn.Module, dtype: torch.dtype) -> None:
     """Measure (or read from this CPU's cache) every quantized layer's kernel crossover
     now, at load, so that no step measures."""
@@ -133,8 +184,9 @@ def describe(decoder: nn.Module) -> list[str]:
     """One line per kind of quantized module: its block types, bits per weight and kernel
     paths (`vlmserve info`); empty for a dense decoder."""
     lines: dict[str, int] = {}
+    fp8 = _fp8_linear()
     for name, module in decoder.named_modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, QuantLinear) or isinstance(module, fp8):
             line = f"{name.split('.')[-1]}: {module.describe()}"
         elif isinstance(module, QuantEmbedding):
             weight = module.weight_q
@@ -152,6 +204,7 @@ def weight_bytes(decoder: nn.Module) -> tuple[int, int]:
     blocks counted once."""
     seen: set[int] = set()
     weights = size = 0
+    fp8 = _fp8_linear()
     for module in decoder.modules():
         if isinstance(module, QuantLinear):
             quant = module.parts
@@ -159,6 +212,9 @@ def weight_bytes(decoder: nn.Module) -> tuple[int, int]:
             quant = [module.weight_q]
         else:
             quant = []
+        if isinstance(module, fp8):  # its e4m3 weight and scales are buffers
+            weights += module.in_features * module.out_features
+            size += sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
         if isinstance(module, PackedLinear):
             weights += module.in_features * module.out_features
             weights += 0 if module.bias is None else module.bias.numel()
