@@ -44,11 +44,19 @@ _BLOCK_BYTES = {_Q8_0: 34, _Q4_0: 18, _Q5_0: 22, _Q4_K: 144, _Q6_K: 210}
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 FP8 = torch.float8_e4m3fn
 INTERPRETED = bool(triton.knobs.runtime.interpret)
+# Triton before 3.7 interprets `range(0, K, 32)` with K a kernel argument as int() of a
+# 1-element array, which numpy refuses; compiled kernels (CUDA) are not affected.
+OLD_INTERPRETER = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
 
 
 def available(device: torch.device) -> str | None:
     """None when the Triton kernels run on `device`; otherwise why not."""
-    if device.type == "cuda" or (device.type == "cpu" and INTERPRETED):
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and INTERPRETED and OLD_INTERPRETER:
+        return (f"Triton {triton.__version__}'s interpreter cannot loop to a kernel argument "
+                "(fixed in 3.7): on a CPU use triton >= 3.7")  # fmt: skip
+    if device.type == "cpu" and INTERPRETED:
         return None
     return f"Triton kernels run on CUDA, or on a CPU under TRITON_INTERPRET=1 (not {device})"
 
