@@ -127,16 +127,29 @@ def one(trace, n: int, config: RouterConfig, args, seed: int, oracle: bool = Fal
     return result.summary() | {"sim_wall_s": time.perf_counter() - start}
 
 
+def encoder_cache_tokens(args: argparse.Namespace) -> int:
+    """A replica's encoder cache in visual tokens (the router's image weights): the
+    simulator stores an image as its tokens x hidden x 2 bytes."""
+    return int(args.encoder_cache_mb * 2**20 // (hardware().model.hidden_size * 2))
+
+
+def ours(args: argparse.Namespace, params: dict) -> RouterConfig:
+    """Ours with `params`, knowing its replicas' encoder-cache size (not a tuned value:
+    the engine's), unless `--no-cache-model`."""
+    size = None if args.no_cache_model else encoder_cache_tokens(args)
+    return RouterConfig(max_imbalance=args.max_imbalance, encoder_cache_tokens=size, **params)
+
+
 def run(n: int, seed: int, args: argparse.Namespace, params: dict) -> dict:
     trace = make_trace(n, seed, args)
     rows: dict[str, dict] = {}
     for kind in ROUTERS:
-        extra = params if kind == "cache_aware" else {}
-        config = RouterConfig(kind=kind, max_imbalance=args.max_imbalance, **extra)
+        config = (
+            ours(args, params) if kind == "cache_aware" else RouterConfig(kind, args.max_imbalance)
+        )
         rows[kind] = one(trace, n, config, args, seed)
     if not args.no_oracle:
-        ours = RouterConfig(max_imbalance=args.max_imbalance, **params)
-        rows["oracle"] = one(trace, n, ours, args, seed, oracle=True)
+        rows["oracle"] = one(trace, n, ours(args, params), args, seed, oracle=True)
     printable = [
         {
             "router": kind,
@@ -206,13 +219,12 @@ def tune(args: argparse.Namespace) -> None:
     for params in points:
         passed, ratios = 0, []
         for (n, seed), (trace, base) in baselines.items():
-            config = RouterConfig(max_imbalance=args.max_imbalance, **params)
-            ours = one(trace, n, config, args, seed)
-            verdict = checks(base | {"cache_aware": ours})
+            row = one(trace, n, ours(args, params), args, seed)
+            verdict = checks(base | {"cache_aware": row})
             passed += sum(verdict.values())
-            ratios.append(ours[HIT] / base["pow2"][HIT])
-            print(params, n, seed, f"ratio {ratios[-1]:.3f} p99 {ours[P99] * 1e3:.1f} ms "
-                  f"imbalance {ours[IMB]:.3f} {verdict}", flush=True)  # fmt: skip
+            ratios.append(row[HIT] / base["pow2"][HIT])
+            print(params, n, seed, f"ratio {ratios[-1]:.3f} p99 {row[P99] * 1e3:.1f} ms "
+                  f"imbalance {row[IMB]:.3f} {verdict}", flush=True)  # fmt: skip
         mean_ratio = statistics.fmean(ratios)
         scored.append({"params": params, "checks_passed": passed, "mean_ratio": mean_ratio})
     best = max(scored, key=lambda s: (s["checks_passed"], s["mean_ratio"]))
@@ -238,6 +250,8 @@ def main() -> None:
     p.add_argument("--encoder-cache-mb", type=float, default=256.0)
     p.add_argument("--max-imbalance", type=int, default=2, help="the prefix router's bound")
     p.add_argument("--no-oracle", action="store_true")
+    p.add_argument("--no-cache-model", action="store_true",
+                   help="ours without its model of the replicas' encoder caches")  # fmt: skip
     p.add_argument("--tune", action="store_true", help="the grid on TUNING_SEEDS")
     p.add_argument("--name", default="replica_routing_sim")
     args = p.parse_args()
@@ -264,6 +278,8 @@ def _write(args: argparse.Namespace, results: list[dict]):
         "seeds": {"tuning": TUNING_SEEDS, "reported_held_out": args.seeds,
                   "held_out": sorted(set(args.seeds) - set(TUNING_SEEDS)) == sorted(args.seeds)},
         "cache_aware_params": CHOSEN,
+        "cache_aware_encoder_cache_tokens": None if args.no_cache_model
+        else encoder_cache_tokens(args),
         "encoder_cache_mb": args.encoder_cache_mb,
         "prefix_max_imbalance": args.max_imbalance,
         "results": results,
