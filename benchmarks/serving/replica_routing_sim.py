@@ -11,7 +11,8 @@ the very router code `vlmserve serve --replicas N` runs:
   (b) prefix: text-prefix affinity (SGLang's and Ray Serve LLM's routers) with their
       absolute imbalance threshold,
   (c) cache_aware: ours (session, image content, block-hash prefix; affinity within
-      bounded loads on queue + KV use and on the share of recent traffic),
+      bounded loads on queue + KV use and on the share of recent traffic; a model of
+      each replica's encoder cache, the engine's 256 MB, `--no-cache-model` without),
   and two ceilings no router reaches: `oracle` (every image request sent to a replica
   whose encoder cache holds its image now, peeking into the caches and ignoring load)
   and `compulsory` (every image's first sight a miss, every later one a hit).
@@ -49,7 +50,8 @@ from search.sim.traces import TraceRequest
 
 TUNING_SEEDS = (1, 2)
 HELD_OUT_SEEDS = (3, 4)
-# Ours, as `--tune` picked it on TUNING_SEEDS (the defaults of RouterConfig).
+# Ours, as `--tune` picked it on TUNING_SEEDS of the trace before issue 40's shape was
+# fixed (the defaults of RouterConfig); nothing was tuned on the current trace.
 CHOSEN = {"load_factor": 0.25, "image_first": True, "kv_weight": 4.0, "share_window": 32}
 # kv_weight and share_window are not tuned here: the simulated 7B's KV pool is never more
 # than a few % used at these rates, and the simulator's queues already see every load

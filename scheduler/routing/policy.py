@@ -27,6 +27,10 @@ share of the recent traffic (requests routed to it, decayed over `share_window`
 requests a replica), which is the load of the near future: queues show a hot spot only
 once it has formed, shares before. Past the bound: power of two choices on queue + KV.
 
+Given each replica's encoder-cache size (`encoder_cache_tokens`, in the image keys'
+weights), ours keeps an LRU of the images it sent each replica as the cache does, so an
+image the replica has evicted since stops counting as held there.
+
 The state (who served which image key, block hash and session) is three LRU maps, each
 bounded, of at most `max_holders` replicas a key (among equal matches the lighter load
 wins), and one decayed count a replica; a replica that goes away (death, restart,
