@@ -27,6 +27,10 @@ share of the recent traffic (requests routed to it, decayed over `share_window`
 requests a replica), which is the load of the near future: queues show a hot spot only
 once it has formed, shares before. Past the bound: power of two choices on queue + KV.
 
+Given each replica's encoder-cache size (`encoder_cache_tokens`, in the image keys'
+weights), ours keeps an LRU of the images it sent each replica as the cache does, so an
+image the replica has evicted since stops counting as held there.
+
 The state (who served which image key, block hash and session) is three LRU maps, each
 bounded, of at most `max_holders` replicas a key (among equal matches the lighter load
 wins), and one decayed count a replica; a replica that goes away (death, restart,
@@ -86,6 +90,11 @@ class RouterConfig:
     # Replicas remembered per image key or block hash, most recent last: a prefix that
     # spilled to a second replica spreads over both instead of piling onto the first.
     max_holders: int = 4
+    # `cache_aware`: each replica's encoder cache in the image keys' weight (visual
+    # tokens), the router keeping an LRU of what it sent each replica as the cache does:
+    # an image the replica has evicted since no longer pulls a request there (a miss
+    # that would queue behind its affinity). None: images are held until `max_keys` forgets.
+    encoder_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ROUTERS:
@@ -97,6 +106,8 @@ class RouterConfig:
                 f"load_factor={self.load_factor}, kv_weight={self.kv_weight} and "
                 f"share_window={self.share_window} must be >= 0"
             )
+        if self.encoder_cache_tokens is not None and self.encoder_cache_tokens < 1:
+            raise ValueError(f"encoder_cache_tokens={self.encoder_cache_tokens} must be >= 1")
         if min(self.max_keys, self.max_sessions, self.max_holders) < 1:
             raise ValueError(
                 f"max_keys={self.max_keys}, max_sessions={self.max_sessions} and "
@@ -124,6 +135,10 @@ class ReplicaRouter:
         # Requests routed to each replica, decayed: sum over past routings of d^age.
         self._shares: dict[ReplicaId, float] = {}
         self._num_replicas = 1  # as of the last `choose` (the decay's horizon)
+        # With `encoder_cache_tokens`: each replica's encoder cache as an LRU of the image
+        # keys sent there, oldest first, with their weights; their sum stays within it.
+        self._encoded: dict[ReplicaId, OrderedDict[bytes, int]] = {}
+        self._encoded_tokens: dict[ReplicaId, int] = {}
 
     @property
     def num_entries(self) -> tuple[int, int, int]:
@@ -231,16 +246,46 @@ class ReplicaRouter:
         if cfg.kind == "cache_aware":
             for key, _ in keys.image_keys:
                 _add_holder(self._images, key, replica, cfg.max_keys, cfg.max_holders)
+            if cfg.encoder_cache_tokens is not None:
+                for key in self._encode(replica, keys.image_keys, cfg.encoder_cache_tokens):
+                    self._drop_holder(self._images, key, replica)
+
+    def _encode(
+        self, replica: ReplicaId, image_keys: tuple[tuple[bytes, int], ...], capacity: int
+    ) -> list[bytes]:
+        """`replica`'s encoder cache takes `image_keys` (most recently used last) as an LRU
+        of `capacity` tokens does: the keys it evicts. An image larger than the whole
+        cache is not held (as `encoders.cache.EncoderCache` does not store it)."""
+        lru = self._encoded.setdefault(replica, OrderedDict())
+        total = self._encoded_tokens.get(replica, 0)
+        for key, weight in image_keys:
+            total -= lru.pop(key, 0)
+            if weight <= capacity:
+                lru[key] = weight
+                total += weight
+        evicted = []
+        while total > capacity:
+            key, weight = lru.popitem(last=False)
+            evicted.append(key)
+            total -= weight
+        self._encoded_tokens[replica] = total
+        return [k for k, _ in image_keys if k not in lru] + evicted
+
+    @staticmethod
+    def _drop_holder(table: OrderedDict, key: bytes, replica: ReplicaId) -> None:
+        rest = tuple(r for r in table.get(key, ()) if r != replica)
+        if rest:
+            table[key] = rest
+        else:
+            table.pop(key, None)
 
     def remove_replica(self, replica: ReplicaId) -> None:
         """Forget what `replica` held (it died or was replaced: its caches are gone)."""
         for table in (self._images, self._blocks):
             for key in [k for k, held in table.items() if replica in held]:
-                rest = tuple(r for r in table[key] if r != replica)
-                if rest:
-                    table[key] = rest
-                else:
-                    del table[key]
+                self._drop_holder(table, key, replica)
+        self._encoded.pop(replica, None)
+        self._encoded_tokens.pop(replica, None)
         for session in [s for s, r in self._sessions.items() if r == replica]:
             del self._sessions[session]
         self._shares.pop(replica, None)

@@ -238,3 +238,49 @@ def test_an_unseen_image_is_placed_by_load_not_pulled_by_a_shared_system_prompt(
     prefix_pull = router(share_window=0, image_first=False)
     prefix_pull.record(RouteKeys(block_hashes=(H[0], H[1])), "r1")
     assert prefix_pull.choose(keys, {"r0": 0, "r1": 0, "r2": 0}).reason == "prefix"
+
+
+def img(i: int, weight: int) -> RouteKeys:
+    return RouteKeys(image_keys=((bytes([65 + i]) * 16, weight),))
+
+
+def test_an_image_the_replicas_encoder_cache_evicted_no_longer_pulls():
+    # r1's encoder cache: 100 tokens, LRU. Images 0, 1, 2 of 40 tokens each: the third
+    # evicts the first (120 > 100); image 1, used again, outlives image 2.
+    r = router(share_window=0, encoder_cache_tokens=100)
+    for i in (0, 1, 2):
+        r.record(img(i, 40), "r1")
+    loads = {"r0": 0, "r1": 0}
+    assert r.choose(img(0, 40), loads).reason == "balance"
+    assert (r.choose(img(1, 40), loads).replica, r.choose(img(2, 40), loads).reason) == (
+        "r1",
+        "image",
+    )
+    r.record(img(1, 40), "r1")
+    r.record(img(3, 40), "r1")  # evicts image 2, the least recently sent
+    assert [r.choose(img(i, 40), loads).reason for i in (1, 2, 3)] == ["image", "balance", "image"]
+    # The eviction is r1's alone: r0 still holds image 2 once sent there.
+    r.record(img(2, 40), "r0")
+    assert r.choose(img(2, 40), {"r0": 0, "r1": 0}).replica == "r0"
+    # An image larger than the whole cache is never held; without the model, all are.
+    r.record(img(4, 101), "r1")
+    assert r.choose(img(4, 101), loads).reason == "balance"
+    unbounded = router(share_window=0)
+    for i in (0, 1, 2, 3, 4):
+        unbounded.record(img(i, 40 if i < 4 else 101), "r1")
+    assert {unbounded.choose(img(i, 1), loads).reason for i in range(5)} == {"image"}
+    with pytest.raises(ValueError, match="encoder_cache_tokens"):
+        RouterConfig(encoder_cache_tokens=0)
+
+
+def test_a_removed_replica_forgets_its_encoder_cache():
+    r = router(share_window=0, encoder_cache_tokens=100)
+    r.record(img(0, 60), "r1")
+    r.remove_replica("r1")
+    loads = {"r0": 0, "r1": 0}
+    assert r.choose(img(0, 60), loads).reason == "balance"
+    # The restarted replica's cache starts empty: 60 + 40 tokens fit (a count still
+    # holding the dead replica's 60 tokens would evict image 1 at once).
+    r.record(img(1, 60), "r1")
+    r.record(img(2, 40), "r1")
+    assert [r.choose(img(i, 1), loads).reason for i in (1, 2)] == ["image", "image"]

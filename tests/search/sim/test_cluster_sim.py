@@ -9,7 +9,7 @@ import pytest
 from scheduler.routing.policy import ReplicaRouter, RouterConfig
 from search.costmodel.presets import get_accelerator, get_encoder, get_model
 from search.image_budget import ImageAssumptions
-from search.sim.affinity_trace import AffinityShape, affinity_trace
+from search.sim.affinity_trace import AffinityShape, affinity_trace, describe
 from search.sim.cluster_sim import simulate_cluster
 from search.sim.step_time import StepHardware
 from search.sim.trace_sim import simulate
@@ -99,11 +99,53 @@ def test_the_affinity_trace_continues_conversations_and_round_trips_jsonl(tmp_pa
     for t in chats:
         assert len({(r.system_prompt_id, r.images) for r in t}) == 1
         assert all(a.num_text_tokens < b.num_text_tokens for a, b in zip(t, t[1:], strict=False))
-    assert {im.content_hash for r in trace for im in r.images} <= {f"img{k}" for k in range(10)}
+    pool = {im.content_hash for r in trace for im in r.images} - {
+        f"own{r.request_id[1:]}" for r in trace
+    }
+    assert pool <= {f"img{k}" for k in range(10)}
     path = tmp_path / "t.jsonl"
     path.write_text(to_jsonl(trace))
     assert read_jsonl(path) == trace
     assert json.loads(path.read_text().splitlines()[0])["session_id"] == trace[0].session_id
+
+
+def test_the_default_trace_holds_the_issues_stated_shape():
+    # AffinityShape's defaults as its docstring states them: a pool of 300 images that
+    # half the conversations reuse by Zipf(0.8), 0.3 with an image of their own, 35% of
+    # requests a later turn. Counted here from the requests, not by `describe`.
+    trace = affinity_trace(6000, 50.0, seed=11)
+    opening: dict[str, TraceRequest] = {}
+    for req in trace:
+        opening.setdefault(req.session_id, req)
+    keys = [r.images[0].content_hash if r.images else None for r in opening.values()]
+    pool = [k for k in keys if k is not None and k.startswith("img")]
+    own = [k for k in keys if k is not None and k.startswith("own")]
+    assert len(pool) + len(own) + keys.count(None) == len(keys)
+    assert abs(len(pool) / len(keys) - 0.5) < 0.03 and abs(len(own) / len(keys) - 0.3) < 0.03
+    assert abs((len(trace) - len(keys)) / len(trace) - 0.35) < 0.03
+    assert {int(k[3:]) for k in pool} <= set(range(300)) and len(set(pool)) > 250
+    assert len(set(own)) == len(own)  # an own image belongs to one conversation
+    # Zipf(0.8): the 10 most popular images draw sum(k^-0.8, k <= 10) / sum(k <= 300).
+    expected = sum(k**-0.8 for k in range(1, 11)) / sum(k**-0.8 for k in range(1, 301))
+    top = sum(int(k[3:]) < 10 for k in pool) / len(pool)
+    assert abs(top - expected) < 0.04, (top, expected)
+    # Every turn of a conversation resends its image: image requests outnumber openings.
+    assert sum(1 for r in trace if r.images) > len(pool) + len(own)
+
+
+def test_describe_counts_conversations_and_images():
+    a, own = (TraceImage("img0", 2),), (TraceImage("own3", 1),)
+    trace = [
+        TraceRequest("r0", 0.0, "image", 8, 4, a, session_id="s0"),
+        TraceRequest("r1", 1.0, "text", 8, 4, (), session_id="s1"),
+        TraceRequest("r2", 2.0, "image", 20, 4, a, session_id="s0"),
+        TraceRequest("r3", 3.0, "image", 8, 4, own, session_id="s3"),
+    ]
+    assert describe(trace) == {
+        "num_requests": 4, "num_conversations": 3, "pool_share": 1 / 3, "unique_share": 1 / 3,
+        "followup_share": 0.25, "num_pool_images_drawn": 1, "num_image_requests": 3,
+        "num_distinct_images": 2,
+    }  # fmt: skip
 
 
 def test_bad_arguments_are_refused():
@@ -111,3 +153,5 @@ def test_bad_arguments_are_refused():
         simulate_cluster(affinity_trace(5, 1.0), HW, 0)
     with pytest.raises(ValueError, match="followup_share"):
         AffinityShape(followup_share=1.5)
+    with pytest.raises(ValueError, match="exceeds 1"):
+        AffinityShape(pool_share=0.6, unique_share=0.5)
