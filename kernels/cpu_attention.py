@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import calibration, cpu_build
+from kernels import calibration, cpu_build, fused_ops
 from kernels.attention import (
     SMALL_QUERY_LEN,
     AttentionBatch,
@@ -265,6 +265,36 @@ class CpuPagedAttention(TorchPagedAttention):
             paged_rows(batch, starts, small), paged_rows(batch, starts, large),
             window, key_ends(batch, starts),
         )  # fmt: skip
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+        norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Attention from the qkv projection's output [tokens, (heads + 2 kv_heads) *
+        head_dim]: QK-norm (`norms`, Gemma 3), RoPE and the K/V write as one op
+        (fused_ops.qkv_to_cache), then the kernels, which read K/V from the cache. At a
+        decode step of a small model the separate ops cost more than the attention itself.
+        None where that does not apply (torch's SDPA reads k and v, the cache's dtype
+        differs, no fused kernels): the caller takes the unfused path."""
+        if (
+            metadata.fresh or metadata.groups or qkv.dtype != kv_cache.dtype
+            or qkv.stride(-1) != 1 or not fused_ops.can_fuse(qkv)
+        ):  # fmt: skip
+            return None
+        q = fused_ops.qkv_to_cache(
+            qkv, num_heads, head_dim, norms, cos, sin, kv_cache, metadata.slot_mapping
+        )
+        out = torch.empty_like(q)
+        self._attend(out, q, None, None, kv_cache, metadata, scale)
+        return out
 
     def _attend(self, out, q, k, v, kv_cache, metadata: CpuAttentionMetadata, scale) -> None:
         super()._attend(out, q, k, v, kv_cache, metadata, scale)

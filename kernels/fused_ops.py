@@ -7,7 +7,9 @@ residual adds, RoPE and SiLU·mul (GELU-tanh·mul for Gemma), each a pass over m
 a noticeable share of the step on a CPU.
 The fused path runs for float32 and bfloat16 CPU tensors where the kernels build
 (bfloat16 in and out, float32 inside: within a bfloat16 rounding or two of the eager ops,
-which round after every op; tests/kernels/test_bf16.py); on a GPU the residual
+which round after every op; tests/kernels/test_bf16.py). `qkv_to_cache` takes the
+attention's inputs from the qkv projection in one pass (QK-norm, RoPE, the K/V cache write):
+at a decode step of a small model those ops cost more than the attention. On a GPU the residual
 add + RMSNorm is the Triton kernel in kernels/triton_ops.py (RoPE is fused into the Triton
 attention backend's K/V write); anything else takes the eager path.
 """
@@ -113,6 +115,29 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     torch.ops.vlmserve_fused.gelu_tanh_and_mul(out, gate_up)
     return out
+
+
+def qkv_to_cache(
+    qkv: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """q [tokens, num_heads, head_dim] from the fused projection's output qkv, whose k and
+    v go straight into kv_cache [2, kv_heads, slots, head_dim] at `slots`: the QK-norm
+    (`norms`: q's weight, k's, eps; Gemma 3), RoPE and the cache write in one pass, bit for
+    bit as rms_norm, rope and the backend's write. Needs `can_fuse(qkv)` and a cache in
+    qkv's dtype."""
+    q = qkv.new_empty(qkv.shape[0], num_heads, head_dim)
+    q_weight, k_weight, eps = norms if norms is not None else (None, None, 0.0)
+    torch.ops.vlmserve_fused.qkv_to_cache(
+        q, kv_cache, qkv, q_weight, k_weight, eps, cos, sin, slots
+    )
+    return q
 
 
 def op_backends(

@@ -12,7 +12,9 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "vec.h"
 
@@ -155,6 +157,88 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
   });
 }
 
+// dst = rope(src) for one head: src * cos + rotate_half(src) * sin (as rotary_embedding).
+template <typename T>
+inline void rope_row(T* dst, const T* src, const T* c, const T* s, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = static_cast<float>(src[i]), b = static_cast<float>(src[i + half]);
+    dst[i] = round_to<T>(a * static_cast<float>(c[i]) + (-b) * static_cast<float>(s[i]));
+    dst[i + half] = round_to<T>(b * static_cast<float>(c[i + half]) +
+                                a * static_cast<float>(s[i + half]));
+  }
+}
+
+// The attention's inputs from the fused projection's output qkv [tokens, (heads + 2 kv_heads)
+// * dim] in one pass: q's heads (RMS-normed by q_weight where given: Gemma 3's QK-norm, then
+// RoPE) into q_out [tokens, heads, dim]; k's (k_weight's norm, RoPE) and v's into the cache
+// [2, kv_heads, slots, dim] at slots[token]. The same roundings as rms_norm, then
+// rotary_embedding, then the cache write (the unfused path): bit-identical outputs.
+void qkv_to_cache(at::Tensor& q_out, at::Tensor& kv_cache, const at::Tensor& qkv,
+                  const c10::optional<at::Tensor>& q_weight,
+                  const c10::optional<at::Tensor>& k_weight, double eps, const at::Tensor& cos,
+                  const at::Tensor& sin, const at::Tensor& slots) {
+  const at::ScalarType dtype = qkv.scalar_type();
+  check_rows(qkv, "qkv", dtype);
+  const int64_t tokens = qkv.size(0), heads = q_out.size(1), dim = q_out.size(2);
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.scalar_type() == dtype && kv_cache.size(3) == dim,
+              "kv_cache: contiguous [2, kv_heads, slots, dim] of qkv's dtype");
+  const int64_t kv_heads = kv_cache.size(1), num_slots = kv_cache.size(2), half = dim / 2;
+  TORCH_CHECK(q_out.dim() == 3 && q_out.is_contiguous() && q_out.scalar_type() == dtype &&
+                  q_out.size(0) == tokens && dim % 2 == 0 &&
+                  qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "q_out: contiguous [tokens, heads, dim]; qkv [tokens, (heads + 2 kv_heads) dim]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.size(0) == tokens && cos.size(1) == dim && sin.sizes() == cos.sizes() &&
+                  cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+              "cos, sin: contiguous [tokens, dim] of qkv's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1 &&
+                  slots.size(0) == tokens, "slots: int64 [tokens]");
+  for (const auto* w : {&q_weight, &k_weight})
+    TORCH_CHECK(!w->has_value() || ((*w)->is_contiguous() && (*w)->numel() == dim &&
+                                    (*w)->scalar_type() == dtype),
+                "q/k norm weights: [dim] of qkv's dtype");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the cache");
+  dispatch(qkv, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = qkv.data_ptr<T>();
+    T* qp = q_out.data_ptr<T>();
+    T* kp = kv_cache.data_ptr<T>();
+    T* vp = kp + kv_heads * num_slots * dim;
+    const T* qw = q_weight.has_value() ? q_weight->data_ptr<T>() : nullptr;
+    const T* kw = k_weight.has_value() ? k_weight->data_ptr<T>() : nullptr;
+    const T* cp = cos.data_ptr<T>();
+    const T* snp = sin.data_ptr<T>();
+    const int64_t xs = qkv.stride(0);
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      std::vector<T> normed(dim);
+      for (int64_t t = begin; t < end; ++t) {
+        const T* row = xp + t * xs;
+        const T* c = cp + t * dim;
+        const T* s = snp + t * dim;
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+          const bool is_q = h < heads;
+          const T* src = row + h * dim;
+          const T* w = is_q ? qw : kw;
+          if (w != nullptr) {
+            rms_row(normed.data(), src, w, dim, static_cast<float>(eps));
+            src = normed.data();
+          }
+          T* dst = is_q ? qp + (t * heads + h) * dim
+                        : kp + ((h - heads) * num_slots + sp[t]) * dim;
+          rope_row(dst, src, c, s, half);
+        }
+        for (int64_t h = 0; h < kv_heads; ++h)
+          std::copy(row + (heads + kv_heads + h) * dim, row + (heads + kv_heads + h + 1) * dim,
+                    vp + (h * num_slots + sp[t]) * dim);
+      }
+    });
+  });
+}
+
 #if VLMSERVE_VEC_LANES
 // The first n elements of p (all lanes for n >= kLanes) as float32, and their store.
 inline vec::vfloat load_first(const float* p, int64_t n) {
@@ -235,6 +319,9 @@ TORCH_LIBRARY(vlmserve_fused, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def(
+      "qkv_to_cache(Tensor(a!) q_out, Tensor(b!) kv_cache, Tensor qkv, Tensor? q_weight, "
+      "Tensor? k_weight, float eps, Tensor cos, Tensor sin, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve_fused, CPU, m) {
@@ -243,4 +330,5 @@ TORCH_LIBRARY_IMPL(vlmserve_fused, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
+  m.impl("qkv_to_cache", &qkv_to_cache);
 }

@@ -12,7 +12,9 @@
 // block is read once for all the rows that share it. Query row i of a sequence sits at
 // position context_len - query_len + i and sees positions <= it; with a sliding window w
 // (> 0) only those > it - w, and blocks wholly before the first row's window are skipped
-// (a hybrid KV pool may have reused them).
+// (a hybrid KV pool may have reused them). With fewer items than threads (a decode of one
+// sequence with one KV head: Gemma 3 270M's batch 1) each item's blocks are split into
+// shares, each with its own running max and sum, merged at the end (flash-decoding).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +25,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "paged_inputs.h"
@@ -35,6 +38,8 @@ using vec::kLanes;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kPrefetchAhead = 1;
+// The fewest blocks a share of a split context gets (attend: fewer items than threads).
+constexpr int64_t kMinShareBlocks = 4;
 
 #if VLMSERVE_VEC_LANES
 // Register tiles (AVX2: 16 vector registers, AVX-512: 32): R rows x J keys of partial dot
@@ -221,13 +226,15 @@ inline void block_values(const float* p, const kv_t* vb, const float* correction
 // One (sequence, kv head): `rows` query rows (scaled, float) over `ctx` positions, with an
 // online softmax across blocks. K/V blocks are read in place, a float32 or bfloat16 cache
 // widened in registers (float16 is converted into `kbuf`/`vbuf` first, a block at a time).
+// Only the blocks [block_begin, block_end) (a share of the context: see attend's split).
 template <typename cache_t>
 void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t* lo,
                 int64_t rows, int64_t dim,
                 int64_t ctx, int64_t block_size, const int32_t* table, const cache_t* k_head,
                 const cache_t* v_head, float* kbuf, float* vbuf, float* p, float* m, float* l,
-                float* correction) {
-  for (int64_t first = lo[0] / block_size * block_size; first < ctx; first += block_size) {
+                float* correction, int64_t block_begin, int64_t block_end) {
+  const int64_t stop = std::min(ctx, block_end * block_size);
+  for (int64_t first = block_begin * block_size; first < stop; first += block_size) {
     const int64_t count = std::min(block_size, ctx - first);
     const int64_t slot = static_cast<int64_t>(table[first / block_size]) * block_size;
     constexpr bool in_place = std::is_same_v<cache_t, float> || std::is_same_v<cache_t, at::BFloat16>;
@@ -246,7 +253,7 @@ void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t*
     // Blocks sit at random pages, where the hardware prefetcher stops: fetch the block
     // kPrefetchAhead blocks on (the first ones too, on the first block) while this one is
     // computed, so several blocks' loads are in flight at once.
-    const int64_t here = first / block_size, num_blocks = (ctx + block_size - 1) / block_size;
+    const int64_t here = first / block_size, num_blocks = std::min(block_end, (ctx + block_size - 1) / block_size);
     const int64_t bytes = block_size * dim * static_cast<int64_t>(sizeof(cache_t));
     for (int64_t b = here == 0 ? 1 : here + kPrefetchAhead;
          b <= std::min(here + kPrefetchAhead, num_blocks - 1); ++b) {
@@ -308,43 +315,125 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
                    [&](int64_t a, int64_t b) { return work(a) > work(b); });
   const float fscale = static_cast<float>(scale);
 
-#pragma omp parallel num_threads(at::get_num_threads())
+  // Query rows of an item (scaled, float32), each row's last visible position and first
+  // position inside its window.
+  auto rows_of = [&](int64_t item, std::vector<float>& qs, std::vector<int64_t>& last,
+                     std::vector<int64_t>& lo) {
+    const int64_t seq = item / kv_heads, h = item % kv_heads;
+    const int64_t q_len = qlens[seq], ctx = clens[seq], start = starts[seq];
+    const int64_t rows = q_len * group;
+    qs.resize(rows * dim);
+    last.resize(rows);
+    lo.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r / group, head = h * group + r % group;
+      const scalar_t* src = q_ptr + (start + i) * q_stride + head * dim;
+      for (int64_t d = 0; d < dim; ++d) qs[r * dim + d] = static_cast<float>(src[d]) * fscale;
+      last[r] = ctx - q_len + i;
+      lo[r] = window > 0 ? std::max<int64_t>(0, last[r] - window + 1) : 0;
+    }
+    return rows;
+  };
+  auto write_rows = [&](int64_t item, int64_t rows, const float* acc, const float* l) {
+    const int64_t seq = item / kv_heads, h = item % kv_heads, start = starts[seq];
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r / group, head = h * group + r % group;
+      scalar_t* dst = o_ptr + (start + i) * o_stride + head * dim;
+      const float inv = 1.f / l[r];
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * dim + d] * inv);
+    }
+  };
+  // Each item's blocks: from the one holding its first row's window start to the end.
+  auto block_range = [&](int64_t item) {
+    const int64_t seq = item / kv_heads, ctx = clens[seq];
+    const int64_t first_last = ctx - qlens[seq];
+    const int64_t lo0 = window > 0 ? std::max<int64_t>(0, first_last - window + 1) : 0;
+    return std::pair<int64_t, int64_t>{lo0 / block_size, (ctx + block_size - 1) / block_size};
+  };
+
+  // Fewer items than threads (a decode of one or two sequences with few KV heads): split
+  // each item's blocks into shares, one task each, with their own running max and sum,
+  // then merge the shares (flash-decoding): otherwise all but one thread would wait.
+  const int64_t threads = at::get_num_threads();
+  int64_t shares = 1;
+  if (num_items < threads) {
+    shares = (threads + num_items - 1) / num_items;
+    for (int64_t item = 0; item < num_items; ++item) {
+      const auto [b0, b1] = block_range(item);
+      shares = std::min(shares, (b1 - b0) / kMinShareBlocks);
+    }
+  }
+  if (shares > 1) {
+    std::vector<int64_t> offset(num_items + 1, 0);  // each item's rows in the scratch
+    for (int64_t item = 0; item < num_items; ++item)
+      offset[item + 1] = offset[item] + qlens[item / kv_heads] * group;
+    const int64_t total_rows = offset[num_items];
+    std::vector<float> accs(shares * total_rows * dim, 0.f), ms(shares * total_rows, kNegInf),
+        ls(shares * total_rows, 0.f);
+#pragma omp parallel num_threads(threads)
+    {
+      std::vector<float> qs, p, correction;
+      std::vector<float> kbuf(block_size * dim), vbuf(block_size * dim);
+      std::vector<int64_t> last, lo;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < num_items * shares; ++task) {
+        const int64_t item = task / shares, share = task % shares;
+        const int64_t rows = rows_of(item, qs, last, lo);
+        p.resize(rows * block_size);
+        correction.resize(rows);
+        const auto [b0, b1] = block_range(item);
+        const int64_t begin = b0 + (b1 - b0) * share / shares;
+        const int64_t end = b0 + (b1 - b0) * (share + 1) / shares;
+        const int64_t row0 = share * total_rows + offset[item];
+        const int64_t seq = item / kv_heads, h = item % kv_heads;
+        attend_one<cache_t>(qs.data(), accs.data() + row0 * dim, last.data(), lo.data(), rows,
+                            dim, clens[seq], block_size, tables + seq * max_blocks,
+                            k_base + h * num_slots * dim, v_base + h * num_slots * dim,
+                            kbuf.data(), vbuf.data(), p.data(), ms.data() + row0,
+                            ls.data() + row0, correction.data(), begin, end);
+      }
+    }
+    // Merge: each share's sum and accumulator rescaled to the rows' overall max.
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t rows = offset[item + 1] - offset[item];
+      std::vector<float> acc(rows * dim, 0.f), l(rows, 0.f);
+      for (int64_t r = 0; r < rows; ++r) {
+        float m = kNegInf;
+        for (int64_t sh = 0; sh < shares; ++sh)
+          m = std::max(m, ms[sh * total_rows + offset[item] + r]);
+        for (int64_t sh = 0; sh < shares; ++sh) {
+          const int64_t row = sh * total_rows + offset[item] + r;
+          if (ms[row] == kNegInf) continue;  // this share saw nothing of the row
+          const float f = std::exp(ms[row] - m);
+          l[r] += ls[row] * f;
+          for (int64_t d = 0; d < dim; ++d) acc[r * dim + d] += accs[row * dim + d] * f;
+        }
+      }
+      write_rows(item, rows, acc.data(), l.data());
+    }
+    return;
+  }
+
+#pragma omp parallel num_threads(threads)
   {
     std::vector<float> qs, acc, m, l, p, correction;
     std::vector<float> kbuf(block_size * dim), vbuf(block_size * dim);
     std::vector<int64_t> last, lo;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < num_items; ++n) {
-      const int64_t seq = order[n] / kv_heads, h = order[n] % kv_heads;
-      const int64_t q_len = qlens[seq], ctx = clens[seq], start = starts[seq];
-      const int64_t rows = q_len * group;
-      qs.resize(rows * dim);
+      const int64_t item = order[n], seq = item / kv_heads, h = item % kv_heads;
+      const int64_t rows = rows_of(item, qs, last, lo);
       acc.assign(rows * dim, 0.f);
       m.assign(rows, kNegInf);
       l.assign(rows, 0.f);
       p.resize(rows * block_size);
       correction.resize(rows);
-      last.resize(rows);
-      lo.resize(rows);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = r / group, head = h * group + r % group;
-        const scalar_t* src = q_ptr + (start + i) * q_stride + head * dim;
-        for (int64_t d = 0; d < dim; ++d) qs[r * dim + d] = static_cast<float>(src[d]) * fscale;
-        last[r] = ctx - q_len + i;
-        lo[r] = window > 0 ? std::max<int64_t>(0, last[r] - window + 1) : 0;
-      }
-      const int32_t* table = tables + seq * max_blocks;
-      const cache_t* k_head = k_base + h * num_slots * dim;
-      const cache_t* v_head = v_base + h * num_slots * dim;
-      attend_one<cache_t>(qs.data(), acc.data(), last.data(), lo.data(), rows, dim, ctx, block_size,
-                           table, k_head, v_head, kbuf.data(), vbuf.data(), p.data(), m.data(),
-                           l.data(), correction.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = r / group, head = h * group + r % group;
-        scalar_t* dst = o_ptr + (start + i) * o_stride + head * dim;
-        const float inv = 1.f / l[r];
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * dim + d] * inv);
-      }
+      const auto [b0, b1] = block_range(item);
+      attend_one<cache_t>(qs.data(), acc.data(), last.data(), lo.data(), rows, dim, clens[seq],
+                          block_size, tables + seq * max_blocks, k_base + h * num_slots * dim,
+                          v_base + h * num_slots * dim, kbuf.data(), vbuf.data(), p.data(),
+                          m.data(), l.data(), correction.data(), b0, b1);
+      write_rows(item, rows, acc.data(), l.data());
     }
   }
 }

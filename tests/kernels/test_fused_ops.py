@@ -90,3 +90,55 @@ def test_gelu_tanh_and_mul_matches_eager(width: int) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     assert ((got - want).abs() <= 2e-6 * want.abs() + 1.2e-7 * (gate * up).abs()).all()
     assert torch.equal(fused_ops.gelu_tanh_and_mul(gate_up, fused=False), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "norms"),
+                         [(4, 1, 256, True), (12, 4, 64, False), (6, 6, 32, True)])  # fmt: skip
+def test_qkv_to_cache_matches_norm_rope_and_the_cache_write(
+    heads: int, kv_heads: int, dim: int, norms: bool, dtype: torch.dtype
+) -> None:
+    """q out and k, v in the cache at scattered slots, bit for bit as the separate fused ops
+    (rms_norm per head, rope, index_copy_) compute them; other slots untouched."""
+    gen = torch.Generator().manual_seed(dim + heads)
+    n, num_slots, eps = 19, 64, 1e-6
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen) * 2).to(dtype)
+    cos, sin = (t.to(dtype) for t in torch.randn(2, n, dim, generator=gen))
+    weights = tuple(torch.randn(dim, generator=gen).to(dtype) for _ in "qk")
+    slots = torch.randperm(num_slots, generator=gen)[:n]
+    cache = torch.randn(2, kv_heads, num_slots, dim, generator=gen).to(dtype)
+    before = cache.clone()
+
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.reshape(n * heads, dim), k.reshape(n * kv_heads, dim)
+    if norms:
+        q, k = (
+            fused_ops.rms_norm(x, w, eps, fused=True) for x, w in zip((q, k), weights, strict=True)
+        )
+    want_q, want_k = fused_ops.rope(
+        q.view(n, heads, dim).clone(), k.view(n, kv_heads, dim).clone(), cos, sin, fused=True
+    )
+    got_q = fused_ops.qkv_to_cache(
+        qkv, heads, dim, (*weights, eps) if norms else None, cos, sin, cache, slots
+    )
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(cache[0][:, slots], want_k.transpose(0, 1))
+    assert torch.equal(cache[1][:, slots], v.reshape(n, kv_heads, dim).transpose(0, 1))
+    others = torch.ones(num_slots, dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(cache[:, :, others], before[:, :, others])
+    # and within rounding of the eager definitions
+    eager_q = q if not norms else fused_ops.rms_norm_eager(
+        qkv[:, : heads * dim].reshape(n * heads, dim), weights[0], eps)  # fmt: skip
+    eager_q = fused_ops.rope_eager(eager_q.view(n, heads, dim), cos, sin)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got_q.float(), eager_q.float(), rtol=tol, atol=tol)
+
+
+def test_qkv_to_cache_refuses_a_slot_outside_the_cache() -> None:
+    qkv = torch.randn(2, 3 * 32)
+    cache = torch.zeros(2, 1, 8, 32)
+    cos = sin = torch.ones(2, 32)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        fused_ops.qkv_to_cache(qkv, 1, 32, None, cos, sin, cache, torch.tensor([3, 8]))
+    assert not cache.any()  # checked before anything is written

@@ -97,9 +97,27 @@ def test_window_and_spans_in_bf16_on_the_cpu_kernels(dim, window, null):
     run_layout("cpu", dim, window, torch.bfloat16, atol=1e-2, rtol=2.0**-7, null=null)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 64, 37])
+@pytest.mark.parametrize("threads", [3, 4, 8])
+def test_a_lone_long_decode_split_over_threads(threads, window, dtype):
+    """Fewer (sequence, KV head) items (here 2 or 4) than threads: the CPU kernel splits each item's
+    blocks into shares and merges their softmax sums; every share's range (the window's
+    start included, NaN-poisoned blocks before it) must still give the reference."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layout = [(213, 1, []), (150, 1, [])] if threads == 8 else [(201, 1, [])]
+        tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {
+            "atol": 1e-2, "rtol": 2.0**-7}  # fmt: skip
+        run_layout("cpu", 32, window, dtype, null=window is not None, layout=layout, **tol)
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_layout(
     backend: str, dim: int, window, dtype: torch.dtype, atol: float, rtol: float,
-    null: bool = False,
+    null: bool = False, layout=LAYOUT,
 ):  # fmt: skip
     torch.manual_seed(dim + (window or 0))
     attn = BACKENDS[backend]()
@@ -110,7 +128,7 @@ def run_layout(
     # Blocks at random pages; block 0 stays out (the null block of the `null` tables).
     free = (torch.randperm(NUM_BLOCKS - 1) + 1).tolist()
     tables, seqs, poison = [], [], []
-    for cached, new, spans in LAYOUT:
+    for cached, new, spans in layout:
         ctx = cached + new
         table = [free.pop() for _ in range((ctx + block - 1) // block)]
         k, v = torch.randn(2, ctx, KV_HEADS, dim).to(dtype)

@@ -58,7 +58,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, layer: int) -> torch.Tensor:
         n, c = x.shape[0], self.cfg
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        fused_qkv = getattr(self.backend, "forward_qkv", None) if ctx.fused else None
+        if fused_qkv is not None:  # the CPU backend: RoPE and the K/V write in one op
+            out = fused_qkv(qkv, c.num_heads, c.head_dim, None, ctx.cos, ctx.sin,
+                            ctx.kv_caches[layer], ctx.attn_metadata, self.scale)  # fmt: skip
+            if out is not None:
+                return self.o_proj(out.reshape(n, c.num_heads * c.head_dim))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         rope_forward = getattr(self.backend, "forward_rope", None)
         if ctx.fused and rope_forward is not None:  # RoPE fused into the backend's K/V write
             out = rope_forward(

@@ -98,15 +98,23 @@ class Gemma3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx, layer: int) -> torch.Tensor:
         n, c = x.shape[0], self.cfg
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # [n * heads, head_dim]: the norm runs over each head's vector
-        q = self.q_norm(q.reshape(-1, c.head_dim), ctx.fused).view(n, c.num_heads, c.head_dim)
-        k = self.k_norm(k.reshape(-1, c.head_dim), ctx.fused).view(n, c.num_kv_heads, c.head_dim)
-        v = v.reshape(n, c.num_kv_heads, c.head_dim)
+        qkv = self.qkv_proj(x)
         cos, sin = (ctx.local_cos, ctx.local_sin) if self.window else (ctx.cos, ctx.sin)
         meta = ctx.attn_metadata
         if isinstance(meta, LayeredMetadata):  # this layer's KV cache group's
             meta = meta.for_layer(layer)
+        fused_qkv = getattr(self.backend, "forward_qkv", None) if ctx.fused else None
+        if fused_qkv is not None:  # the CPU backend: norms, RoPE and the K/V write in one op
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            out = fused_qkv(qkv, c.num_heads, c.head_dim, norms, cos, sin,
+                            ctx.kv_caches[layer], meta, self.scale)  # fmt: skip
+            if out is not None:
+                return self.o_proj(out.reshape(n, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # [n * heads, head_dim]: the norm runs over each head's vector
+        q = self.q_norm(q.reshape(-1, c.head_dim), ctx.fused).view(n, c.num_heads, c.head_dim)
+        k = self.k_norm(k.reshape(-1, c.head_dim), ctx.fused).view(n, c.num_kv_heads, c.head_dim)
+        v = v.reshape(n, c.num_kv_heads, c.head_dim)
         q, k = fused_ops.rope(q, k, cos, sin, ctx.fused)
         out = self.backend.forward(q, k, v, ctx.kv_caches[layer], meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
