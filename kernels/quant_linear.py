@@ -69,6 +69,12 @@ def kernel_available() -> str | None:
     return cpu_build.load("quant_linear_cpu")
 
 
+@functools.cache
+def _linear_op():
+    """torch.ops.vlmserve_quant.linear, looked up once (each lookup costs a microsecond)."""
+    return torch.ops.vlmserve_quant.linear
+
+
 def best_isa() -> int:
     """The int-dot instruction set the built kernel uses by default (an `ISA` value)."""
     return int(torch.ops.vlmserve_quant.best_isa()) if kernel_available() is None else 0
@@ -245,6 +251,7 @@ class QuantLinear(nn.Module):
         self._max_rows: dict[torch.dtype, list[int]] = {}  # calibrated, per dtype
         self._isa: int | None = None
         self._biases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._plans: dict[torch.dtype, tuple[bool, list[tuple]]] = {}  # run's, per dtype
         ends = np.cumsum([p.out_features for p in self.parts]).tolist()
         self._spans = [
             (p, end - p.out_features, end) for p, end in zip(self.parts, ends, strict=True)
@@ -270,25 +277,36 @@ class QuantLinear(nn.Module):
         """x @ W.T + bias in `out_dtype` by `path` ("auto": as calibrated)."""
         if self.triton:
             return self._run_triton(x, out_dtype)
-        if x.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"QuantLinear runs float32 or bfloat16 inputs, not {x.dtype}")
-        rows = x.reshape(-1, self.in_features)
+        kernel, plan = self._plans.get(x.dtype) or self._plan(x.dtype)
+        # A decode step calls each linear once a layer with one row: this path is kept
+        # short (each Python-level op here costs about a microsecond, the kernel ~20-100).
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         num_rows = rows.shape[0]
         out = torch.empty(num_rows, self.out_features, dtype=out_dtype)
-        limits = self.max_rows(x.dtype) if path == "auto" else None
-        int_dot = kernel_available() is None
         isa = self._best_isa() if self.isa is None else self.isa
-        single = len(self.parts) == 1
-        for i, (part, start, end) in enumerate(self._spans):
-            bias = self._bias(i, x.dtype)
-            target = out if single else out[:, start:end]
-            if int_dot and (path == "int_dot" or (limits is not None and num_rows <= limits[i])):
-                torch.ops.vlmserve_quant.linear(target, rows, part.blocks, part.qtype, bias, isa)
+        limits = self.max_rows(x.dtype) if path == "auto" and kernel else None
+        for i, (part, bias, span) in enumerate(plan):
+            target = out if span is None else out[:, span[0] : span[1]]
+            if kernel and (path == "int_dot" or (limits is not None and num_rows <= limits[i])):
+                _linear_op()(target, rows, part.blocks, part.qtype, bias, isa)
             else:
                 _tile_linear(target, rows, part, bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def _plan(self, dtype: torch.dtype) -> tuple[bool, list[tuple]]:
+        """Per input dtype, made once: whether the C++ kernel is here, and per part its
+        weight, bias in `dtype` and output columns (None: all)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"QuantLinear runs float32 or bfloat16 inputs, not {dtype}")
+        single = len(self._spans) == 1
+        plan = [
+            (part, self._bias(i, dtype), None if single else (start, end))
+            for i, (part, start, end) in enumerate(self._spans)
+        ]
+        self._plans[dtype] = (kernel_available() is None, plan)
+        return self._plans[dtype]
 
     def _run_triton(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         from kernels.quant_gpu import gguf_linear

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import functools
 import os
 import random
 import statistics
@@ -78,6 +79,40 @@ def chat_payloads(requests: list[dict], variant: int = 0) -> list[tuple[list[dic
     return payloads
 
 
+def real_payloads(requests: list[dict], variant: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens) per request of the real workload, sent as completions
+    of token ids (both servers then see the same tokens, with no chat template between).
+    Variant 0 is the spec's prompts; each other one takes other slices of the same prose
+    at the same lengths (BOS first), so no pass hits a prefix an earlier one cached."""
+    if not variant:
+        return [(r["prompt_token_ids"], r["max_tokens"]) for r in requests]
+    corpus = _real_corpus()
+    rng = random.Random(variant)
+    payloads = []
+    for r in requests:
+        ids = r["prompt_token_ids"]
+        start = rng.randrange(len(corpus) - len(ids))
+        payloads.append(([ids[0], *corpus[start : start + len(ids) - 1]], r["max_tokens"]))
+    return payloads
+
+
+@functools.cache
+def _real_corpus() -> list[int]:
+    from transformers import AutoTokenizer
+
+    from benchmarks.lib.real_model import fetch_hf_dir
+    from benchmarks.lib.vs_vllm_workloads import real_corpus_ids
+
+    return real_corpus_ids(AutoTokenizer.from_pretrained(str(fetch_hf_dir())))
+
+
+def payloads_of(spec: dict, requests: list[dict], variant: int) -> list:
+    """What each request of `spec`'s workload sends: token ids (real) or chat messages."""
+    if spec["workload"] == "real":
+        return real_payloads(requests, variant)
+    return chat_payloads(requests, variant)
+
+
 def is_saturated(previous: dict | None, point: dict) -> bool:
     """Whether `point` (rate, completed_per_s, failed) is past the knee (see module doc)."""
     if point["failed"]:
@@ -102,10 +137,15 @@ def server_command(system: str, spec: dict, args: argparse.Namespace, port: int)
             cmd += ["--limit-mm-per-prompt", '{"image": 1, "video": 0}',
                     "--mm-processor-kwargs", '{"use_fast": false}']  # fmt: skip
         return cmd
-    # The same KV bytes as vLLM's VLLM_CPU_KVCACHE_SPACE, in vlmserve's blocks.
-    num_blocks = engine["kv_cache_gib"] * 2**30 // (BLOCK_SIZE * spec["kv_bytes_per_token"])
+    # The same KV bytes as vLLM's VLLM_CPU_KVCACHE_SPACE: in vlmserve's blocks, or as a
+    # budget where Gemma 3's sliding-window layers keep blocks of their own (real).
+    if spec["workload"] == "real":
+        kv = ["--kv-cache-mb", str(engine["kv_cache_gib"] * 1024)]
+    else:
+        bytes_per_block = BLOCK_SIZE * spec["kv_bytes_per_token"]
+        kv = ["--num-kv-blocks", str(engine["kv_cache_gib"] * 2**30 // bytes_per_block)]
     return [sys.executable, "-m", "vlmserve.cli", "serve", "--model", spec["model"], *common,
-            "--num-kv-blocks", str(num_blocks), "--served-model-name", "bench"]  # fmt: skip
+            *kv, "--served-model-name", "bench"]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -149,6 +189,8 @@ def measure_rate(url: str, payloads: list, rate: float) -> dict:
         "errors": sorted({r.error for r in results if r.error})[:5],
         "completed_per_s": completed_per_s,
         "output_tok_per_s": sum(r.num_output_tokens for r in ok) / wall_s,
+        # as the server counted them: both servers must see the same prompts
+        "prompt_tokens": sum(r.num_prompt_tokens or 0 for r in ok),
         "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_s": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
     }
@@ -242,12 +284,12 @@ def interleaved_sweeps(
         except RuntimeError as e:
             return {s: {"error": str(e), "points": []} for s in SYSTEMS}
         for s in SYSTEMS:
-            asyncio.run(_load(servers[s][0], chat_payloads(spec["warmup"], 0), 1.0, seed=1))
+            asyncio.run(_load(servers[s][0], payloads_of(spec, spec["warmup"], 0), 1.0, seed=1))
         for k, rate in enumerate(rates):
             live = [s for s in SYSTEMS if not (points[s] and points[s][-1]["saturated"])]
             passes: dict[str, list[dict]] = {s: [] for s in live}
             # Each pass's prompts (and pictures), the same for both servers.
-            payloads = [chat_payloads(spec["requests"], 1 + k * repeats + j)
+            payloads = [payloads_of(spec, spec["requests"], 1 + k * repeats + j)
                         for j in range(repeats)]  # fmt: skip
             for j, s in pass_order(k, repeats):
                 if s not in live:
@@ -281,7 +323,8 @@ def _other(system: str) -> str:
 
 
 def run_serving(spec: dict, args: argparse.Namespace, rates: list[float]) -> dict:
-    spec = {**spec, "kv_bytes_per_token": kv_bytes_per_token(args.text_args)}
+    if spec["workload"] != "real":  # the real checkpoint's KV is given as bytes
+        spec = {**spec, "kv_bytes_per_token": kv_bytes_per_token(args.text_args)}
     print(f"[vs_vllm] serve {spec['workload']}: rates {rates}", flush=True)
     sweeps = interleaved_sweeps(spec, args, rates, args.serve_repeats)
     return {

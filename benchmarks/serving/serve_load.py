@@ -46,6 +46,7 @@ class Result:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    num_prompt_tokens: int | None = None  # as the server counted them (its usage)
 
 
 def image_url(seed: int, rng: random.Random) -> str:
@@ -69,15 +70,20 @@ def make_messages(kind: str, index: int, rng: random.Random, pool: list[str]) ->
 
 
 async def one_request(
-    client: httpx.AsyncClient, kind: str, messages: list[dict], max_tokens: int
+    client: httpx.AsyncClient, kind: str, messages: list[dict] | list[int], max_tokens: int
 ) -> Result:
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    """One streamed greedy request: a chat, or (`messages` a list of token ids) a
+    completion of those ids, as `vllm bench serve` sends a tokenized dataset."""
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+    ids = bool(messages) and isinstance(messages[0], int)
+    body["prompt" if ids else "messages"] = messages
+    path = "/v1/completions" if ids else "/v1/chat/completions"
     start = time.perf_counter()
     times: list[float] = []
     usage: dict = {}
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 error = json.loads(await response.aread())["error"]["message"]
                 return Result(kind, False, e2e_s=time.perf_counter() - start, error=error)
@@ -87,7 +93,8 @@ async def one_request(
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return Result(kind, False, error=chunk["error"]["message"])
-                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                choice = chunk["choices"][0] if chunk["choices"] else {}
+                if choice.get("text") if ids else (choice.get("delta") or {}).get("content"):
                     times.append(time.perf_counter())
                 usage = chunk.get("usage") or usage
     except httpx.HTTPError as e:
@@ -97,7 +104,8 @@ async def one_request(
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     ttft = times[0] - start if times else None
     tpot = (end - times[0]) / (n - 1) if times and n > 1 else None
-    return Result(kind, True, ttft, tpot, end - start, n, cached)
+    return Result(kind, True, ttft, tpot, end - start, n, cached,
+                  num_prompt_tokens=usage.get("prompt_tokens"))  # fmt: skip
 
 
 async def run_load(base_url: str, args: argparse.Namespace) -> tuple[list[Result], float]:

@@ -53,6 +53,9 @@ from benchmarks.lib.vs_vllm_serve import run_serving
 System = Literal["vllm", "vlmserve"]
 SERVE_RATES_TEXT = [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0]  # requests/s
 SERVE_RATES_IMAGE = [0.02, 0.05, 0.1, 0.2, 0.4]
+# The real workload: ~1,000 tokens a request (prompt and output); offline, about one
+# request a second saturates either engine on 2 cores.
+SERVE_RATES_REAL = [0.1, 0.2, 0.4, 0.6, 0.8]
 REPO = Path(__file__).resolve().parents[2]
 VLLM_WORKER = Path(__file__).resolve().parents[1] / "lib" / "vllm_worker.py"
 # What vLLM said about the checkpoint layouts it refused (the workloads write what it takes).
@@ -310,6 +313,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="0.02,0.05,0.1,0.2,0.4 (--quick: 0.05)",
     )
     p.add_argument(
+        "--serve-rates-real", type=_rates, default=None, help="0.1,0.2,0.4,0.6,0.8 (--quick: 0.2)"
+    )
+    p.add_argument(
         "--serve-requests", type=int, default=None, help="per rate and pass (default: all)"
     )
     p.add_argument(
@@ -331,17 +337,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.rounds, args.image_requests, args.image_output = 1, 4, 16
         args.serve_requests, args.serve_repeats = args.serve_requests or 4, 1
-    text_rates, image_rates = (
-        ([1.0], [0.05]) if args.quick else (SERVE_RATES_TEXT, SERVE_RATES_IMAGE)
-    )
+    text_rates, image_rates, real_rates = (
+        ([1.0], [0.05], [0.2]) if args.quick
+        else (SERVE_RATES_TEXT, SERVE_RATES_IMAGE, SERVE_RATES_REAL)
+    )  # fmt: skip
     args.serve_rates_text = args.serve_rates_text or text_rates
     args.serve_rates_image = args.serve_rates_image or image_rates
+    args.serve_rates_real = args.serve_rates_real or real_rates
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds} must be >= 1")
     if args.serve_repeats < 1:
         p.error(f"--serve-repeats {args.serve_repeats} must be >= 1")
-    if args.serve and args.workload in ("gemma3", "real"):
-        p.error(f"--workload {args.workload} is offline only (the serving part: text, image)")
+    if args.serve and args.workload == "gemma3":
+        p.error("--workload gemma3 is offline only (the serving part: text, image, real)")
     base = "vs_vllm_serve" if args.serve else "vs_vllm"
     base += f"_{args.workload}" if args.workload in ("gemma3", "real") else ""
     base += "_bf16" if args.dtype == "bfloat16" else ""

@@ -233,3 +233,68 @@ def test_gemma3_workload_names_its_result_and_prices_the_hybrid_kv(tmp_path):
     assert mine["all_global_bytes"] == 8192 * 2 * 12 * 4 * 64 * 4
     assert mine["hybrid_over_all_global"] == pytest.approx((2 * 8192 + 10 * 256) / (12 * 8192))
     assert 0.2 < kv["gemma-3-4b"]["hybrid_over_all_global"] < 0.3
+
+
+def test_real_payloads_are_the_spec_then_other_prose_of_the_same_lengths(monkeypatch):
+    from benchmarks.lib import vs_vllm_serve
+
+    monkeypatch.setattr(vs_vllm_serve, "_real_corpus", lambda: list(range(1000, 3000)))
+    requests = [{"prompt_token_ids": [2, 7, 8, 9], "max_tokens": 5},
+                {"prompt_token_ids": [2] + [4] * 30, "max_tokens": 6}]  # fmt: skip
+    spec = {"workload": "real"}
+    assert vs_vllm_serve.payloads_of(spec, requests, 0) == [([2, 7, 8, 9], 5), ([2] + [4] * 30, 6)]
+    one, two = vs_vllm_serve.payloads_of(spec, requests, 1), vs_vllm_serve.payloads_of(
+        spec, requests, 2)  # fmt: skip
+    for variant in (one, two):
+        assert [len(ids) for ids, _ in variant] == [4, 31] and [n for _, n in variant] == [5, 6]
+        assert all(ids[0] == 2 and all(t >= 1000 for t in ids[1:]) for ids, _ in variant)
+    assert one != two
+    assert vs_vllm_serve.payloads_of(spec, requests, 1) == one  # the same for both servers
+
+
+def test_real_serving_gives_vlmserve_vllms_kv_bytes_and_is_allowed(tmp_path):
+    """--serve --workload real: the KV budget as bytes (Gemma 3's sliding layers keep blocks
+    of their own, so vLLM's GiB are not a count of full-attention blocks)."""
+    from benchmarks.lib import vs_vllm_serve
+    from benchmarks.serving.vs_vllm import parse_args
+
+    args = parse_args(["--serve", "--workload", "real", "--dtype", "bfloat16"])
+    assert args.name == "vs_vllm_serve_real_bf16" and args.serve_rates_real[0] == 0.1
+    engine = {"dtype": "bfloat16", "max_num_seqs": 256, "max_num_batched_tokens": 2048,
+              "max_model_len": 2048, "kv_cache_gib": 2}  # fmt: skip
+    spec = {"engine": engine, "model": str(tmp_path), "workload": "real"}
+    cmd = vs_vllm_serve.server_command("vlmserve", spec, argparse.Namespace(), 1234)
+    assert cmd[cmd.index("--kv-cache-mb") + 1] == "2048" and "--num-kv-blocks" not in cmd
+
+
+@pytest.mark.slow  # a server on a real port
+def test_one_request_streams_a_completion_of_token_ids_and_a_chat(llava_ov_path):
+    """The load generator's two request kinds against our server on a loopback port: a
+    completion of token ids (the real workload) and a chat, each ignore_eos to max_tokens."""
+    import asyncio
+
+    import httpx
+
+    from benchmarks.reliability.server import in_process_server
+    from benchmarks.serving.serve_load import one_request
+    from scheduler.config import CacheConfig
+    from vlmserve.config import EngineConfig, ModelConfig
+    from vlmserve.engine.core import Engine
+    from vlmserve.server.app import ServerConfig, create_app
+
+    config = EngineConfig(
+        ModelConfig(str(llava_ov_path)), CacheConfig(num_blocks=256, block_size=4)
+    )
+    app = create_app(lambda: Engine(config), ServerConfig(model_name="m"))
+
+    async def both(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            ids = await one_request(client, "real", [1, 5, 9, 13, 17], 6)
+            chat = await one_request(client, "chat", [{"role": "user", "content": "hi"}], 4)
+            return ids, chat
+
+    with in_process_server(app) as url:
+        ids, chat = asyncio.run(both(url))
+    assert ids.ok and ids.num_output_tokens == 6 and ids.ttft_s is not None, ids
+    assert ids.tpot_s is not None and ids.num_prompt_tokens == 5  # those ids, no template
+    assert chat.ok and chat.num_output_tokens == 4 and chat.ttft_s is not None, chat
