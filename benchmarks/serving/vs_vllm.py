@@ -21,6 +21,11 @@ VLMSERVE_VLLM_VENV elsewhere) from a Python 3.11 (--python311 / VLMSERVE_VLLM_PY
     .venv/bin/python -m benchmarks.serving.vs_vllm --dtype bfloat16            # vs_vllm_bf16.json
     .venv/bin/python -m benchmarks.serving.vs_vllm --workload gemma3           # vs_vllm_gemma3.json
     .venv/bin/python -m benchmarks.serving.vs_vllm --serve --workload text --serve-requests 32
+    .venv/bin/python -m benchmarks.serving.vs_vllm --serve --workload real --dtype bfloat16
+
+`--workload real` is Gemma 3 270M (the real checkpoint's bfloat16 folder) on real-text
+prompts; served (`--serve`), each request is a streamed completion of the same prompt
+token ids on both servers, and the KV budget is given to vlmserve as bytes.
 """
 
 from __future__ import annotations
