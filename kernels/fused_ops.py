@@ -151,6 +151,10 @@ def op_backends(
     return {
         "attention": attention,
         "rope": "triton, fused into the K/V cache write" if triton_rope else _impl(cpu, False),
+        # CpuPagedAttention.forward_qkv: where the kernels read K/V from the cache only
+        "qk_norm_rope_kv_write": "cpu C++ (one op from the qkv output)"
+        if cpu and attention in ("cpu", "cpu-sdpa")
+        else "separate ops",
         "add_rms_norm": _impl(cpu, gpu),
         "silu_and_mul": _impl(cpu, False),
         "gelu_tanh_and_mul": _impl(cpu, False),

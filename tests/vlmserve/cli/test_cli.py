@@ -49,12 +49,14 @@ def test_info_reports_versions_pil_device_and_backend():
     ops = info["ops"]
     assert ops["attention"] == info["attention_backend"]
     keys = {"attention", "rope", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "linear",
-            "cuda_graphs"}  # fmt: skip
+            "cuda_graphs", "qk_norm_rope_kv_write"}  # fmt: skip
     assert set(ops) == keys
     from kernels import fused_ops, packed_linear
 
     if info["device"] == "cpu" and fused_ops.available() is None:
         assert ops["add_rms_norm"] == "cpu C++ (fused)" and ops["cuda_graphs"] == "off"
+        if info["attention_backend"] == "cpu":
+            assert ops["qk_norm_rope_kv_write"].startswith("cpu C++")
     if info["device"] == "cpu" and packed_linear.skinny_available() is None:
         assert ops["linear"].startswith("onednn packed; skinny C++")
     # the dtype --dtype auto would pick for a 16-bit checkpoint, and why
