@@ -160,8 +160,8 @@ def per_replica(metrics: dict[str, float], name: str) -> dict[str, float]:
 def one_run(router: str, planned: list[Planned], args: argparse.Namespace, run: int) -> dict:
     from vlmserve.cli import serve as serve_cli
     from vlmserve.cli.engine_args import engine_config_from_args
+    from vlmserve.cli.serve_replicas import front_door
     from vlmserve.replicas import launch
-    from vlmserve.replicas.front import create_front_app
     from vlmserve.server.app import ServerConfig
 
     parser = argparse.ArgumentParser()
@@ -173,10 +173,9 @@ def one_run(router: str, planned: list[Planned], args: argparse.Namespace, run: 
     config = launch.ReplicaConfig(num_replicas=2, router=router, seed=args.seed,
                                   load_factor=CHOSEN["load_factor"],
                                   deployment_name=name)  # fmt: skip
-    handle = launch.start_replicas(engine, ServerConfig(model_name="m"), config)
-    front = create_front_app(
-        handle, lambda: launch.num_running(name), lambda: launch.live_replica_ids(name)
-    )
+    server = ServerConfig(model_name="m")
+    handle = launch.start_replicas(engine, server, config)
+    front = front_door(handle, server, name)  # as `vlmserve serve --replicas` has it
     try:
         with in_process_server(front) as url:
             started = time.perf_counter()

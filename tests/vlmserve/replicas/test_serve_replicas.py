@@ -23,10 +23,12 @@ import openai
 from benchmarks.reliability.server import in_process_server
 from vlmserve.cli import serve as serve_cli
 from vlmserve.cli.engine_args import engine_config_from_args
+from vlmserve.cli.serve_replicas import front_door
+from vlmserve.embedded import DEFAULT_MODEL_DIR
+from vlmserve.embedded.processor import SceneProcessor
 from vlmserve.embedded.scenes import generate_scene, render_scene
 from vlmserve.engine.core import Engine
 from vlmserve.replicas import launch
-from vlmserve.replicas.front import create_front_app
 from vlmserve.server.app import ServerConfig, create_app
 
 pytestmark = pytest.mark.slow
@@ -49,7 +51,7 @@ def servers():
     handle = launch.start_replicas(
         config, server, launch.ReplicaConfig(num_replicas=2, health_check_period_s=1.0, seed=0)
     )
-    front = create_front_app(handle, launch.num_running, launch.live_replica_ids)
+    front = front_door(handle, server)  # as `vlmserve serve --replicas 2` builds it
     single = create_app(lambda: Engine(config), server)
     try:
         with in_process_server(front) as front_url, in_process_server(single) as single_url:
@@ -63,8 +65,12 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
+SCENE_SIZE = render_scene(generate_scene(0)).size
+
+
 def scene_url(seed: int) -> str:
     image = render_scene(generate_scene(seed))
+    assert image.size == SCENE_SIZE
     buf = io.BytesIO()
     image.save(buf, "PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -123,6 +129,13 @@ def test_health_metrics_and_a_repeated_image_goes_back_to_its_replica(servers):
         answer(front, image_chat(11, long_question))
     after = launch.router_decisions()
     assert after.get("image", 0) - before.get("image", 0) == 2  # the 2nd and 3rd
+    # The router models each replica's encoder cache at the size the replicas reported,
+    # the image weighed in the visual tokens the embedded model gives it.
+    router = launch._ROUTERS[launch.DEPLOYMENT_NAME]
+    size = launch.routing_profile().encoder_cache_tokens
+    assert size is not None and router.policy.config.encoder_cache_tokens == size
+    tokens = SceneProcessor.from_pretrained(DEFAULT_MODEL_DIR).num_image_tokens(*SCENE_SIZE)
+    assert {w for lru in router.policy._encoded.values() for w in lru.values()} == {tokens}
     text = httpx.get(front + "/metrics", timeout=30).text
     ids = launch.live_replica_ids()
     assert len(ids) == 2
