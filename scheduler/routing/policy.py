@@ -48,7 +48,14 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
-__all__ = ["ROUTERS", "Decision", "ReplicaRouter", "RouteKeys", "RouterConfig"]
+__all__ = [
+    "ROUTERS",
+    "Decision",
+    "ReplicaRouter",
+    "RouteKeys",
+    "RouterConfig",
+    "encoder_cache_tokens",
+]
 
 RouterKind = Literal["pow2", "prefix", "cache_aware"]
 ROUTERS: tuple[RouterKind, ...] = ("pow2", "prefix", "cache_aware")
@@ -113,6 +120,16 @@ class RouterConfig:
                 f"max_keys={self.max_keys}, max_sessions={self.max_sessions} and "
                 f"max_holders={self.max_holders} must be >= 1"
             )
+
+
+def encoder_cache_tokens(cache_bytes: float, hidden_size: int, dtype_bytes: int) -> int | None:
+    """An encoder cache of `cache_bytes` in visual tokens (`RouterConfig.
+    encoder_cache_tokens`): it holds each image's pooled embeddings, `hidden_size` x
+    `dtype_bytes` bytes a token. None: no cache (not one token fits)."""
+    if hidden_size < 1 or dtype_bytes < 1:
+        raise ValueError(f"hidden_size={hidden_size} and dtype_bytes={dtype_bytes} must be >= 1")
+    tokens = int(cache_bytes // (hidden_size * dtype_bytes))
+    return tokens if tokens >= 1 else None
 
 
 @dataclass(frozen=True)

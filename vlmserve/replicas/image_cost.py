@@ -18,8 +18,9 @@ from typing import Any
 
 from encoders.image_io import DEFAULT_MAX_PIXELS, read_header
 from encoders.image_spec import ImageSpec
+from scheduler.routing.policy import encoder_cache_tokens
 
-__all__ = ["RoutingProfile", "encoder_cache_tokens", "engine_profile"]
+__all__ = ["RoutingProfile", "engine_profile"]
 
 
 @dataclass(frozen=True)
@@ -43,15 +44,6 @@ class RoutingProfile:
             return int(self.image_spec.layout(header.width, header.height).num_tokens)
         except Exception:  # noqa: BLE001 - any failure here only loses the image's cost
             return None
-
-
-def encoder_cache_tokens(cache_bytes: int, hidden_size: int, dtype_bytes: int) -> int | None:
-    """An encoder cache of `cache_bytes` in visual tokens of `hidden_size` x `dtype_bytes`
-    bytes each (None: no cache, 0 bytes)."""
-    if hidden_size < 1 or dtype_bytes < 1:
-        raise ValueError(f"hidden_size={hidden_size} and dtype_bytes={dtype_bytes} must be >= 1")
-    tokens = cache_bytes // (hidden_size * dtype_bytes)
-    return tokens if tokens >= 1 else None
 
 
 def engine_profile(engine: Any) -> RoutingProfile:

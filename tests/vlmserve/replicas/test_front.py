@@ -200,3 +200,18 @@ def test_the_front_door_weighs_an_upload_as_the_engine_counts_it_and_routes_a_ba
     client = TestClient(create_front_app(handle, lambda: 1, list, image_tokens=failing))
     assert post(png(64, 64)) == 200
     assert handle.routes[-1].image_keys[0][1] == IMAGE_WEIGHT_TOKENS
+
+
+def test_health_is_ok_while_one_replica_runs_and_503_with_none():
+    from fastapi.testclient import TestClient
+
+    from vlmserve.replicas.front import create_front_app
+
+    running = {"n": 2}
+    client = TestClient(create_front_app(_Handle(), lambda: running["n"], list))
+    assert client.get("/health").json() == {"status": "ok", "replicas_running": 2}
+    running["n"] = 1  # one replica dead, being restarted: still serving
+    assert client.get("/health").status_code == 200
+    running["n"] = 0
+    answer = client.get("/health")
+    assert answer.status_code == 503 and answer.json()["replicas_running"] == 0

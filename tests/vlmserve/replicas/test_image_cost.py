@@ -9,8 +9,9 @@ import io
 import pytest
 from transformers import AutoProcessor
 
+from scheduler.routing.policy import encoder_cache_tokens
 from tests import helpers
-from vlmserve.replicas.image_cost import RoutingProfile, encoder_cache_tokens, engine_profile
+from vlmserve.replicas.image_cost import RoutingProfile, engine_profile
 
 
 def png(image) -> bytes:
