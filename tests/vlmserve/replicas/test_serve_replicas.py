@@ -136,6 +136,11 @@ def test_health_metrics_and_a_repeated_image_goes_back_to_its_replica(servers):
     assert size is not None and router.policy.config.encoder_cache_tokens == size
     tokens = SceneProcessor.from_pretrained(DEFAULT_MODEL_DIR).num_image_tokens(*SCENE_SIZE)
     assert {w for lru in router.policy._encoded.values() for w in lru.values()} == {tokens}
+    # A conversation (the OpenAI `user` field) stays on its replica.
+    before = launch.router_decisions()
+    for _ in range(3):
+        answer(front, TEXT, user="conversation-1")
+    assert launch.router_decisions().get("session", 0) - before.get("session", 0) >= 1
     text = httpx.get(front + "/metrics", timeout=30).text
     ids = launch.live_replica_ids()
     assert len(ids) == 2
@@ -197,4 +202,7 @@ def test_a_replica_killed_mid_load_ends_its_requests_clearly_and_comes_back(serv
     assert launch.num_running() == 2
     after = set(launch.live_replica_ids())
     assert victim not in after and len(after) == 2
+    # The router's state survived the restart: the survivor's entries kept, the victim's gone.
+    images = launch._ROUTERS[launch.DEPLOYMENT_NAME].policy._images
+    assert images and all(victim not in held for held in images.values())
     assert answer(front, TEXT)[1] == "length"
