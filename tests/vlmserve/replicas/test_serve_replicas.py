@@ -48,9 +48,12 @@ def servers():
 
     config = engine_config()
     server = ServerConfig(model_name=MODEL)
-    handle = launch.start_replicas(
-        config, server, launch.ReplicaConfig(num_replicas=2, health_check_period_s=1.0, seed=0)
+    # A wide load bound: affinity always wins here, whatever the earlier tests' routing
+    # left in the router's shares (the bound itself is tested on the pure policy).
+    replicas = launch.ReplicaConfig(
+        num_replicas=2, health_check_period_s=1.0, seed=0, load_factor=4.0
     )
+    handle = launch.start_replicas(config, server, replicas)
     front = front_door(handle, server)  # as `vlmserve serve --replicas 2` builds it
     single = create_app(lambda: Engine(config), server)
     try:
@@ -140,12 +143,14 @@ def test_health_metrics_and_a_repeated_image_goes_back_to_its_replica(servers):
     before = launch.router_decisions()
     for _ in range(3):
         answer(front, TEXT, user="conversation-1")
-    assert launch.router_decisions().get("session", 0) - before.get("session", 0) >= 1
+    assert launch.router_decisions().get("session", 0) - before.get("session", 0) == 2
     text = httpx.get(front + "/metrics", timeout=30).text
     ids = launch.live_replica_ids()
     assert len(ids) == 2
-    for rid in ids:
-        assert f'vlmserve_requests_total{{replica="{rid}",outcome="length"}}' in text
+    for rid in ids:  # every replica's series, each labelled (a counter every engine has)
+        assert f'vlmserve_recomputed_tokens_total{{replica="{rid}"}} ' in text
+    served = [f'vlmserve_requests_total{{replica="{rid}",outcome="length"}}' in text for rid in ids]
+    assert any(served)  # the requests above, counted by the replica that served them
     assert "vlmserve_replicas_running 2" in text
 
 
