@@ -26,7 +26,8 @@ __all__ = ["RoutingProfile", "engine_profile"]
 @dataclass(frozen=True)
 class RoutingProfile:
     """`image_spec`: None where the engine keeps the HF image processor (its counts are
-    not reproduced from a header); `encoder_cache_tokens`: None without an encoder cache."""
+    not reproduced from a header); `encoder_cache_tokens`: None without an encoder cache
+    or without a spec."""
 
     image_spec: ImageSpec | None
     encoder_cache_tokens: int | None
@@ -48,13 +49,14 @@ class RoutingProfile:
 
 def engine_profile(engine: Any) -> RoutingProfile:
     """`engine`'s (a loaded `vlmserve.engine.core.Engine`) profile; a text-only model's
-    has neither field."""
+    has neither field, nor has one whose images go through the HF image processor (no
+    prices, so no model of the caches: guessed weights would evict the wrong images)."""
     vision = engine.runner.model.vision
-    if vision is None:
+    spec = getattr(engine.processor, "image_spec", None)
+    if vision is None or spec is None:
         return RoutingProfile(None, None)
     dtype_bytes = engine.runner.dtype.itemsize
     tokens = encoder_cache_tokens(
         engine.runner.encoder_cache.max_bytes, vision.config.text_hidden_size, dtype_bytes
     )
-    spec = getattr(engine.processor, "image_spec", None)
     return RoutingProfile(spec, tokens, engine.config.encoder.max_pixels)

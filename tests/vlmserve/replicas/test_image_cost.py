@@ -54,4 +54,7 @@ def test_the_profile_prices_an_image_as_the_engine_and_hf_count_it_and_sizes_its
         assert profile.encoder_cache_tokens == cache.max_bytes // per_token
     assert profile.image_tokens(b"\x89PNG\r\n\x1a\n truncated") is None  # a bad upload
     assert profile.image_tokens(b"") is None
-    assert RoutingProfile(None, None).image_tokens(data) is None  # HF image processor path
+    assert RoutingProfile(None, None).image_tokens(data) is None
+    # The HF image processor's path: no prices from a header, so no model of the caches.
+    hf_path = helpers.make_engine(llava_ov_path, encoder={"num_workers": 0, "use_pool": False})
+    assert engine_profile(hf_path) == RoutingProfile(None, None)
