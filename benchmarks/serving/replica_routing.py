@@ -16,6 +16,9 @@ The replicas' encoder cache is the engine's default (`--encoder-cache-mb`, 256 M
 embedded model's ~90 KB scenes it holds every image of the run, unlike a 7B replica's
 (the simulator's holds about 58 of its images, fewer than the working set), so here the
 routers differ only in how often an image is encoded on both replicas, never by eviction.
+The front door is `vlmserve serve --replicas`'s (`front_door`): each image weighs the
+visual tokens the engine gives it, and ours models each replica's encoder cache at the
+size the replicas report (`routing_profile`, recorded in the result).
 
 The router's parameters are the ones the simulator's tuning picked (on its own trace
 seeds); this trace's seed (`--seed`, default 3) was used by no tuning. Two ceilings
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import os
 import random
 import re
@@ -111,6 +115,14 @@ def plan(num_requests: int, rate: float, seed: int) -> list[Planned]:
     return out
 
 
+def uploads(planned: list[Planned]) -> list[bytes]:
+    """Every distinct image the trace sends, as bytes."""
+    urls = {item["image_url"]["url"] for p in planned for m in p.body["messages"]
+            if isinstance(m["content"], list) for item in m["content"]
+            if item["type"] == "image_url"}  # fmt: skip
+    return [base64.b64decode(url.split(",", 1)[1]) for url in sorted(urls)]
+
+
 def ceilings(planned: list[Planned], per_cache: int, num_replicas: int = 2) -> dict[str, float]:
     """Hit rates no router beats: `compulsory` (infinite caches) and `oracle` (each image
     request sent where an LRU of `per_cache` scenes holds it, else to the replica with the
@@ -160,8 +172,8 @@ def per_replica(metrics: dict[str, float], name: str) -> dict[str, float]:
 def one_run(router: str, planned: list[Planned], args: argparse.Namespace, run: int) -> dict:
     from vlmserve.cli import serve as serve_cli
     from vlmserve.cli.engine_args import engine_config_from_args
+    from vlmserve.cli.serve_replicas import front_door
     from vlmserve.replicas import launch
-    from vlmserve.replicas.front import create_front_app
     from vlmserve.server.app import ServerConfig
 
     parser = argparse.ArgumentParser()
@@ -173,10 +185,9 @@ def one_run(router: str, planned: list[Planned], args: argparse.Namespace, run: 
     config = launch.ReplicaConfig(num_replicas=2, router=router, seed=args.seed,
                                   load_factor=CHOSEN["load_factor"],
                                   deployment_name=name)  # fmt: skip
-    handle = launch.start_replicas(engine, ServerConfig(model_name="m"), config)
-    front = create_front_app(
-        handle, lambda: launch.num_running(name), lambda: launch.live_replica_ids(name)
-    )
+    server = ServerConfig(model_name="m")
+    handle = launch.start_replicas(engine, server, config)
+    front = front_door(handle, server, name)  # as `vlmserve serve --replicas` has it
     try:
         with in_process_server(front) as url:
             started = time.perf_counter()
@@ -184,10 +195,15 @@ def one_run(router: str, planned: list[Planned], args: argparse.Namespace, run: 
             wall = time.perf_counter() - started
             metrics = scrape(url)
             reasons = launch.router_decisions(name)
+            profile = launch.routing_profile(name)
+            priced = [profile.image_tokens(data) for data in uploads(planned)]
     finally:
         launch.stop(shutdown_ray=False)
     lookups = sum(len(p.images) for p in planned)  # each request sends its images again
-    return summarize(router, measured, metrics, wall, lookups) | {"reasons": reasons}
+    reported = {"encoder_cache_tokens": profile.encoder_cache_tokens,
+                "image_tokens": sorted(set(priced))}  # fmt: skip
+    return summarize(router, measured, metrics, wall, lookups) | {
+        "reasons": reasons, "replica_profile": reported}  # fmt: skip
 
 
 def summarize(

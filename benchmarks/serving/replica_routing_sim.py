@@ -39,7 +39,7 @@ import statistics
 import time
 
 from benchmarks.lib.common import table, write_result
-from scheduler.routing.policy import ROUTERS, RouterConfig
+from scheduler.routing.policy import ROUTERS, RouterConfig, encoder_cache_tokens
 from search.costmodel.presets import get_accelerator, get_encoder, get_model
 from search.image_budget import ImageAssumptions
 from search.sim.affinity_trace import AffinityShape, affinity_trace, describe
@@ -129,16 +129,16 @@ def one(trace, n: int, config: RouterConfig, args, seed: int, oracle: bool = Fal
     return result.summary() | {"sim_wall_s": time.perf_counter() - start}
 
 
-def encoder_cache_tokens(args: argparse.Namespace) -> int:
+def cache_tokens(args: argparse.Namespace) -> int | None:
     """A replica's encoder cache in visual tokens (the router's image weights): the
     simulator stores an image as its tokens x hidden x 2 bytes."""
-    return int(args.encoder_cache_mb * 2**20 // (hardware().model.hidden_size * 2))
+    return encoder_cache_tokens(args.encoder_cache_mb * 2**20, hardware().model.hidden_size, 2)
 
 
 def ours(args: argparse.Namespace, params: dict) -> RouterConfig:
     """Ours with `params`, knowing its replicas' encoder-cache size (not a tuned value:
     the engine's), unless `--no-cache-model`."""
-    size = None if args.no_cache_model else encoder_cache_tokens(args)
+    size = None if args.no_cache_model else cache_tokens(args)
     return RouterConfig(max_imbalance=args.max_imbalance, encoder_cache_tokens=size, **params)
 
 
@@ -281,7 +281,7 @@ def _write(args: argparse.Namespace, results: list[dict]):
                   "held_out": sorted(set(args.seeds) - set(TUNING_SEEDS)) == sorted(args.seeds)},
         "cache_aware_params": CHOSEN,
         "cache_aware_encoder_cache_tokens": None if args.no_cache_model
-        else encoder_cache_tokens(args),
+        else cache_tokens(args),
         "encoder_cache_mb": args.encoder_cache_mb,
         "prefix_max_imbalance": args.max_imbalance,
         "results": results,

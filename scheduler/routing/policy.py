@@ -45,10 +45,17 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-__all__ = ["ROUTERS", "Decision", "ReplicaRouter", "RouteKeys", "RouterConfig"]
+__all__ = [
+    "ROUTERS",
+    "Decision",
+    "ReplicaRouter",
+    "RouteKeys",
+    "RouterConfig",
+    "encoder_cache_tokens",
+]
 
 RouterKind = Literal["pow2", "prefix", "cache_aware"]
 ROUTERS: tuple[RouterKind, ...] = ("pow2", "prefix", "cache_aware")
@@ -113,6 +120,16 @@ class RouterConfig:
                 f"max_keys={self.max_keys}, max_sessions={self.max_sessions} and "
                 f"max_holders={self.max_holders} must be >= 1"
             )
+
+
+def encoder_cache_tokens(cache_bytes: float, hidden_size: int, dtype_bytes: int) -> int | None:
+    """An encoder cache of `cache_bytes` in visual tokens (`RouterConfig.
+    encoder_cache_tokens`): it holds each image's pooled embeddings, `hidden_size` x
+    `dtype_bytes` bytes a token. None: no cache (not one token fits)."""
+    if hidden_size < 1 or dtype_bytes < 1:
+        raise ValueError(f"hidden_size={hidden_size} and dtype_bytes={dtype_bytes} must be >= 1")
+    tokens = int(cache_bytes // (hidden_size * dtype_bytes))
+    return tokens if tokens >= 1 else None
 
 
 @dataclass(frozen=True)
@@ -264,7 +281,8 @@ class ReplicaRouter:
                 lru[key] = weight
                 total += weight
         evicted = []
-        while total > capacity:
+        # The tokens bound the LRU; `max_keys` bounds its entries too (tiny weights).
+        while total > capacity or len(lru) > self.config.max_keys:
             key, weight = lru.popitem(last=False)
             evicted.append(key)
             total -= weight
@@ -278,6 +296,13 @@ class ReplicaRouter:
             table[key] = rest
         else:
             table.pop(key, None)
+
+    def set_encoder_cache_tokens(self, tokens: int | None) -> None:
+        """Each replica's encoder-cache size, once the replicas report it (the live router
+        exists before they do): the cache models start empty."""
+        self.config = replace(self.config, encoder_cache_tokens=tokens)  # validated there
+        self._encoded.clear()
+        self._encoded_tokens.clear()
 
     def remove_replica(self, replica: ReplicaId) -> None:
         """Forget what `replica` held (it died or was replaced: its caches are gone)."""
@@ -293,7 +318,8 @@ class ReplicaRouter:
     def keep_only(self, live: set) -> None:
         """Forget every replica not in `live` (a fresh replica list from the cluster)."""
         known = {r for t in (self._images, self._blocks) for held in t.values() for r in held}
-        for replica in (known | set(self._sessions.values()) | set(self._shares)) - live:
+        known |= set(self._sessions.values()) | set(self._shares) | set(self._encoded)
+        for replica in known - live:
             self.remove_replica(replica)
 
 

@@ -11,6 +11,10 @@ bytes a block, about 16 tokens of English), an image as one key (its content has
 `encoders.images.content_hash` computes it over the raw bytes of a `data:` URL; a URL's
 own text for a remote one). Two prompts share a block exactly when everything up to
 its end is byte-identical, which is when their token blocks agree too.
+
+An image's weight is its visual tokens where the caller can price an upload from its
+bytes (`image_tokens`: the front door reads the header as the engine does), else
+`IMAGE_WEIGHT_TOKENS` (a remote URL, an image whose header does not parse, no pricing).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from scheduler.prefix_hash import block_hash, extend_block_hashes
@@ -28,7 +32,7 @@ from scheduler.sequence import Sequence
 __all__ = ["BYTES_PER_BLOCK", "IMAGE_WEIGHT_TOKENS", "keys_from_body", "keys_from_sequence"]
 
 BYTES_PER_BLOCK = 64
-# An image's weight when its visual tokens are unknown (the front door reads no header).
+# An image's weight when its visual tokens are unknown (a remote URL, a bad header).
 IMAGE_WEIGHT_TOKENS = 1024
 _TEXT_ROOT = b"text-only"  # the text chain's parent: never equal to an image-aware hash
 
@@ -51,16 +55,23 @@ def keys_from_sequence(
     return RouteKeys(images, hashes, _chain(text, block_size, _TEXT_ROOT), block_size, session)
 
 
-def keys_from_body(body: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> RouteKeys:
+def keys_from_body(
+    body: Mapping[str, Any],
+    headers: Mapping[str, str] | None = None,
+    image_tokens: Callable[[bytes], int | None] | None = None,
+) -> RouteKeys:
     """Keys of a `/v1/chat/completions` or `/v1/completions` body; malformed parts are
-    skipped (the replica answers them with its own 400)."""
+    skipped (the replica answers them with its own 400). `image_tokens(data)`: an
+    uploaded image's visual tokens, None where unknown."""
     stream: list[int | tuple[bytes, int]] = []
     images: list[tuple[bytes, int]] = []
     for part in _parts(body):
         if isinstance(part, _ImageKey):
             key = bytes(part)
             stream.append((key, 0))
-            images.append((key, IMAGE_WEIGHT_TOKENS))
+            priced = image_tokens is not None and part.data is not None
+            tokens = image_tokens(part.data) if priced else None  # type: ignore[misc]
+            images.append((key, tokens or IMAGE_WEIGHT_TOKENS))  # 0 or None: unknown
         else:
             stream.extend(part)
     text = [k for k in stream if not isinstance(k, tuple)]
@@ -115,14 +126,17 @@ def _parts(body: Mapping[str, Any]) -> Iterator[bytes]:
             elif item.get("type") in ("image_url", "image"):
                 key = _image_key(item)
                 if key is not None:
-                    yield _ImageKey(key)
+                    yield key
 
 
 class _ImageKey(bytes):
-    """An image's content key among the text bytes `_parts` yields."""
+    """An image's content key among the text bytes `_parts` yields; `data`: its bytes
+    (an upload's), None for a remote URL."""
+
+    data: bytes | None = None
 
 
-def _image_key(item: Mapping[str, Any]) -> bytes | None:
+def _image_key(item: Mapping[str, Any]) -> _ImageKey | None:
     ref = item.get("image_url") if item.get("type") == "image_url" else item.get("image")
     url = ref.get("url") if isinstance(ref, Mapping) else ref
     if not isinstance(url, str) or not url:
@@ -131,7 +145,10 @@ def _image_key(item: Mapping[str, Any]) -> bytes | None:
         meta, payload = url[5:].split(",", 1)
         if meta.endswith(";base64"):
             try:
-                return content_hash(base64.b64decode(payload, validate=False))
+                data = base64.b64decode(payload, validate=False)
             except (binascii.Error, ValueError):
                 return None
-    return content_hash(url.encode())  # a remote or file URL: its text stands in
+            key = _ImageKey(content_hash(data))
+            key.data = data
+            return key
+    return _ImageKey(content_hash(url.encode()))  # a remote or file URL: its text stands in

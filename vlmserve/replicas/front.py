@@ -4,7 +4,8 @@ Every OpenAI route (`/v1/...`, `/tokenize`, `/detokenize`, `/version`) is handed
 a replica through the deployment handle, with the request's routing keys
 (`scheduler.routing.route_keys.keys_from_body`) for the request router to read, and the
 replica's answer (status, headers, body or SSE stream) is passed back as it comes: the
-replica runs the same app as one `vlmserve serve`, so the answers are the same.
+replica runs the same app as one `vlmserve serve`, so the answers are the same. An
+uploaded image weighs its visual tokens, read from its header as the engine counts them.
 A replica that dies with requests in flight ends each of them with a clear error: a 503
 before the first byte, an `error` event (then `[DONE]`) inside a stream; nothing is
 retried, so no request is answered twice. `/health` is 200 while at least one replica
@@ -44,9 +45,12 @@ def create_front_app(
     live_replica_ids: Callable[[], list[str]],
     api_key: str | None = None,
     max_body_bytes: int = 64 << 20,
+    image_tokens: Callable[[bytes], int | None] | None = None,
 ) -> FastAPI:
     """`handle`: the engine deployment's; `num_running()`: replicas Ray Serve counts
-    RUNNING; `live_replica_ids()`: the ids the request router knows (for /metrics)."""
+    RUNNING; `live_replica_ids()`: the ids the request router knows (for /metrics);
+    `image_tokens`: an upload's visual tokens from its bytes (`launch.routing_profile`),
+    its routing weight; None where unknown."""
     app = FastAPI(title="vlmserve (replicas)")
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
@@ -72,7 +76,8 @@ def create_front_app(
 
     async def forward(request: HTTPRequest) -> Response:
         body = await request.body()
-        keys = await _keys(body, request) if request.method == "POST" else RouteKeys()
+        post = request.method == "POST"
+        keys = await _keys(body, request, image_tokens) if post else RouteKeys()
         headers = [(k, v) for k, v in request.headers.items() if k.lower() != "host"]
         call = handle.options(stream=True).handle_http.remote(
             request.method, request.url.path, request.url.query.encode(), headers, body,
@@ -97,15 +102,26 @@ def create_front_app(
     return app
 
 
-async def _keys(body: bytes, request: HTTPRequest) -> RouteKeys:
+async def _keys(
+    body: bytes, request: HTTPRequest, image_tokens: Callable[[bytes], int | None] | None
+) -> RouteKeys:
+    def priced(data: bytes) -> int | None:
+        try:
+            return image_tokens(data) if image_tokens is not None else None
+        except Exception as e:  # noqa: BLE001 - a bad image routes unpriced, never fails here
+            log.debug("no routing cost for an image: %r", e)
+            return None
+
     def parse() -> RouteKeys:
         try:
             doc = json.loads(body)
         except (ValueError, UnicodeDecodeError):
             return RouteKeys()  # the replica answers the malformed body
-        return keys_from_body(doc, dict(request.headers)) if isinstance(doc, dict) else RouteKeys()
+        if not isinstance(doc, dict):
+            return RouteKeys()
+        return keys_from_body(doc, dict(request.headers), priced)
 
-    # Hashing a large upload's images is worth a thread; a small body is not.
+    # Hashing (and reading the headers of) a large upload's images is worth a thread.
     return await asyncio.to_thread(parse) if len(body) > 65536 else parse()
 
 

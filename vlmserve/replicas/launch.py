@@ -16,6 +16,7 @@ from typing import Any
 
 from scheduler.routing.policy import ROUTERS
 from vlmserve.config import EngineConfig
+from vlmserve.replicas.image_cost import RoutingProfile
 
 __all__ = [
     "APP_NAME",
@@ -25,6 +26,7 @@ __all__ = [
     "live_replica_ids",
     "num_running",
     "register_router",
+    "routing_profile",
     "start_replicas",
     "stop",
 ]
@@ -36,11 +38,24 @@ LOCAL = "local"
 # registry below lives here, not there).
 ROUTER_CLASS = "vlmserve.replicas.ray_router.CacheAwareRequestRouter"
 _ROUTERS: dict[str, Any] = {}  # deployment name -> the request router this process holds
+_PROFILES: dict[str, RoutingProfile] = {}  # deployment name -> what its replicas reported
 
 
 def register_router(deployment: str, router: Any) -> None:
     """Called by the request router when Ray Serve creates it (in the handle's process)."""
     _ROUTERS[deployment] = router
+
+
+def routing_profile(deployment: str = DEPLOYMENT_NAME) -> RoutingProfile | None:
+    """The replicas' image pricing and encoder-cache size (None before they run)."""
+    return _PROFILES.get(deployment)
+
+
+def _use_profile(deployment: str, profile: RoutingProfile) -> None:
+    _PROFILES[deployment] = profile
+    router = _ROUTERS.get(deployment)
+    if router is not None:
+        router.use_encoder_cache(profile.encoder_cache_tokens)
 
 
 def live_replica_ids(deployment: str = DEPLOYMENT_NAME) -> list[str]:
@@ -122,7 +137,9 @@ def start_replicas(engine: EngineConfig, server: Any, config: ReplicaConfig) -> 
         request_router_config=router,
     )
     handle = serve.run(deployment.bind(engine, server), name=APP_NAME, route_prefix=None)
-    handle.metrics.remote().result(timeout_s=60)  # the request router now exists here
+    # One replica's report (every replica runs the same engine config); the call also
+    # makes the request router here, which the report then sizes before any request.
+    _use_profile(config.deployment_name, handle.routing_profile.remote().result(timeout_s=60))
     return handle
 
 

@@ -8,6 +8,8 @@ policy (`scheduler.routing.policy.ReplicaRouter`) with each replica's queue leng
 `record_routing_stats` last reported) and the request's `route` keys,
 and returns the choice first and the others, lightest first, as the fallback rank
 (a replica at `max_ongoing_requests` refuses and the next rank is tried).
+Its model of each replica's encoder cache (`RouterConfig.encoder_cache_tokens`) is sized
+from the replicas' own report (`launch.start_replicas` hands it over once they run).
 `on_request_routed` records where the keys went; a replica that dies or leaves the
 replica set loses its entries (its restart comes back with a new id and cold caches).
 A call with `target=<replica id>` goes to that replica only (the front door's /metrics).
@@ -27,7 +29,7 @@ from ray.serve.request_router import (
 )
 
 from scheduler.routing.policy import ReplicaRouter, RouteKeys, RouterConfig
-from vlmserve.replicas.launch import register_router
+from vlmserve.replicas.launch import register_router, routing_profile
 
 __all__ = ["CacheAwareRequestRouter"]
 
@@ -52,7 +54,16 @@ class CacheAwareRequestRouter(RequestRouter):
         self.policy = ReplicaRouter(config, seed)
         self.decisions: dict[str, int] = {}
         # Ray Serve pickles this module by value: the registry lives in one it does not.
-        register_router(self._deployment_id.name, self)
+        name = self._deployment_id.name
+        register_router(name, self)
+        profile = routing_profile(name)  # known already when Serve makes a router anew
+        if profile is not None:
+            self.use_encoder_cache(profile.encoder_cache_tokens)
+
+    def use_encoder_cache(self, tokens: int | None) -> None:
+        """Model each replica's encoder cache as `tokens` visual tokens (None: no model)."""
+        if self.policy.config.kind == "cache_aware":
+            self.policy.set_encoder_cache_tokens(tokens)
 
     @property
     def replica_ids(self) -> list[str]:

@@ -3,7 +3,8 @@ runs N of.
 
 It holds the app one `vlmserve serve` runs (engine thread, routes, metrics) and answers
 the front door's calls: `handle_http` (one HTTP request, streamed back through
-`asgi_call`), `metrics` (its Prometheus text), `record_routing_stats` (its KV use, for
+`asgi_call`), `metrics` (its Prometheus text), `routing_profile` (its image pricing
+and encoder-cache size, `image_cost`), `record_routing_stats` (its KV use, for
 the request router) and `check_health` (Ray Serve's probe: an engine that died fails
 it, and Ray Serve replaces the replica). The constructor returns
 once the engine is loaded and warmed, so Ray Serve counts the replica RUNNING only then.
@@ -19,6 +20,7 @@ from typing import Any
 
 from vlmserve.config import EngineConfig
 from vlmserve.replicas.asgi_call import call_asgi
+from vlmserve.replicas.image_cost import RoutingProfile, engine_profile
 
 __all__ = ["EngineReplica"]
 
@@ -59,6 +61,10 @@ class EngineReplica:
     async def metrics(self, target: str | None = None) -> str:
         """This replica's /metrics text (`target` is the router's: which replica)."""
         return self.app.state.metrics.render()
+
+    def routing_profile(self) -> RoutingProfile:
+        """What the request router prices images and sizes encoder caches by."""
+        return engine_profile(self.loop.engine)
 
     def record_routing_stats(self) -> dict[str, float]:
         """Ray Serve polls this every `request_routing_stats_period_s` and hands it to the

@@ -284,3 +284,36 @@ def test_a_removed_replica_forgets_its_encoder_cache():
     r.record(img(1, 60), "r1")
     r.record(img(2, 40), "r1")
     assert [r.choose(img(i, 1), loads).reason for i in (1, 2)] == ["image", "image"]
+
+
+def test_the_encoder_cache_size_set_later_models_the_cache_from_then_on():
+    # The live router exists before its replicas report their caches' size.
+    r = router(share_window=0)
+    r.set_encoder_cache_tokens(100)
+    assert r.config.encoder_cache_tokens == 100
+    for i in (0, 1, 2):  # 3 x 40 tokens > 100: image 0 is evicted
+        r.record(img(i, 40), "r1")
+    loads = {"r0": 0, "r1": 0}
+    assert [r.choose(img(i, 40), loads).reason for i in (0, 1, 2)] == ["balance", "image", "image"]
+    with pytest.raises(ValueError, match="encoder_cache_tokens"):
+        r.set_encoder_cache_tokens(0)
+
+
+def test_the_encoder_cache_model_holds_at_most_max_keys_images_a_replica():
+    # Tiny weights in a huge cache: the entries, not the tokens, bound the model.
+    r = router(share_window=0, encoder_cache_tokens=10**9, max_keys=3)
+    for i in range(5):
+        r.record(img(i, 1), "r1")
+    assert len(r._encoded["r1"]) == 3  # internal: the bound on the router's state
+    loads = {"r0": 0, "r1": 0}
+    assert [r.choose(img(i, 1), loads).reason for i in (2, 3, 4)] == ["image"] * 3
+
+
+def test_keep_only_forgets_a_gone_replicas_cache_model_held_nowhere_else():
+    # max_keys=1: image 0 leaves the image table when image 1 comes, so r1 is known only
+    # to its encoder-cache model; a fresh replica list without r1 must drop that too.
+    r = router(share_window=0, encoder_cache_tokens=100, max_keys=1)
+    r.record(img(0, 10), "r1")
+    r.record(img(1, 10), "r2")
+    r.keep_only({"r2"})
+    assert set(r._encoded) == {"r2"}  # internal: nothing of r1 left

@@ -6,7 +6,12 @@ import base64
 import hashlib
 
 from scheduler.prefix_hash import block_hash
-from scheduler.routing.route_keys import BYTES_PER_BLOCK, keys_from_body, keys_from_sequence
+from scheduler.routing.route_keys import (
+    BYTES_PER_BLOCK,
+    IMAGE_WEIGHT_TOKENS,
+    keys_from_body,
+    keys_from_sequence,
+)
 from scheduler.sequence import ImagePlaceholder, Sequence
 
 SYSTEM = "You are a careful assistant that describes images. " * 4  # > 2 blocks of bytes
@@ -90,3 +95,23 @@ def test_sequence_keys_follow_the_prefix_cache_and_leave_images_out_of_the_text_
     assert a.block_hashes[0] == b.block_hashes[0] and a.block_hashes[1] != b.block_hashes[1]
     assert a.text_block_hashes == b.text_block_hashes and len(a.text_block_hashes) == 2
     assert a.image_keys == ((b"A", 16),)
+
+
+def test_an_uploads_weight_is_its_priced_tokens_and_unknown_ones_get_the_stand_in():
+    seen = []
+
+    def price(data: bytes) -> int | None:
+        seen.append(data)
+        return {b"small image": 300, b"bad image": None}[data]
+
+    body = chat(b"small image", "What is it?")
+    assert keys_from_body(body, image_tokens=price).image_keys[0][1] == 300
+    assert seen == [b"small image"]  # the upload's raw bytes, not its key or URL
+    assert keys_from_body(chat(b"bad image", "?"), image_tokens=price).image_keys[0][1] == (
+        IMAGE_WEIGHT_TOKENS
+    )
+    remote = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}  # fmt: skip
+    assert keys_from_body(remote, image_tokens=price).image_keys[0][1] == IMAGE_WEIGHT_TOKENS
+    assert len(seen) == 2  # a remote URL has no bytes here: never priced
+    assert keys_from_body(body).image_keys[0][1] == IMAGE_WEIGHT_TOKENS  # no pricing given

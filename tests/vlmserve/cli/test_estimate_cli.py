@@ -305,11 +305,18 @@ def test_capacity_prices_replicas_behind_a_router(capsys):
     assert pow2["num_replicas"] == ours["num_replicas"] == 3
     assert sum(pow2["requests_per_replica"]) == sum(ours["requests_per_replica"]) == 120
     assert pow2["reasons"] == {"balance": 120} and ours["reasons"].get("session", 0) > 0
+    # Ours models each replica's encoder cache as the live router does: its bytes over a
+    # visual token's (hidden x 2 bytes in the simulator); pow2 keeps no model.
+    inputs, hidden = runs["cache_aware"]["inputs"], runs["cache_aware"]["model"]["hidden_size"]
+    assert runs["cache_aware"]["router"]["encoder_cache_tokens"] == int(
+        inputs["encoder_cache_gb"] * 1e9 // (hidden * 2)
+    )
+    assert runs["pow2"]["router"]["encoder_cache_tokens"] is None
     results = runs["cache_aware"]["results"]
     assert results["num_lost"] == 0 and results["classes"][-1]["num_finished"] == 120
     one = json.loads(run_cli(capsys, "capacity", "--mix", "affinity", "--num-requests", "20",
                              "--json")[1])  # fmt: skip
-    assert one["routing"] is None
+    assert one["routing"] is None and one["router"] is None
 
 
 @pytest.mark.parametrize(

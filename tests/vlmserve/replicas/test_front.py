@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import io
 
 import pytest
 
@@ -16,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from encoders.images import content_hash
-from scheduler.routing.route_keys import keys_from_body
+from scheduler.routing.route_keys import IMAGE_WEIGHT_TOKENS, keys_from_body
 from vlmserve.replicas.asgi_call import call_asgi
 from vlmserve.replicas.front import _merge, label_replica
 
@@ -131,3 +132,86 @@ def test_serve_flags_reach_the_replica_launch(monkeypatch, capsys):
     assert (seen["config"].num_replicas, seen["config"].address) == (1, "local")
     assert main(["serve", "--replicas", "2", "--router-max-imbalance", "-1"]) == 2
     assert "--router-max-imbalance" in capsys.readouterr().err
+
+
+class _Handle:
+    """A deployment handle that answers every call 200 and keeps the routing keys."""
+
+    def __init__(self) -> None:
+        self.routes: list = []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def handle_http(self):
+        return self
+
+    def remote(self, *args, route=None):
+        self.routes.append(route)
+
+        async def answer():
+            yield {"status": 200, "headers": [("content-type", "application/json")]}
+            yield b"{}"
+
+        return answer()
+
+
+def png(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def test_the_front_door_weighs_an_upload_as_the_engine_counts_it_and_routes_a_bad_one():
+    from fastapi.testclient import TestClient
+
+    from vlmserve.embedded import DEFAULT_MODEL_DIR
+    from vlmserve.embedded.processor import SceneProcessor
+    from vlmserve.replicas.front import create_front_app
+    from vlmserve.replicas.image_cost import RoutingProfile
+
+    scene = SceneProcessor.from_pretrained(DEFAULT_MODEL_DIR)
+    profile = RoutingProfile(scene.image_config.image_spec(), 10_000)
+    handle = _Handle()
+    client = TestClient(
+        create_front_app(handle, lambda: 1, list, image_tokens=profile.image_tokens)
+    )
+
+    def post(data: bytes) -> int:
+        url = "data:image/png;base64," + base64.b64encode(data).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}]
+        body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+        return client.post("/v1/chat/completions", json=body).status_code
+
+    for size in ((64, 64), (600, 200)):
+        assert post(png(*size)) == 200
+        # The embedded model's own count (SceneProcessor, the reference image path).
+        assert handle.routes[-1].image_keys[0][1] == scene.num_image_tokens(*size)
+    assert handle.routes[-1].image_keys[0][1] != handle.routes[-2].image_keys[0][1]
+    assert post(b"\x89PNG\r\n\x1a\n broken") == 200  # routed unpriced, answered by a replica
+    assert handle.routes[-1].image_keys[0][1] == IMAGE_WEIGHT_TOKENS
+
+    def failing(data: bytes) -> int:
+        raise RuntimeError("pricing broke")
+
+    client = TestClient(create_front_app(handle, lambda: 1, list, image_tokens=failing))
+    assert post(png(64, 64)) == 200
+    assert handle.routes[-1].image_keys[0][1] == IMAGE_WEIGHT_TOKENS
+
+
+def test_health_is_ok_while_one_replica_runs_and_503_with_none():
+    from fastapi.testclient import TestClient
+
+    from vlmserve.replicas.front import create_front_app
+
+    running = {"n": 2}
+    client = TestClient(create_front_app(_Handle(), lambda: running["n"], list))
+    assert client.get("/health").json() == {"status": "ok", "replicas_running": 2}
+    running["n"] = 1  # one replica dead, being restarted: still serving
+    assert client.get("/health").status_code == 200
+    running["n"] = 0
+    answer = client.get("/health")
+    assert answer.status_code == 503 and answer.json()["replicas_running"] == 0

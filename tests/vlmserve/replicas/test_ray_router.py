@@ -47,3 +47,30 @@ def test_the_replicas_kv_use_reaches_the_policy_and_the_fallback_rank():
     # the fallback rank is the rest by that load.
     assert ranks <= {(("b",), ("c", "a")), (("c",), ("b", "a"))} and len(ranks) == 2
     assert router.decisions == {"balance": 30}
+
+
+def test_the_replicas_report_sizes_the_encoder_cache_model_whenever_the_router_is_made(
+    monkeypatch,
+):
+    from vlmserve.replicas import launch
+    from vlmserve.replicas.image_cost import RoutingProfile
+
+    monkeypatch.setattr(launch, "_ROUTERS", {})
+    monkeypatch.setattr(launch, "_PROFILES", {})
+
+    def made(name: str, kind: str = "cache_aware") -> CacheAwareRequestRouter:
+        router = object.__new__(CacheAwareRequestRouter)  # as Ray Serve makes it
+        router._deployment_id = SimpleNamespace(name=name)
+        router.initialize_state(kind=kind)
+        return router
+
+    # The usual order: the router is made by the first call, then the report arrives.
+    first = made("a")
+    assert first.policy.config.encoder_cache_tokens is None
+    launch._use_profile("a", RoutingProfile(None, 4096))
+    assert first.policy.config.encoder_cache_tokens == 4096
+    # A router Ray Serve makes afresh later finds the report already there.
+    assert made("a").policy.config.encoder_cache_tokens == 4096
+    assert made("b").policy.config.encoder_cache_tokens is None  # another deployment's
+    launch._use_profile("p", RoutingProfile(None, 4096))
+    assert made("p", kind="prefix").policy.config.encoder_cache_tokens is None  # not ours

@@ -23,10 +23,12 @@ import openai
 from benchmarks.reliability.server import in_process_server
 from vlmserve.cli import serve as serve_cli
 from vlmserve.cli.engine_args import engine_config_from_args
+from vlmserve.cli.serve_replicas import front_door
+from vlmserve.embedded import DEFAULT_MODEL_DIR
+from vlmserve.embedded.processor import SceneProcessor
 from vlmserve.embedded.scenes import generate_scene, render_scene
 from vlmserve.engine.core import Engine
 from vlmserve.replicas import launch
-from vlmserve.replicas.front import create_front_app
 from vlmserve.server.app import ServerConfig, create_app
 
 pytestmark = pytest.mark.slow
@@ -46,10 +48,13 @@ def servers():
 
     config = engine_config()
     server = ServerConfig(model_name=MODEL)
-    handle = launch.start_replicas(
-        config, server, launch.ReplicaConfig(num_replicas=2, health_check_period_s=1.0, seed=0)
+    # A wide load bound: affinity always wins here, whatever the earlier tests' routing
+    # left in the router's shares (the bound itself is tested on the pure policy).
+    replicas = launch.ReplicaConfig(
+        num_replicas=2, health_check_period_s=1.0, seed=0, load_factor=4.0
     )
-    front = create_front_app(handle, launch.num_running, launch.live_replica_ids)
+    handle = launch.start_replicas(config, server, replicas)
+    front = front_door(handle, server)  # as `vlmserve serve --replicas 2` builds it
     single = create_app(lambda: Engine(config), server)
     try:
         with in_process_server(front) as front_url, in_process_server(single) as single_url:
@@ -63,8 +68,12 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
+SCENE_SIZE = render_scene(generate_scene(0)).size
+
+
 def scene_url(seed: int) -> str:
     image = render_scene(generate_scene(seed))
+    assert image.size == SCENE_SIZE
     buf = io.BytesIO()
     image.save(buf, "PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -123,11 +132,25 @@ def test_health_metrics_and_a_repeated_image_goes_back_to_its_replica(servers):
         answer(front, image_chat(11, long_question))
     after = launch.router_decisions()
     assert after.get("image", 0) - before.get("image", 0) == 2  # the 2nd and 3rd
+    # The router models each replica's encoder cache at the size the replicas reported,
+    # the image weighed in the visual tokens the embedded model gives it.
+    router = launch._ROUTERS[launch.DEPLOYMENT_NAME]
+    size = launch.routing_profile().encoder_cache_tokens
+    assert size is not None and router.policy.config.encoder_cache_tokens == size
+    tokens = SceneProcessor.from_pretrained(DEFAULT_MODEL_DIR).num_image_tokens(*SCENE_SIZE)
+    assert {w for lru in router.policy._encoded.values() for w in lru.values()} == {tokens}
+    # A conversation (the OpenAI `user` field) stays on its replica.
+    before = launch.router_decisions()
+    for _ in range(3):
+        answer(front, TEXT, user="conversation-1")
+    assert launch.router_decisions().get("session", 0) - before.get("session", 0) == 2
     text = httpx.get(front + "/metrics", timeout=30).text
     ids = launch.live_replica_ids()
     assert len(ids) == 2
-    for rid in ids:
-        assert f'vlmserve_requests_total{{replica="{rid}",outcome="length"}}' in text
+    for rid in ids:  # every replica's series, each labelled (a counter every engine has)
+        assert f'vlmserve_recomputed_tokens_total{{replica="{rid}"}} ' in text
+    served = [f'vlmserve_requests_total{{replica="{rid}",outcome="length"}}' in text for rid in ids]
+    assert any(served)  # the requests above, counted by the replica that served them
     assert "vlmserve_replicas_running 2" in text
 
 
@@ -184,4 +207,7 @@ def test_a_replica_killed_mid_load_ends_its_requests_clearly_and_comes_back(serv
     assert launch.num_running() == 2
     after = set(launch.live_replica_ids())
     assert victim not in after and len(after) == 2
+    # The router's state survived the restart: the survivor's entries kept, the victim's gone.
+    images = launch._ROUTERS[launch.DEPLOYMENT_NAME].policy._images
+    assert images and all(victim not in held for held in images.values())
     assert answer(front, TEXT)[1] == "length"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.config import SchedulerConfig, SloConfig
-from scheduler.routing.policy import ROUTERS, RouterConfig
+from scheduler.routing.policy import ROUTERS, RouterConfig, encoder_cache_tokens
 from search.costmodel.presets import (
     ENCODERS,
     MODEL_VISION,
@@ -150,7 +150,13 @@ def run_capacity(args: argparse.Namespace) -> Outcome:
     make_trace, rate = _trace_maker(args)
     if args.replicas < 1:
         raise ValueError(f"--replicas {args.replicas}: must be >= 1")
-    router = RouterConfig(args.router, args.router_max_imbalance, args.router_load_factor)
+    # Ours models each replica's encoder cache as `vlmserve serve --replicas` does: its
+    # bytes over a visual token's (the simulator stores hidden x 2 bytes a token).
+    cache_tokens = encoder_cache_tokens(config.encoder_cache_bytes, model.hidden_size, 2)
+    router = RouterConfig(
+        args.router, args.router_max_imbalance, args.router_load_factor,
+        encoder_cache_tokens=cache_tokens if args.router == "cache_aware" else None,
+    )  # fmt: skip
     clusters: list[ClusterResult] = []
 
     def run(trace: list[TraceRequest]) -> SimResult:
@@ -188,6 +194,7 @@ def run_capacity(args: argparse.Namespace) -> Outcome:
         "rate_search": None if search is None else dataclasses.asdict(search),
         "timeline": [list(p) for p in result.timeline],
         "routing": routing,
+        "router": dataclasses.asdict(router) if clusters else None,
     }
 
     def curves() -> list[Curve]:
