@@ -19,6 +19,7 @@ Writes benchmarks/results/vllm_phases.json (the CPU's model, flags and load with
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -160,6 +161,39 @@ def vlmserve_worker(spec_path: str, result_path: str, variant: str) -> None:
 # -- the driver --------------------------------------------------------------------------
 
 
+def vllm_step_split(trace_dir: Path) -> dict | None:
+    """Medians over the profiled steps of vLLM's trace (ms a step): the step, its LM head
+    (the step's longest `onednn_mm`: [rows x hidden] x [vocab x hidden]), its other
+    `onednn_mm` calls (the decoder's linears), attention; greedy argmax (after the step's
+    region) as its mean a step."""
+    traces = sorted(trace_dir.glob("*.pt.trace.json*"))
+    if not traces:
+        return None
+    opener = gzip.open if traces[-1].suffix == ".gz" else open
+    with opener(traces[-1], "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in events if e["name"].startswith("execute_context")]
+    split: dict[str, list[float]] = {k: [] for k in ("step", "lm_head", "linears", "attention")}
+
+    def inside(step: dict, name: str) -> list[float]:
+        end = step["ts"] + step["dur"]
+        return [
+            e["dur"] / 1000 for e in events if e["name"] == name and step["ts"] <= e["ts"] <= end
+        ]
+
+    for step in steps:
+        mm = sorted(inside(step, "_C::onednn_mm"), reverse=True)
+        split["step"].append(step["dur"] / 1000)
+        split["lm_head"].append(mm[0] if mm else 0.0)
+        split["linears"].append(sum(mm[1:]))
+        split["attention"].append(sum(inside(step, "_C::cpu_attention_with_kv_cache")))
+    out = {f"{k}_ms": statistics.median(v) for k, v in split.items() if v}
+    # sampling runs after the forward's region: its mean over the profiled steps
+    argmax = sum(e["dur"] for e in events if e["name"] == "_C::greedy_argmax") / 1000
+    out["argmax_ms"] = argmax / max(1, len(steps))
+    return {**out, "steps": len(steps), "step_names": sorted({e["name"] for e in steps})}
+
+
 def run_system(system: str, spec_path: Path, args: argparse.Namespace) -> dict:
     result_path = spec_path.with_name(f"{system}.json")
     log_path = spec_path.with_name(f"{system}.log")
@@ -228,11 +262,18 @@ def main(argv: list[str] | None = None) -> dict | None:
         if args.profile:
             prof_dir = RESULTS / f"{args.name}_vllm_profile"
             prof_dir.mkdir(parents=True, exist_ok=True)
+            for old in prof_dir.iterdir():  # this run's files only
+                old.unlink()
             num_prefill_steps = sum(len(r["prompt_token_ids"]) for r in spec["requests"]) // 2048
             spec["profile"] = {"dir": str(prof_dir), "delay": num_prefill_steps + 4,
                                "iterations": 8, "max_tokens": 1 + args.decode_tokens}  # fmt: skip
         spec_path.write_text(json.dumps(spec))
         results = {s: run_system(s, spec_path, args) for s in systems}
+    if args.profile and "vllm" in results:
+        results["vllm"]["profile_step_split"] = vllm_step_split(prof_dir)
+        for trace in prof_dir.glob("*.pt.trace.json*"):  # megabytes: the split is kept
+            trace.unlink()
+        print("vLLM's profiled decode steps (ms):", results["vllm"]["profile_step_split"])
     rows = []
     for system, result in results.items():
         summary = phase_summary(result["phases"], args.decode_tokens)
