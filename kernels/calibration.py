@@ -91,21 +91,31 @@ class HeadChoice(NamedTuple):
     """How the LM head computes float32 logits: the skinny kernel (float32 sums as they
     are) up to `skinny_max_rows` rows, above them a GEMM on the packed weight ("packed":
     oneDNN's blocked layout, AMX tiles where the CPU has them) or on the plain one
-    ("plain": torch's F.linear), widened to float32."""
+    ("plain": torch's F.linear), widened to float32. With "packed", `plain_min_rows` (None:
+    never) is where the plain weight takes over again: the two GEMMs cross over by batch
+    size on some CPUs (a Zen 4's packed GEMM 4x the plain one at 16 rows, level at 256)."""
 
     skinny_max_rows: int
     gemm: str
+    plain_min_rows: int | None = None
 
 
 def decide_head(seconds: Measured) -> HeadChoice:
     """Records {"rows", "skinny", "packed", "plain"}. The skinny kernel's rows against the
-    faster GEMM at each size (`decide_max_rows`); the packed GEMM where it beat the plain
-    one by MARGIN at the largest size measured (a tied head holds it as a second copy)."""
+    faster GEMM at each size (`decide_max_rows`); then, over the sizes a GEMM takes (all of
+    them where the skinny kernel took every size), the packed GEMM up to the rows where it
+    beat the plain one by MARGIN (`decide_max_rows` on the packed times scaled by MARGIN: a
+    tied head holds the packed weight as a second copy), the plain one above them."""
     gemm = [{"rows": r["rows"], "skinny": r["skinny"], "gemm": min(r["packed"], r["plain"])}
             for r in seconds]  # fmt: skip
-    largest = max(seconds, key=lambda r: r["rows"])
-    packed = largest["plain"] >= MARGIN * largest["packed"]
-    return HeadChoice(decide_max_rows(gemm, "skinny", "gemm"), "packed" if packed else "plain")
+    skinny = decide_max_rows(gemm, "skinny", "gemm")
+    above = [r for r in seconds if r["rows"] > skinny] or seconds
+    handicapped = [{**r, "packed": MARGIN * r["packed"]} for r in above]
+    packed_max = decide_max_rows(handicapped, "packed", "plain")
+    if packed_max == 0:
+        return HeadChoice(skinny, "plain")
+    largest = max(int(r["rows"]) for r in above)
+    return HeadChoice(skinny, "packed", None if packed_max >= largest else packed_max + 1)
 
 
 def decide_faster(seconds: Measured, first: str, second: str) -> bool:

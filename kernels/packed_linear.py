@@ -275,9 +275,11 @@ def _logits(
     x: torch.Tensor, plain: torch.Tensor, packed: PackedLinear | None,
     bias: torch.Tensor | None, choice: calibration.HeadChoice,
 ) -> torch.Tensor:  # fmt: skip
-    if x.numel() // x.shape[-1] <= choice.skinny_max_rows:
+    rows = x.numel() // x.shape[-1]
+    if rows <= choice.skinny_max_rows:
         return skinny_linear(x, plain, bias, torch.float32)  # the float32 sums, unrounded
-    if choice.gemm == "packed" and packed is not None:
+    below_plain = choice.plain_min_rows is None or rows < choice.plain_min_rows
+    if choice.gemm == "packed" and packed is not None and below_plain:
         return packed.forward_packed(x).float()
     return F.linear(x, plain, bias).float()
 

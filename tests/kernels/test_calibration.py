@@ -83,6 +83,13 @@ def test_the_lm_head_picks_the_skinny_kernel_then_the_faster_gemm():
     assert amx == HeadChoice(1, "packed")
     # packed ahead, but within the margin: the plain weight (no second copy)
     assert head((1, 1, 2, 2), (256, 9, 1.0, 1.05)) == HeadChoice(1, "plain")
+    # Zen 4 (AVX-512 BF16, no AMX; one 32 MB slice of the 262k head, ms): the packed GEMM
+    # 4.6x the plain one at 16 rows, level at 256: packed up to 64 rows, plain above
+    zen4 = ((1, 4.9, 6.5, 8.0), (4, 1.9, 3.7, 8.0), (16, 4.4, 2.4, 11.1),
+            (64, 17.7, 17.4, 24.2), (256, 59.8, 56.2, 55.9))  # fmt: skip
+    assert head(*zen4) == HeadChoice(4, "packed", 65)
+    # the plain GEMM ahead only at a small size: the packed one throughout costs less
+    assert head((1, 1, 2, 2), (16, 9, 3.0, 2.0), (256, 90, 10, 30)) == HeadChoice(1, "packed")
 
 
 def test_the_prefill_kernel_is_kept_where_it_was_faster():
@@ -243,6 +250,30 @@ def test_the_lm_head_runs_the_cached_choice(cache_dir, monkeypatch, dtype, tied)
         logits = packed_linear.linear_float(head, x, linear.weight.detach())
         assert counts[path] == before[path] + 1 and sum(counts.values()) == sum(before.values()) + 1
         check_logits(logits, x, linear.weight, rounded=dtype == BF16 and path == "packed")
+
+
+@needs_onednn
+@pytest.mark.usefixtures("needs_skinny")
+def test_the_lm_head_goes_back_to_the_plain_gemm_where_it_won(cache_dir, monkeypatch):
+    torch.manual_seed(5)
+    hidden, vocab = 96, 700
+    measured = [
+        {"rows": 16, "skinny": 1.0, "packed": 2.0, "plain": 3.0},
+        {"rows": 64, "skinny": 4.0, "packed": 1.0, "plain": 3.0},
+        {"rows": 256, "skinny": 16.0, "packed": 4.0, "plain": 2.0},
+    ]
+    store(f"lm_head/bfloat16/{hidden}x{vocab}", measured)
+    linear = nn.Linear(hidden, vocab, bias=False).to(BF16)
+    head = packed_linear.logits_head(None, linear.weight.detach())
+    assert head.choice == HeadChoice(16, "packed", 65) and head.packed is not None
+    counts = count_paths(monkeypatch)
+    for rows, path in ((16, "skinny"), (64, "packed"), (65, None), (200, None)):
+        before = dict(counts)
+        x = torch.randn(rows, hidden).to(BF16)
+        logits = packed_linear.linear_float(head, x, linear.weight.detach())
+        after = {p: counts[p] - before[p] for p in counts}
+        assert after == {p: int(p == path) for p in counts}, (rows, after)  # None: F.linear
+        check_logits(logits, x, linear.weight, rounded=path != "skinny")
 
 
 def check_logits(logits, x, weight, rounded: bool) -> None:
