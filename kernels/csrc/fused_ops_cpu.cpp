@@ -112,6 +112,18 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   });
 }
 
+// dst = rope(src) for one head: src * cos + rotate_half(src) * sin (as rotary_embedding).
+template <typename T>
+inline void rope_row(T* dst, const T* src, const T* c, const T* s, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = static_cast<float>(src[i]), b = static_cast<float>(src[i + half]);
+    dst[i] = round_to<T>(a * static_cast<float>(c[i]) + (-b) * static_cast<float>(s[i]));
+    dst[i + half] = round_to<T>(b * static_cast<float>(c[i + half]) +
+                                a * static_cast<float>(s[i + half]));
+  }
+}
+
 // In place on q [tokens, heads, dim] and k [tokens, kv_heads, dim] (rows may be views into
 // one fused qkv output): x * cos + rotate_half(x) * sin, cos/sin [tokens, dim], the
 // rotate-half (GPT-NeoX) layout Llama and Qwen2 use. All of one dtype (float32 or bfloat16;
@@ -144,29 +156,11 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
         const T* s = sp + t * dim;
         for (int64_t h = 0; h < qh + kh; ++h) {
           T* x = h < qh ? qp + t * qs + h * dim : kp + t * ks + (h - qh) * dim;
-#pragma omp simd
-          for (int64_t i = 0; i < half; ++i) {
-            const float a = static_cast<float>(x[i]), b = static_cast<float>(x[i + half]);
-            x[i] = round_to<T>(a * static_cast<float>(c[i]) + (-b) * static_cast<float>(s[i]));
-            x[i + half] = round_to<T>(b * static_cast<float>(c[i + half]) +
-                                      a * static_cast<float>(s[i + half]));
-          }
+          rope_row(x, x, c, s, half);  // in place: element i reads and writes only i, i + half
         }
       }
     });
   });
-}
-
-// dst = rope(src) for one head: src * cos + rotate_half(src) * sin (as rotary_embedding).
-template <typename T>
-inline void rope_row(T* dst, const T* src, const T* c, const T* s, int64_t half) {
-#pragma omp simd
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = static_cast<float>(src[i]), b = static_cast<float>(src[i + half]);
-    dst[i] = round_to<T>(a * static_cast<float>(c[i]) + (-b) * static_cast<float>(s[i]));
-    dst[i + half] = round_to<T>(b * static_cast<float>(c[i + half]) +
-                                a * static_cast<float>(s[i + half]));
-  }
 }
 
 // The attention's inputs from the fused projection's output qkv [tokens, (heads + 2 kv_heads)
