@@ -152,9 +152,7 @@ def op_backends(
         "attention": attention,
         "rope": "triton, fused into the K/V cache write" if triton_rope else _impl(cpu, False),
         # CpuPagedAttention.forward_qkv: where the kernels read K/V from the cache only
-        "qk_norm_rope_kv_write": "cpu C++ (one op from the qkv output)"
-        if cpu and attention in ("cpu", "cpu-sdpa")
-        else "separate ops",
+        "qk_norm_rope_kv_write": _qkv_impl(cpu, attention),
         "add_rms_norm": _impl(cpu, gpu),
         "silu_and_mul": _impl(cpu, False),
         "gelu_tanh_and_mul": _impl(cpu, False),
@@ -179,6 +177,14 @@ def _linear_impl(device: torch.device, packed: bool, dtype: torch.dtype) -> str:
     skinny, plain = packed_linear.plain_rows(dtype)
     large = "" if plain is None else f", plain GEMM at >= {plain} rows"
     return f"onednn packed; skinny C++ at <= {skinny} rows{large}"
+
+
+def _qkv_impl(cpu_fused: bool, attention: str) -> str:
+    if cpu_fused and attention == "cpu":
+        return "cpu C++ (one op from the qkv output)"
+    if cpu_fused and attention == "cpu-sdpa":  # SDPA reads the prefills' k and v
+        return "cpu C++ in decode-only steps; separate ops with a prefill"
+    return "separate ops"
 
 
 def _impl(cpu_fused: bool, triton: bool) -> str:

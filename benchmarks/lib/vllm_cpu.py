@@ -42,6 +42,17 @@ _GUARD_TO = (
 )
 
 
+def add_venv_args(parser) -> None:
+    """--vllm-venv (VLMSERVE_VLLM_VENV) and --python311 (VLMSERVE_VLLM_PYTHON): where the
+    environment lives and the Python 3.11 it is made from (an argparse parser's options)."""
+    parser.add_argument(
+        "--vllm-venv", type=Path, default=Path(os.environ.get("VLMSERVE_VLLM_VENV", DEFAULT_VENV))
+    )
+    parser.add_argument(
+        "--python311", default=os.environ.get("VLMSERVE_VLLM_PYTHON", DEFAULT_PYTHON)
+    )
+
+
 def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 

@@ -231,14 +231,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="add a profiled vLLM decode run")
     p.add_argument("--full", action="store_true", help="add the workload itself as a phase")
     p.add_argument("--name", default="vllm_phases")
-    p.add_argument(
-        "--vllm-venv",
-        type=Path,
-        default=Path(os.environ.get("VLMSERVE_VLLM_VENV", vllm_cpu.DEFAULT_VENV)),
-    )
-    p.add_argument(
-        "--python311", default=os.environ.get("VLMSERVE_VLLM_PYTHON", vllm_cpu.DEFAULT_PYTHON)
-    )
+    vllm_cpu.add_venv_args(p)
     p.add_argument("--worker", nargs=3, metavar=("SPEC", "RESULT", "VARIANT"), help=SUPPRESS)
     return p.parse_args(argv)
 

@@ -295,14 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="keep checkpoints, specs and logs here (default: a temporary folder)",
     )
-    p.add_argument(
-        "--vllm-venv",
-        type=Path,
-        default=Path(os.environ.get("VLMSERVE_VLLM_VENV", vllm_cpu.DEFAULT_VENV)),
-    )
-    p.add_argument(
-        "--python311", default=os.environ.get("VLMSERVE_VLLM_PYTHON", vllm_cpu.DEFAULT_PYTHON)
-    )
+    vllm_cpu.add_venv_args(p)
     p.add_argument(
         "--serve",
         action="store_true",

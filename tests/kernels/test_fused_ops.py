@@ -142,3 +142,13 @@ def test_qkv_to_cache_refuses_a_slot_outside_the_cache() -> None:
     with pytest.raises(RuntimeError, match="outside the cache"):
         fused_ops.qkv_to_cache(qkv, 1, 32, None, cos, sin, cache, torch.tensor([3, 8]))
     assert not cache.any()  # checked before anything is written
+
+
+def test_op_backends_say_where_qkv_takes_the_one_op() -> None:
+    """`vlmserve info`'s line: the CPU backend always, its SDPA variant only in steps
+    without a prefill (SDPA reads k and v), never unfused or on the torch backend."""
+    cpu, key = torch.device("cpu"), "qk_norm_rope_kv_write"
+    assert fused_ops.op_backends(cpu, "cpu")[key] == "cpu C++ (one op from the qkv output)"
+    assert "decode-only" in fused_ops.op_backends(cpu, "cpu-sdpa")[key]
+    assert fused_ops.op_backends(cpu, "torch")[key] == "separate ops"
+    assert fused_ops.op_backends(cpu, "cpu", fused=False)[key] == "separate ops"
