@@ -197,10 +197,19 @@ struct QuantRows {
   // product's starting value (one load); and 8 lanes of the block's scale (a vector operand).
   std::vector<int32_t> start;
   std::vector<float> scale8;
+  // Q4_0 / Q5_0 on AVX-512 VNNI (`grouped`): x four blocks at a time as the codes unpack,
+  // per group of 4 blocks 64 bytes of each block's first 16 values, then 64 of its last
+  // 16; per group 16 int32 lanes (a block's 4: -offset * sum, 0, 0, 0) and 16 float32
+  // lanes (the block's scale 4 times). A last group of fewer blocks is padded with zeros.
+  int64_t groups = 0;
+  std::vector<int8_t> xg;      // [M, groups * 128]
+  std::vector<int32_t> start4; // [M, groups * 16]
+  std::vector<float> scale4;   // [M, groups * 16]
 };
 
 template <typename T>
-QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qtype) {
+QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qtype,
+                        bool grouped) {
   const bool k = is_k(qtype);
   const int64_t group = k ? 256 : 32;
   const int32_t offset = qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : 0;
@@ -208,6 +217,12 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
               std::vector<int32_t>(M * K / (k ? 16 : 32)), std::vector<int16_t>(k ? M * K / 16 : 0),
               std::vector<int32_t>(k ? 0 : M * K / 32 * 8), std::vector<float>(k ? 0 : M * K / 32 * 8)};
   const int32_t start_offset = qtype == Q8_0 ? 128 : offset;
+  if (grouped) {
+    r.groups = (K / 32 + 3) / 4;
+    r.xg.assign(M * r.groups * 128, 0);
+    r.start4.assign(M * r.groups * 16, 0);
+    r.scale4.assign(M * r.groups * 16, 0.f);
+  }
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> v(group);
     for (int64_t m = begin; m < end; ++m)
@@ -232,6 +247,13 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
           for (int i = 0; i < 32; ++i) sum += q[i];
           r.start[(m * (K / 32) + g) * 8] = -start_offset * sum;
           for (int i = 0; i < 8; ++i) r.scale8[(m * (K / 32) + g) * 8 + i] = d;
+          if (grouped) {
+            const int64_t at = m * r.groups + g / 4, lane = g % 4;
+            std::memcpy(r.xg.data() + at * 128 + 16 * lane, q, 16);
+            std::memcpy(r.xg.data() + at * 128 + 64 + 16 * lane, q + 16, 16);
+            r.start4[at * 16 + 4 * lane] = -offset * sum;
+            for (int i = 0; i < 4; ++i) r.scale4[at * 16 + 4 * lane + i] = d;
+          }
         }
       }
   });
@@ -242,6 +264,7 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
 
 constexpr int64_t kRowChunk = 32;  // rows of x a pass over a weight row (their sums on the stack)
 constexpr int64_t kRegRows = 4;    // rows of x whose accumulators stay in registers
+constexpr int kWeightRows = 4;     // weight rows a pass at one row of x (Q4_0 / Q5_0)
 
 int64_t best_isa() {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -576,6 +599,98 @@ void dot_row_legacy512(int64_t qtype, const uint8_t* w, int64_t K, const QuantRo
   for (int r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
+// Q4_0 / Q5_0 four blocks at a time (x as quantize_rows groups it): the 4 blocks' 16 code
+// bytes in one 512-bit vector, split into low and high nibbles (each block's first and last
+// 16 codes), Q5_0's fifth bits added under two 64-bit masks, and the 4 blocks' scales
+// widened from float16 together.
+struct Group4 {
+  __m512i lo, hi;  // codes, unsigned
+  __m512 d;        // each block's scale in its 4 lanes
+};
+
+// The group of 4 blocks at p (`bytes` apart). Each block's first 8 bytes (its scale and,
+// Q5_0, its fifth bits) are gathered in one vector and shuffled into the 4 scales, the
+// fifth bits of the 4 blocks' first 16 codes and of their last 16 (64-bit masks).
+template <int64_t QT>
+inline Group4 group4(const uint8_t* p, int64_t bytes) {
+  constexpr int64_t at = QT == Q5_0 ? 6 : 2;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512i q = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at)));
+  q = _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + bytes + at)), 1);
+  q = _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * bytes + at)), 2);
+  q = _mm512_inserti32x4(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * bytes + at)), 3);
+  Group4 g{_mm512_and_si512(q, low), _mm512_and_si512(_mm512_srli_epi16(q, 4), low), {}};
+  // [block 0's bytes 0-7, block 1's | block 2's, block 3's]
+  int64_t head[4];
+  for (int j = 0; j < 4; ++j) std::memcpy(head + j, p + j * bytes, 8);
+  const __m128i h01 = _mm_set_epi64x(head[1], head[0]), h23 = _mm_set_epi64x(head[3], head[2]);
+  // per 128-bit lane: the 2 scales, the 2 first-16 masks, the 2 last-16 masks (2 bytes each)
+  const __m256i picked = _mm256_shuffle_epi8(
+      _mm256_set_m128i(h23, h01),
+      _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, -1, -1, -1, -1,
+                       0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, -1, -1, -1, -1));
+  // dwords: [d01, d23, lo01, lo23, hi01, hi23, -, -]
+  const __m256i packed = _mm256_permutevar8x32_epi32(picked, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m128i first = _mm256_castsi256_si128(packed);
+  if constexpr (QT == Q5_0) {
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    const uint64_t mlo = static_cast<uint64_t>(_mm_extract_epi64(first, 1));
+    const uint64_t mhi = static_cast<uint64_t>(_mm_cvtsi128_si64(_mm256_extracti128_si256(packed, 1)));
+    g.lo = _mm512_mask_add_epi8(g.lo, mlo, g.lo, sixteen);
+    g.hi = _mm512_mask_add_epi8(g.hi, mhi, g.hi, sixteen);
+  }
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  g.d = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(first)));
+  return g;
+}
+
+// NR weight rows (row_bytes apart) against R rows of x: sums[n * R + r]. Each group of x
+// is loaded once for the NR weight rows. A last group of fewer than 4 blocks is read from
+// a zero-padded copy (x's padding is zero too).
+template <int64_t QT, int R, int NR>
+void dot_rows_g4(const uint8_t* w, int64_t row_bytes, int64_t K,
+                 const QuantRows& xq, int64_t m0, float* sums) {
+  constexpr int64_t bytes = QT == Q5_0 ? 22 : 18;
+  const int64_t nb = K / 32, groups = xq.groups;
+  __m512 acc[NR][R];
+#pragma GCC unroll 16
+  for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_ps();
+  uint8_t padded[NR][4 * 22];
+  for (int64_t g = 0; g < groups; ++g) {
+    Group4 c[NR];
+    const bool full = 4 * g + 4 <= nb;
+#pragma GCC unroll 16
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* p = w + n * row_bytes + 4 * g * bytes;
+      if (!full) {
+        std::memset(padded[n], 0, sizeof(padded[n]));
+        std::memcpy(padded[n], p, (nb - 4 * g) * bytes);
+        p = padded[n];
+      }
+      c[n] = group4<QT>(p, bytes);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (m0 + r) * groups + g;
+      const int8_t* x = xq.xg.data() + i * 128;
+      const __m512i start = _mm512_loadu_si512(xq.start4.data() + i * 16);
+      const __m512i xlo = _mm512_loadu_si512(x), xhi = _mm512_loadu_si512(x + 64);
+      const __m512 dx = _mm512_loadu_ps(xq.scale4.data() + i * 16);
+#pragma GCC unroll 16
+      for (int n = 0; n < NR; ++n) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, c[n].lo, xlo), c[n].hi, xhi);
+        acc[n][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(c[n].d, dx), acc[n][r]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sums[n * R + r] = _mm512_reduce_add_ps(acc[n][r]);
+}
+
 // f(std::integral_constant<int, n>) for a runtime 1 <= n <= 4.
 template <typename F>
 inline void vlmserve_with_rows(int64_t n, F&& f) {
@@ -597,7 +712,12 @@ void dot_row_isa(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq
     if constexpr (ISA == AVX512_VNNI) {
       if (!k) {
         vlmserve_with_rows(std::min<int64_t>(rows, kRegRows), [&](auto n) {
-          dot_row_legacy512<decltype(n)::value>(qtype, w, K, xq, m0, sums);
+          if (xq.groups && qtype == Q5_0)
+            dot_rows_g4<Q5_0, decltype(n)::value, 1>(w, 0, K, xq, m0, sums);
+          else if (xq.groups)
+            dot_rows_g4<Q4_0, decltype(n)::value, 1>(w, 0, K, xq, m0, sums);
+          else
+            dot_row_legacy512<decltype(n)::value>(qtype, w, K, xq, m0, sums);
         });
         continue;
       }
@@ -639,13 +759,28 @@ inline void dot_row(int64_t isa, int64_t qtype, const uint8_t* w, int64_t K, con
 template <typename T, typename O>
 void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uint8_t* w,
                 int64_t N, int64_t K, int64_t qtype, const T* bias, int64_t isa) {
-  const QuantRows xq = quantize_rows(x, xs, M, K, qtype);
+  bool grouped = false;  // Q4_0 / Q5_0 four blocks at a time (AVX-512 VNNI)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  grouped = isa == AVX512_VNNI && (qtype == Q4_0 || qtype == Q5_0);
+#endif
+  const QuantRows xq = quantize_rows(x, xs, M, K, qtype, grouped);
   const Layout lay = layout(qtype);
   const int64_t row_bytes = K / lay.block * lay.bytes;
   const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float sums[kRowChunk];
-    for (int64_t n = begin; n < end; ++n)
+    int64_t n = begin;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (xq.groups && M == 1)  // one row of x (decode): four weight rows at a time
+      for (; n + kWeightRows <= end; n += kWeightRows) {
+        if (qtype == Q5_0)
+          dot_rows_g4<Q5_0, 1, kWeightRows>(w + n * row_bytes, row_bytes, K, xq, 0, sums);
+        else
+          dot_rows_g4<Q4_0, 1, kWeightRows>(w + n * row_bytes, row_bytes, K, xq, 0, sums);
+        for (int j = 0; j < kWeightRows; ++j) out[n + j] = O(sums[j] + (bias ? static_cast<float>(bias[n + j]) : 0.f));
+      }
+#endif
+    for (; n < end; ++n)
       for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
         const int64_t rows = std::min<int64_t>(kRowChunk, M - m0);
         dot_row(isa, qtype, w + n * row_bytes, K, xq, m0, rows, sums);
