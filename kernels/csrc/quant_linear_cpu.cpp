@@ -205,11 +205,14 @@ struct QuantRows {
   std::vector<int8_t> xg;      // [M, groups * 128]
   std::vector<int32_t> start4; // [M, groups * 16]
   std::vector<float> scale4;   // [M, groups * 16]
+  // Q4_K at one row of x on AVX-512 VNNI: x's 32-value sub-blocks in the order 0, 2, 1, 3,
+  // 4, 6, 5, 7 of each 256 (as dot_rows_k512 unpacks the codes).
+  std::vector<int8_t> xk;      // [M, K]
 };
 
 template <typename T>
 QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qtype,
-                        bool grouped) {
+                        bool grouped, bool k_grouped) {
   const bool k = is_k(qtype);
   const int64_t group = k ? 256 : 32;
   const int32_t offset = qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : 0;
@@ -223,6 +226,7 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
     r.start4.assign(M * r.groups * 16, 0);
     r.scale4.assign(M * r.groups * 16, 0.f);
   }
+  if (k_grouped) r.xk.resize(M * K);
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> v(group);
     for (int64_t m = begin; m < end; ++m)
@@ -242,6 +246,10 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
           if (k) r.sums[m * (K / 16) + g * 16 + s] = sum, r.sums16[m * (K / 16) + g * 16 + s] = sum;
           else r.sums[m * (K / 32) + g] += offset * sum;  // zeroed at construction
         }
+        if (k_grouped)
+          for (int j = 0; j < 8; ++j)  // sub-block j at position 0, 2, 1, 3, 4, 6, 5, 7
+            std::memcpy(r.xk.data() + m * K + g * 256 + 32 * ((j / 4) * 4 + (j % 2) * 2 + (j % 4) / 2),
+                        q + 32 * j, 32);
         if (!k) {
           int32_t sum = 0;
           for (int i = 0; i < 32; ++i) sum += q[i];
@@ -691,6 +699,98 @@ void dot_rows_g4(const uint8_t* w, int64_t row_bytes, int64_t K,
     for (int r = 0; r < R; ++r) sums[n * R + r] = _mm512_reduce_add_ps(acc[n][r]);
 }
 
+// Q4_K / Q6_K at one row of x (decode) on AVX-512 VNNI: a superblock's codes 64 a vector,
+// each 16-bit pair of products scaled by its sub-block's scale inside the dot product, NR
+// weight rows a pass over x. Q4_K's vectors hold the low nibbles of its first 64 code
+// bytes (sub-blocks 0 and 2), their high nibbles (1 and 3), then 4 and 6, 5 and 7, so
+// its x is grouped to match (`xk`); Q6_K's are in order.
+struct KIndex {  // the 16-bit scale of each 16-bit lane of the 4 vectors (vpermw)
+  alignas(64) int16_t q4[4][32];
+  alignas(64) int16_t q6[4][32];
+};
+inline const KIndex& k_index() {
+  static const KIndex t = [] {
+    KIndex k{};
+    for (int v = 0; v < 4; ++v)
+      for (int l = 0; l < 32; ++l) {
+        const int a = (v / 2) * 4 + v % 2;  // Q4_K: sub-blocks a (lanes 0-15) and a + 2
+        k.q4[v][l] = static_cast<int16_t>(l < 16 ? a : a + 2);
+        k.q6[v][l] = static_cast<int16_t>(4 * v + l / 8);  // Q6_K: 16 values a scale
+      }
+    return k;
+  }();
+  return t;
+}
+
+template <int64_t QT, int NR>
+void dot_rows_k512(const uint8_t* w, int64_t row_bytes, int64_t K, const QuantRows& xq,
+                   float* sums) {
+  constexpr int64_t bytes = QT == Q4_K ? 144 : 210;
+  const int64_t nb = K / 256;
+  const int8_t* xs = QT == Q4_K ? xq.xk.data() : xq.q.data();
+  const KIndex& index = k_index();
+  const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
+  // Q6_K's high bits: per 16-bit lane, the shift that brings a 32-value group's 2 bits down
+  const __m512i shift_a = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+  __m512 acc[NR];
+#pragma GCC unroll 8
+  for (int n = 0; n < NR; ++n) acc[n] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i x[4];
+    for (int v = 0; v < 4; ++v) x[v] = _mm512_loadu_si512(xs + b * 256 + 64 * v);
+    const __m256i bs = load32(xq.sums16.data() + b * 16);  // x's 16-sums, in order
+    const float dx = xq.scale[b];
+#pragma GCC unroll 8
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* blk = w + n * row_bytes + b * bytes;
+      __m512i u[4], sc;
+      float d;
+      __m256i correction;  // Q4_K: mins * x's sums; Q6_K: 32 * scales * x's sums
+      if constexpr (QT == Q4_K) {
+        d = f16(blk);
+        alignas(16) uint32_t words[4];
+        k4_scales_words(blk + 4, words);
+        sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<__m128i*>(words))));
+        const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<__m128i*>(words + 2)));
+        correction = _mm256_madd_epi16(_mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn)), bs);
+        for (int c = 0; c < 2; ++c) {
+          const __m512i q = _mm512_loadu_si512(blk + 16 + 64 * c);
+          u[2 * c] = _mm512_and_si512(q, low);
+          u[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
+        }
+      } else {
+        d = f16(blk + 208);
+        const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+        sc = _mm512_castsi256_si512(sc_all);
+        correction = _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bs), 5);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+          const __m512i hb = _mm512_broadcast_i64x4(load32(blk + 128 + 32 * h));
+          const __m512i high_a = _mm512_and_si512(_mm512_srlv_epi16(hb, shift_a), two);
+          const __m512i high_b = _mm512_and_si512(_mm512_srlv_epi16(hb, shift_b), two);
+          u[2 * h] = _mm512_or_si512(_mm512_and_si512(l, low), _mm512_slli_epi16(high_a, 4));
+          u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
+                                         _mm512_slli_epi16(high_b, 4));
+        }
+      }
+      __m512i isum = _mm512_setzero_si512();
+      for (int v = 0; v < 4; ++v) {
+        const __m512i scale = _mm512_permutexvar_epi16(
+            _mm512_load_si512(QT == Q4_K ? index.q4[v] : index.q6[v]), sc);
+        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u[v], x[v]), scale);
+      }
+      if constexpr (QT == Q6_K) isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(correction));
+      acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * dx), acc[n]);
+      if constexpr (QT == Q4_K)
+        acc[n] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(correction)),
+                                  _mm512_set1_ps(f16(blk + 2) * dx), acc[n]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int n = 0; n < NR; ++n) sums[n] = _mm512_reduce_add_ps(acc[n]);
+}
+
 // f(std::integral_constant<int, n>) for a runtime 1 <= n <= 4.
 template <typename F>
 inline void vlmserve_with_rows(int64_t n, F&& f) {
@@ -762,8 +862,11 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
   bool grouped = false;  // Q4_0 / Q5_0 four blocks at a time (AVX-512 VNNI)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   grouped = isa == AVX512_VNNI && (qtype == Q4_0 || qtype == Q5_0);
+  const bool k512 = isa == AVX512_VNNI && M == 1 && is_k(qtype);  // Q4_K / Q6_K, decode
+#else
+  const bool k512 = false;
 #endif
-  const QuantRows xq = quantize_rows(x, xs, M, K, qtype, grouped);
+  const QuantRows xq = quantize_rows(x, xs, M, K, qtype, grouped, k512 && qtype == Q4_K);
   const Layout lay = layout(qtype);
   const int64_t row_bytes = K / lay.block * lay.bytes;
   const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
@@ -779,6 +882,24 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
           dot_rows_g4<Q4_0, 1, kWeightRows>(w + n * row_bytes, row_bytes, K, xq, 0, sums);
         for (int j = 0; j < kWeightRows; ++j) out[n + j] = O(sums[j] + (bias ? static_cast<float>(bias[n + j]) : 0.f));
       }
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (k512) {
+      const auto store = [&](int64_t first, int count) {
+        for (int j = 0; j < count; ++j)
+          out[first + j] = O(sums[j] + (bias ? static_cast<float>(bias[first + j]) : 0.f));
+      };
+      for (; n + kWeightRows <= end; n += kWeightRows) {
+        if (qtype == Q4_K) dot_rows_k512<Q4_K, kWeightRows>(w + n * row_bytes, row_bytes, K, xq, sums);
+        else dot_rows_k512<Q6_K, kWeightRows>(w + n * row_bytes, row_bytes, K, xq, sums);
+        store(n, kWeightRows);
+      }
+      for (; n < end; ++n) {
+        if (qtype == Q4_K) dot_rows_k512<Q4_K, 1>(w + n * row_bytes, row_bytes, K, xq, sums);
+        else dot_rows_k512<Q6_K, 1>(w + n * row_bytes, row_bytes, K, xq, sums);
+        store(n, 1);
+      }
+    }
 #endif
     for (; n < end; ++n)
       for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {

@@ -166,6 +166,18 @@ def test_odd_number_of_blocks(qtype, rows):
     assert rel_error(layer(x), x.double() @ reference(w).double().T) < INT_DOT_BOUND
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_k_quants_at_one_row_with_a_weight_row_remainder(qtype, dtype):
+    """One row of x (decode): on AVX-512 the K-quants take four weight rows a pass over x
+    and the rows left over (23 rows, on any thread count) one at a time; 3 superblocks."""
+    w = weight(qtype, 23, 768, seed=3)
+    layer = QuantLinear([w])
+    layer.path = "int_dot"
+    x = torch.randn(1, 768, generator=torch.Generator().manual_seed(3)).to(dtype)
+    assert rel_error(layer.forward_float(x), x.double() @ reference(w).double().T) < INT_DOT_BOUND
+
+
 def test_auto_path_follows_the_calibrated_rows():
     w = weight(Q.Q8_0, 64, 256)
     layer = QuantLinear([w])
