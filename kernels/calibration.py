@@ -12,7 +12,8 @@ times its candidates here (`time_paths`: interleaved, a few rounds, robust to a 
 machine's lost time slices; the load average is kept beside them) and hands
 the measurements to a pure rule below (`decide_*`, tested on their own). `calibrated`
 keeps each choice's measurements in one JSON file per machine key (`machine_key`: the CPU
-model, its flags, torch's version, the thread count, this protocol's version) under
+model, its flags, torch's version, the thread count, this protocol's version, the C++
+kernels' sources) under
 ~/.cache/vlmserve/calibration/, and recalibrates where the key changed; the rule is applied
 to the stored measurements on load. VLMSERVE_RECALIBRATE=1 (or `vlmserve info
 --recalibrate`) measures anew. A model's whole calibration costs a few seconds at its
@@ -168,7 +169,8 @@ def low_quartile(samples: list[float]) -> float:
 
 def machine_key() -> dict[str, str]:
     """What a calibration holds for: the CPU (vendor, family, model, its name and flags),
-    torch's version, the thread count, this protocol's version."""
+    torch's version, the thread count, this protocol's version and the kernels' sources
+    (a faster kernel moves its crossovers)."""
     fields: dict[str, str] = {}
     for line in cpu_build.cpu_features().splitlines():
         key, _, value = line.partition(":")
@@ -182,6 +184,7 @@ def machine_key() -> dict[str, str]:
         "torch": torch.__version__,
         "threads": str(torch.get_num_threads()),
         "version": str(VERSION),
+        "kernels": cpu_build.sources_digest(),
     }
 
 

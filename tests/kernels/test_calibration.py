@@ -119,8 +119,9 @@ def test_time_paths_times_each_path_on_its_own():
     assert calls["long"] >= calibration.ROUNDS + 1 and calls["short"] >= calibration.ROUNDS + 1
 
 
-def test_the_key_names_the_cpu_its_flags_torch_and_threads():
+def test_the_key_names_the_cpu_its_flags_torch_threads_and_kernels():
     key = calibration.machine_key()
+    assert key["kernels"] == calibration.cpu_build.sources_digest()
     flags = calibration.cpu_build.cpu_flags()
     assert key["torch"] == torch.__version__ and key["threads"] == str(torch.get_num_threads())
     assert set(key["flags"].split()) == set(flags)
@@ -158,7 +159,11 @@ def test_a_choice_is_measured_once_per_machine_key(cache_dir, monkeypatch):
     before = len(calls)
     calibration.calibrated("probe", measure, decide)
     assert len(calls) == before + 1
-    assert len(list(cache_dir.glob("*.json"))) == 4
+    monkeypatch.setattr(calibration.cpu_build, "sources_digest", lambda: "another-kernel")
+    before = len(calls)
+    calibration.calibrated("probe", measure, decide)  # the kernels changed: measured again
+    assert len(calls) == before + 1
+    assert len(list(cache_dir.glob("*.json"))) == 5
 
 
 def test_an_unreadable_stored_choice_is_measured_again(cache_dir):
