@@ -40,7 +40,7 @@ from kernels import cpu_build
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # of the measurement protocol: a change recalibrates every machine
+VERSION = 3  # of the measurement protocol: a change recalibrates every machine
 CACHE_DIR = Path.home() / ".cache" / "vlmserve" / "calibration"
 RECALIBRATE_ENV = "VLMSERVE_RECALIBRATE"
 ROUNDS = 3  # timed samples a path at least (after untimed calls: primitives built, caches warm)

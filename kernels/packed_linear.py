@@ -130,7 +130,8 @@ def _measure_ladder(
     """Seconds per call of `paths` (of "skinny", "onednn" / "packed", "plain") for an
     [out, in] weight in `dtype` at each row count of `ladder`, interleaved; stops after the
     skinny kernel lost by MARGIN at two sizes in a row (larger sizes only widen the gap), or
-    after `budget_s`."""
+    after `budget_s`. The LM head's ladder ("plain" among the paths) goes on past the
+    skinny kernel's losses: its packed-or-plain choice is by rows, up to the largest."""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -148,7 +149,7 @@ def _measure_ladder(
         measured.append({"rows": rows, **seconds})
         best_gemm = min(seconds[p] for p in paths if p != "skinny")
         losses = losses + 1 if seconds["skinny"] > calibration.MARGIN * best_gemm else 0
-        if losses == 2 or time.perf_counter() - start > budget_s:
+        if (losses == 2 and "plain" not in paths) or time.perf_counter() - start > budget_s:
             break
     return measured
 

@@ -358,3 +358,19 @@ def test_the_prefill_calibration_times_both_paths(cache_dir, monkeypatch):
     measured = calibration.report()["choices"]["prefill_attention/float32/4x1x32"]["measured"]
     assert [(r["cached"], r["tokens"]) for r in measured] == list(cases)
     assert wins == calibration.decide_faster(measured, "kernel", "sdpa")
+
+
+def test_the_head_ladder_goes_on_after_the_skinny_kernel_lost(monkeypatch):
+    """The skinny kernel losing at 1 and 4 rows ends a linear's ladder; the LM head's goes
+    on to its largest size, where the packed-or-plain choice is made."""
+    fixed = {"skinny": 3.0, "onednn": 1.0, "packed": 1.0, "plain": 1.2}
+    monkeypatch.setattr(
+        calibration, "time_paths", lambda paths, rounds=0: {p: fixed[p] for p in paths}
+    )
+    ladder = packed_linear.HEAD_LADDER
+    head = packed_linear._measure_ladder(
+        torch.float32, 64, 32, ladder, ("skinny", "packed", "plain")
+    )
+    assert [r["rows"] for r in head] == list(ladder)
+    linear = packed_linear._measure_ladder(torch.float32, 64, 32, ladder, ("skinny", "onednn"))
+    assert [r["rows"] for r in linear] == list(ladder[:2])
