@@ -83,10 +83,22 @@ def _prompt_logprobs(engine) -> list[float]:
     return [r.logprob for o in outs for r in o.prompt_logprobs if r is not None]
 
 
-def _greedy(engine) -> list[list[int]]:
-    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outs = engine.generate([Request(prompt_token_ids=p, sampling=sampling) for p in PROMPTS])
-    return [list(o.token_ids) for o in outs]
+def _decode(engine) -> tuple[list[list[int]], list[float]]:
+    """Greedy picks, each prompt alone (a decode step is one row of x), and each pick's
+    logprob there."""
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = [engine.generate([Request(prompt_token_ids=p, sampling=sampling)])[0] for p in PROMPTS]
+    return [list(o.token_ids) for o in outs], [r.logprob for o in outs for r in o.logprobs]
+
+
+def _forced(engine, picks: list[list[int]]) -> list[tuple[float, float]]:
+    """(logprob, best logprob) at each pick, with the prompt and the picks before it fed."""
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    requests = [Request(prompt_token_ids=p + q, sampling=sampling)
+                for p, q in zip(PROMPTS, picks, strict=True)]  # fmt: skip
+    outs = zip(engine.generate(requests), picks, strict=True)
+    records = [o.prompt_logprobs[-len(q) :] for o, q in outs]
+    return [(r.logprob, r.top[0][1]) for rs in records for r in rs]
 
 
 def _gap(a: list[float], b: list[float]) -> float:
@@ -103,9 +115,15 @@ def test_blocks_track_the_dequantized_weights(converted):
     assert dense.config.model.weight_format == "none"
     gap = _gap(_prompt_logprobs(blocks), _prompt_logprobs(dense))
     assert 0 < gap <= LOGPROB_BOUND, (arch, gap)  # 0: the dense path ran twice
-    a, b = _greedy(blocks), _greedy(dense)
-    agree = sum(x == y for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))
-    assert agree >= 0.75 * sum(map(len, a)), (arch, a, b)
+    # Decode (one row of x: the kernels' M == 1 paths): each greedy pick's logprob against
+    # the dense engine's, fed the same tokens, and each pick the dense engine's best or
+    # within the bound of it. (These random models' next-token distributions are nearly
+    # flat, top two often 1e-2 apart: counting identical picks measured near-ties.)
+    picks, logprobs = _decode(blocks)
+    forced = _forced(dense, picks)
+    assert len(forced) == len(logprobs) == 8 * len(PROMPTS)
+    assert _gap(logprobs, [lp for lp, _ in forced]) <= LOGPROB_BOUND, (arch, picks)
+    assert all(best - lp <= LOGPROB_BOUND for lp, best in forced), (arch, picks, forced)
 
 
 @pytest.mark.slow
@@ -181,7 +199,7 @@ def test_the_triton_gemm_runs_the_files_blocks(converted):
     dense = make_engine(gguf_file, tokenizer=str(hf), dtype="float32", quantization="none")
     gap = _gap(_prompt_logprobs(blocks), _prompt_logprobs(dense))
     assert gap <= TRITON_LOGPROB_BOUND, (arch, gap)
-    assert _greedy(blocks) == _greedy(dense)
+    assert _decode(blocks)[0] == _decode(dense)[0]
 
 
 def test_fp8_stores_the_decoder_layers_linears_as_e4m3(tmp_path):
@@ -227,7 +245,7 @@ def test_gguf_and_fp8_engines_on_cuda(tmp_path):
     dense = make_engine(gguf_file, quantization="none", **common)
     gap = _gap(_prompt_logprobs(blocks), _prompt_logprobs(dense))
     assert gap <= TRITON_LOGPROB_BOUND, gap
-    assert _greedy(blocks) == _greedy(dense)
+    assert _decode(blocks)[0] == _decode(dense)[0]
     fp8 = make_engine(gguf_file, quantization="fp8", **common)
     assert fp8.config.model.weight_format == "fp8"
     gap = _gap(_prompt_logprobs(fp8), _prompt_logprobs(dense))
