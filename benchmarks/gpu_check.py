@@ -51,7 +51,8 @@ def part(name: str, fn, failures: list[str]):
 
 
 def gpu_tests(timeout_s: float = 240) -> int:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider",
+    # -v: each test's outcome as it ends (a part cut off by its timeout prints no summary)
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "tests", "-p", "no:cacheprovider",
            "-rfEs", "--durations=10"]  # fmt: skip
     return subprocess.run(cmd, timeout=timeout_s).returncode
 
@@ -62,8 +63,9 @@ def bf16_check() -> int:
     agreement within the bounds tests/vlmserve/worker/test_bf16_accuracy.py states."""
     import os
 
-    cmd = [sys.executable, "-m", "pytest", "-q", "tests/vlmserve/worker/test_bf16_accuracy.py",
-           "-p", "no:cacheprovider"]  # fmt: skip
+    # -x: the first failure's traceback at once (the first lent run timed out after four)
+    cmd = [sys.executable, "-m", "pytest", "-v", "-x", "--tb=short", "-p", "no:cacheprovider",
+           "tests/vlmserve/worker/test_bf16_accuracy.py"]  # fmt: skip
     env = {**os.environ, "VLMSERVE_DEVICE": "cuda"}
     return subprocess.run(cmd, timeout=300, env=env).returncode
 

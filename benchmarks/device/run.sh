@@ -72,6 +72,13 @@ fi
     collected=$?
     echo "run.sh: preflight exit $preflight, collection exit $collected ($((SECONDS - START))s)"
     [ "$preflight" -eq 0 ] && [ "$collected" -eq 0 ] || exit 1
+    # The C++ CPU kernels, compiled side by side before any part (the CPU engines the parts
+    # compare against need them: compiled one by one at first use, they ate the first
+    # lent run's budget).
+    echo "=== the C++ CPU kernels ==="
+    timeout -k 10 240 "$PY" -m vlmserve.cli info --build-kernels --json \
+        | "$PY" -c "import json, sys; print(json.load(sys.stdin)['cpu_kernels'])"
+    echo "run.sh: kernels built ($((SECONDS - START))s)"
     if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
         echo "run.sh: no CUDA device visible: imports and the gpu tests' collection are checked" \
             "(0 errors); the GPU parts need an NVIDIA GPU"
