@@ -5,10 +5,11 @@
 #   2. preflight: the versions it runs with, every module the GPU check touches imported,
 #      FlashInfer's API and pulp's CBC checked; then `pytest -m gpu --collect-only`;
 #   3. without a CUDA device it stops there (exit 2, "no CUDA device");
-#   4. benchmarks/gpu_check.py part by part (the gpu tests, bf16 against transformers, offline
-#      throughput in bf16, the kernels table, nano-batching, the quantized GEMMs' timings:
-#      their log appended to kernels.log), each in its own process under its own timeout: a part
-#      that fails or runs out of time leaves the others their turn;
+#   4. benchmarks/gpu_check.py part by part, the short checks first (the gpu tests, bf16
+#      against transformers, the quantized GEMMs' timings: their log appended to kernels.log,
+#      the kernels table, offline throughput in bf16, nano-batching), each in its own process
+#      under its own timeout: a part that fails or runs out of time leaves the others their
+#      turn (the first lent run, 2026-12-04, ran out before quant in the old order);
 #   5. the summary table.
 # Everything it prints goes to OUT too: env.log, one log per part, summary.txt,
 # results.json (8 files: a device call brings back 8 at most). It ends inside
@@ -107,7 +108,7 @@ run_part() {
     echo "run.sh: $name exit $rc$why after $((SECONDS - t0))s" | tee -a "$log"
 }
 
-for name in tests bf16 offline kernels nanobatch quant; do run_part "$name"; done
+for name in tests bf16 quant kernels offline nanobatch; do run_part "$name"; done
 "$PY" -m benchmarks.gpu_check --summary "$SCRATCH" 2>&1 | tee "$DEST/summary.txt"
 status=${PIPESTATUS[0]}
 cp "$SCRATCH/gpu_check.json" "$DEST/results.json" 2>/dev/null

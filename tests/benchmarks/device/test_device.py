@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.device.bundle_check import check, read_pins, read_wheel
+from kernels import cpu_build
 
 REPO = Path(__file__).resolve().parents[3]
 # What the device lacks until its bundle is installed (and what it never gets).
@@ -124,5 +125,9 @@ def test_run_sh_without_cuda_checks_imports_and_collection_then_says_so(tmp_path
     log = (out / "env.log").read_text()
     assert result.returncode == 2, log[-3000:]
     assert "0 failed" in log and "collection exit 0" in log
+    # the C++ CPU kernels built (or found built) before any part, each of them
+    built = log.split("=== the C++ CPU kernels ===")[1].split("run.sh: kernels built")[0]
+    assert all(f"'{name}'" in built for name in cpu_build.KERNELS), built
+    assert "unavailable" not in built, built
     assert log.rstrip().endswith("the GPU parts need an NVIDIA GPU")
     assert "no CUDA device visible" in log.splitlines()[-1]
