@@ -91,10 +91,16 @@ inline void tile(const float* x, int64_t xs, const float* w, int64_t K, const fl
 using bf16 = at::BFloat16;
 
 #if defined(__AVX512BF16__)
-// bfloat16 elements a vdpbf16ps step (two per float lane); the prefetch distance in
-// elements (8 KB, as the float32 path's).
+// bfloat16 elements a vdpbf16ps step (two per float lane).
 constexpr int64_t LB = 32;
-constexpr int64_t PFB = 4096;
+// Software prefetch: the weight rows PFT tiles on (C rows each, contiguous after these),
+// C lines a step in address order, so the tile two on is in L1 when its turn comes. One
+// line a row at 8 KB ahead of each row, as the float32 path does, presents the memory with
+// C interleaved streams: at one row of x (decode) on a Zen 4 the Gemma 3 270M head (262k
+// rows of 640) read at 22 GB/s that way and 27 this way, the layers' shapes 23 and 28, a
+// float32 sum 30-33 (in-process A/B, 1-3 tiles ahead alike). Past the weight's last tile
+// the prefetches touch memory that is never read (a prefetch does not fault).
+constexpr int64_t PFT = 2;
 
 inline __m512bh bf16_vec(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh bf16_vec_first(const bf16* p, int64_t n) {  // n < LB; zeros past them
@@ -117,7 +123,7 @@ inline void tile(const bf16* x, int64_t xs, const bf16* w, int64_t K, const bf16
     __m512bh wv[C];
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + c * K + k + PFB), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + PFT * C * K + k * C + c * LB), _MM_HINT_T0);
       wv[c] = bf16_vec(w + c * K + k);
     }
 #pragma GCC unroll 8
