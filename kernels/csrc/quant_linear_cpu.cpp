@@ -898,6 +898,13 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
   const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
   const int64_t rows_ahead = std::max<int64_t>(1, kAheadBytes / row_bytes);
   const int64_t passes_ahead = std::max<int64_t>(1, kAheadBytes / (kWeightRows * row_bytes));
+  // At one row of x, the 4-row pass passes_ahead on from the one at row n, over `steps`
+  // (none past the last weight row).
+  const auto next_pass = [&](int64_t n, int64_t steps) {
+    return n + (passes_ahead + 1) * kWeightRows <= N
+               ? ahead(w + (n + passes_ahead * kWeightRows) * row_bytes, kWeightRows * row_bytes, steps)
+               : Ahead{};
+  };
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float sums[kRowChunk];
     int64_t n = begin;
@@ -905,9 +912,7 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
     if (xq.groups && M == 1)  // one row of x (decode): four weight rows at a time
       for (; n + kWeightRows <= end; n += kWeightRows) {
         const uint8_t* rows = w + n * row_bytes;
-        const bool more = n + (passes_ahead + 1) * kWeightRows <= N;
-        const Ahead next = more ? ahead(rows + passes_ahead * kWeightRows * row_bytes,
-                                        kWeightRows * row_bytes, xq.groups) : Ahead{};
+        const Ahead next = next_pass(n, xq.groups);
         if (qtype == Q5_0)
           dot_rows_g4<Q5_0, 1, kWeightRows>(rows, row_bytes, K, xq, 0, sums, next);
         else
@@ -923,9 +928,7 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
       };
       for (; n + kWeightRows <= end; n += kWeightRows) {
         const uint8_t* rows = w + n * row_bytes;
-        const bool more = n + (passes_ahead + 1) * kWeightRows <= N;
-        const Ahead next = more ? ahead(rows + passes_ahead * kWeightRows * row_bytes,
-                                        kWeightRows * row_bytes, K / 256) : Ahead{};
+        const Ahead next = next_pass(n, K / 256);
         if (qtype == Q4_K) dot_rows_k512<Q4_K, kWeightRows>(rows, row_bytes, K, xq, sums, next);
         else dot_rows_k512<Q6_K, kWeightRows>(rows, row_bytes, K, xq, sums, next);
         store(n, kWeightRows);
