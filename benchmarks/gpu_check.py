@@ -50,10 +50,14 @@ def part(name: str, fn, failures: list[str]):
         return None
 
 
-def gpu_tests(timeout_s: float = 240) -> int:
+def gpu_tests(timeout_s: float = 240, flashinfer: bool = False) -> int:
+    """The `gpu` tests, FlashInfer's apart (`flashinfer`): its kernels compile with nvcc
+    on first use, a minute or more each on a cold cache, which took the first lent run's
+    whole tests part."""
     # -v: each test's outcome as it ends (a part cut off by its timeout prints no summary)
+    which = "flashinfer" if flashinfer else "not flashinfer"
     cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "tests", "-p", "no:cacheprovider",
-           "-rfEs", "--durations=10"]  # fmt: skip
+           "-rfEs", "--durations=10", "-k", which]  # fmt: skip
     return subprocess.run(cmd, timeout=timeout_s).returncode
 
 
@@ -173,7 +177,8 @@ def _time_quant_shape(out_features: int, in_features: int, qtype: str) -> list[d
 
 
 PARTS = {"tests": gpu_tests, "bf16": bf16_check, "offline": offline, "kernels": kernels,
-         "nanobatch": nanobatch, "quant": quant}  # fmt: skip
+         "nanobatch": nanobatch, "quant": quant,
+         "flashinfer": lambda: gpu_tests(flashinfer=True)}  # fmt: skip
 
 
 def summary(results: dict[str, object], failures: list[str], gpu: str) -> list[str]:
@@ -182,9 +187,10 @@ def summary(results: dict[str, object], failures: list[str], gpu: str) -> list[s
     lines = ["=== gpu_check summary ===", f"gpu                  {gpu}"]
     tests = results.get("tests")
     lines.append("gpu tests            " + ("passed" if tests == 0 else f"FAILED ({tests})"))
-    if "bf16" in results or "bf16" in " ".join(failures):
-        bf16 = results.get("bf16")
-        lines.append("bf16 accuracy        " + ("passed" if bf16 == 0 else f"FAILED ({bf16})"))
+    for name, label in (("bf16", "bf16 accuracy"), ("flashinfer", "flashinfer tests")):
+        if name in results or name in " ".join(failures):
+            code = results.get(name)
+            lines.append(f"{label:<21}" + ("passed" if code == 0 else f"FAILED ({code})"))
     for name, fn in (("offline", _offline_lines), ("kernels", _kernel_lines),
                      ("nanobatch", _nanobatch_lines), ("quant", _quant_lines)):  # fmt: skip
         if results.get(name) is not None:
@@ -232,19 +238,27 @@ def _nanobatch_lines(nano: dict) -> list[str]:
 
 
 def saved_results(folder: Path) -> tuple[dict[str, object], list[str]]:
-    """The parts `--save` wrote to `folder`; a part with no file (killed by its timeout, or
-    its process died) counts as failed."""
+    """The parts `--save` wrote to `folder`; a part that started and never finished (killed
+    by its timeout, or its process died) counts as failed, one never started is left out."""
     results, failures = {}, []
     for name in PARTS:
         path = folder / f"{name}.json"
         if not path.exists():
-            failures.append(f"{name} (no result: see its log)")
             continue
         saved = json.loads(path.read_text())
+        if saved.get("unfinished"):
+            failures.append(f"{name} (no result: see its log)")
+            continue
         results[name] = saved["result"]
         if saved["failed"]:
             failures.append(name)
     return results, failures
+
+
+def _exit(results: dict[str, object], failures: list[str], tests: object) -> int:
+    """1 where a part failed, the gpu tests did not pass or a pytest part returned nonzero."""
+    pytest_parts = (results.get("bf16", 0), results.get("flashinfer", 0))
+    return 1 if failures or tests != 0 or any(code != 0 for code in pytest_parts) else 0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -277,28 +291,32 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(summary(results, failures, gpu)))
         combined = {"gpu": gpu, "failures": failures, "parts": results}
         (args.summary / "gpu_check.json").write_text(json.dumps(combined, indent=2, default=str))
-        return 1 if failures or results.get("tests") != 0 or results.get("bf16", 0) != 0 else 0
+        return _exit(results, failures, results.get("tests"))
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; nothing to check", file=sys.stderr)
         return 2
     start = time.perf_counter()
     failures: list[str] = []
     results: dict[str, object] = {}
-    run = {**PARTS, "tests": lambda: gpu_tests(args.tests_timeout_s)}
+    run = {**PARTS, "tests": lambda: gpu_tests(args.tests_timeout_s),
+           "flashinfer": lambda: gpu_tests(args.tests_timeout_s, flashinfer=True)}  # fmt: skip
     for name in args.part or list(PARTS):
         part_start = time.perf_counter()
-        results[name] = part(name, run[name], failures)
-        if args.save is not None:
+        saved_as = None if args.save is None else args.save / f"{name}.json"
+        if saved_as is not None:  # started: stays so if its timeout kills it
             args.save.mkdir(parents=True, exist_ok=True)
+            saved_as.write_text(json.dumps({"result": None, "failed": True, "unfinished": True}))
+        results[name] = part(name, run[name], failures)
+        if saved_as is not None:
             saved = {"result": results[name], "failed": name in failures,
                      "seconds": time.perf_counter() - part_start}  # fmt: skip
-            (args.save / f"{name}.json").write_text(json.dumps(saved, default=str))
+            saved_as.write_text(json.dumps(saved, default=str))
     if args.part:  # one part of run.sh's sequence: its summary comes from --summary
-        return 1 if failures or results.get("tests", 0) != 0 or results.get("bf16", 0) != 0 else 0
+        return _exit(results, failures, results.get("tests", 0))
     print()
     print("\n".join(summary(results, failures, torch.cuda.get_device_name(0))))
     print(f"wall time            {time.perf_counter() - start:.0f}s")
-    return 1 if failures or results.get("tests") != 0 or results.get("bf16", 0) != 0 else 0
+    return _exit(results, failures, results.get("tests"))
 
 
 if __name__ == "__main__":

@@ -15,11 +15,18 @@ BACKENDS = ("auto", "torch", "cpu", "cpu-sdpa", "triton", "flashinfer")
 
 
 def select_backend(
-    device: torch.device, preferred: str | None = None, dtype: torch.dtype | None = None
+    device: torch.device,
+    preferred: str | None = None,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    block_size: int | None = None,
 ) -> AttentionBackend:
-    """The attention backend for `device` and activation `dtype`. `preferred`: one of
-    BACKENDS; None or "auto" picks FlashInfer on a GPU where it is installed (it runs
-    float16 / bfloat16), else Triton there; on a CPU the C++ kernels where they build
+    """The attention backend for `device`, activation `dtype`, the model's `head_dim` and
+    the KV cache's `block_size`. `preferred`: one of BACKENDS; None or "auto" picks Triton
+    on a GPU (its kernels build in seconds; FlashInfer's compile with nvcc on first use,
+    minutes on a cold cache, and on the first lent H200 Triton's decode was the faster at
+    every size measured: docs/hardware.md), FlashInfer where Triton cannot take the block
+    size, else torch; FlashInfer by name; on a CPU the C++ kernels where they build
     (kernels/cpu_attention.py: "cpu" = the decode and prefill kernels, "cpu-sdpa" = the
     decode kernel with torch's SDPA for prefills), else plain torch. The torch backend
     runs anywhere and is the reference every other is tested against. The GPU backends
@@ -31,23 +38,20 @@ def select_backend(
     if preferred == "torch":
         return TorchPagedAttention()
     if preferred == "triton" or (preferred is None and device.type == "cuda"):
-        if preferred is None:
-            from kernels import flashinfer_attention
+        from kernels import flashinfer_attention, triton_attention
 
-            if flashinfer_attention.available(device, dtype) is None:
-                return flashinfer_attention.FlashInferPagedAttention()
-        from kernels import triton_attention
-
-        why = triton_attention.available(device)
+        why = triton_attention.available(device, block_size)
         if why is None:
             return triton_attention.TritonPagedAttention()
         if preferred == "triton":
             raise ValueError(f"attention backend 'triton' cannot run here: {why}")
+        if flashinfer_attention.available(device, dtype, head_dim) is None:
+            return flashinfer_attention.FlashInferPagedAttention()
         return TorchPagedAttention()
     if preferred == "flashinfer":
         from kernels import flashinfer_attention
 
-        why = flashinfer_attention.available(device, dtype)
+        why = flashinfer_attention.available(device, dtype, head_dim)
         if why is not None:
             raise ValueError(f"attention backend 'flashinfer' cannot run here: {why}")
         return flashinfer_attention.FlashInferPagedAttention()

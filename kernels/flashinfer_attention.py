@@ -27,14 +27,21 @@ from kernels.attention import AttentionBatch, allowed_keys, split_by_query_len
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's split-K scratch (its documented example size)
 DTYPES = (torch.float16, torch.bfloat16)
+# The head dims FlashInfer's prefill kernels compile for (its Hopper kernels static_assert
+# these; the first lent H200 failed to build them at 16).
+HEAD_DIMS = (64, 128, 256)
 
 
-def available(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
-    """None when the backend can run on `device` in `dtype`; otherwise why not."""
+def available(
+    device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> str | None:
+    """None when the backend can run on `device` in `dtype` at `head_dim`; otherwise why not."""
     if device.type != "cuda":
         return f"FlashInfer runs on CUDA devices only, not {device.type}"
     if dtype is not None and dtype not in DTYPES:
         return f"FlashInfer runs float16 / bfloat16, not {dtype}"
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        return f"FlashInfer's kernels take head dims {HEAD_DIMS}, not {head_dim}"
     if importlib.util.find_spec("flashinfer") is None:
         return "flashinfer is not installed (pip install 'vlmserve[gpu]')"
     return None

@@ -49,8 +49,13 @@ MIN_SPLIT_TOKENS = 256
 TARGET_PROGRAMS = 264
 
 
-def available(device: torch.device) -> str | None:
-    """None when the kernels can run on `device`; otherwise why not."""
+def available(device: torch.device, block_size: int | None = None) -> str | None:
+    """None when the kernels can run on `device` with KV blocks of `block_size` tokens;
+    otherwise why not."""
+    # A kernel step reads one cache block as a tile: a power of two, and >= 16 for the
+    # tensor-core dot products.
+    if block_size is not None and (block_size < 16 or block_size & (block_size - 1)):
+        return f"the Triton backend needs a power-of-two block size >= 16, not {block_size}"
     if device.type == "cuda":
         return None
     if device.type == "cpu" and LATE:
@@ -314,11 +319,8 @@ class TritonPagedAttention:
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, int, int, int]:
-        # A kernel step reads one cache block as a tile: a power of two, and >= 16 for
-        # the tensor-core dot products.
         if block_size < 16 or block_size & (block_size - 1):
-            raise ValueError(f"the Triton backend needs a power-of-two block size >= 16, "
-                             f"not {block_size}")  # fmt: skip
+            raise ValueError(available(torch.device("cuda"), block_size))
         return (2, num_kv_heads, num_blocks * block_size, head_dim)
 
     def build_metadata(

@@ -5,11 +5,14 @@
 #   2. preflight: the versions it runs with, every module the GPU check touches imported,
 #      FlashInfer's API and pulp's CBC checked; then `pytest -m gpu --collect-only`;
 #   3. without a CUDA device it stops there (exit 2, "no CUDA device");
-#   4. benchmarks/gpu_check.py part by part, the short checks first (the gpu tests, bf16
-#      against transformers, the quantized GEMMs' timings: their log appended to kernels.log,
-#      the kernels table, offline throughput in bf16, nano-batching), each in its own process
-#      under its own timeout: a part that fails or runs out of time leaves the others their
-#      turn (the first lent run, 2026-12-04, ran out before quant in the old order);
+#   4. benchmarks/gpu_check.py part by part, the short checks first (the gpu tests but
+#      FlashInfer's, bf16 against transformers, the quantized GEMMs' timings: their log
+#      appended to kernels.log, offline throughput in bf16, nano-batching, the kernels
+#      table, FlashInfer's tests, whose kernels compile with nvcc on first use: their log
+#      appended to tests.log), each in its own process under its own timeout: a part that
+#      fails or runs out of time leaves the others their turn (the first lent run,
+#      2026-12-04, ran out before quant in the old order). VLMSERVE_PARTS="tests bf16 ..."
+#      runs those parts only, in that order;
 #   5. the summary table.
 # Everything it prints goes to OUT too: env.log, one log per part, summary.txt,
 # results.json (8 files: a device call brings back 8 at most). It ends inside
@@ -27,9 +30,10 @@ BUNDLE="${VLMSERVE_BUNDLE:-.device-bundle}"
 SITE="${VLMSERVE_SITE:-/tmp/vlmserve-site}"
 BUDGET_S="${VLMSERVE_GPU_BUDGET_S:-555}"
 # Seconds per part, at most; the budget left cuts the later ones shorter.
-declare -A LIMIT=([tests]=150 [bf16]=80 [offline]=110 [kernels]=100 [nanobatch]=80 [quant]=30)
+declare -A LIMIT=([tests]=150 [bf16]=80 [offline]=110 [kernels]=100 [nanobatch]=80 [quant]=30
+                  [flashinfer]=150)
 # A part without a log of its own writes into another's (8 files come back from a device).
-declare -A LOG=([quant]=kernels)
+declare -A LOG=([quant]=kernels [flashinfer]=tests)
 for kv in ${VLMSERVE_PART_TIMEOUTS:-}; do LIMIT[${kv%%=*}]="${kv#*=}"; done  # "tests=200 ..."
 mkdir -p "$DEST"
 SCRATCH="$(mktemp -d)"
@@ -108,7 +112,10 @@ run_part() {
     echo "run.sh: $name exit $rc$why after $((SECONDS - t0))s" | tee -a "$log"
 }
 
-for name in tests bf16 quant kernels offline nanobatch; do run_part "$name"; done
+# FlashInfer's tests last: its kernels compile with nvcc on first use (minutes, cold).
+for name in ${VLMSERVE_PARTS:-tests bf16 quant offline nanobatch kernels flashinfer}; do
+    run_part "$name"
+done
 "$PY" -m benchmarks.gpu_check --summary "$SCRATCH" 2>&1 | tee "$DEST/summary.txt"
 status=${PIPESTATUS[0]}
 cp "$SCRATCH/gpu_check.json" "$DEST/results.json" 2>/dev/null

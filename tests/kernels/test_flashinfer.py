@@ -75,7 +75,22 @@ def test_flashinfer_is_gpu_only_and_16_bit():
     assert "CUDA" in flashinfer_attention.available(torch.device("cpu"))
     why = flashinfer_attention.available(torch.device("cuda"), torch.float32)
     assert why is not None and "float16" in why
+    why = flashinfer_attention.available(torch.device("cuda"), torch.bfloat16, head_dim=16)
+    assert why is not None and "head dims" in why  # its Hopper kernels do not build at 16
     assert select_backend(torch.device("cpu")).name in ("cpu", "torch")  # never auto on CPU
+
+
+def test_auto_on_a_gpu_takes_triton_where_its_blocks_fit():
+    """Chosen on the host (no GPU needed): Triton under auto at a block size its kernels
+    take; at 4, FlashInfer where it can run the head dim, else torch; Triton by name at 4
+    is refused at start, with the reason."""
+    cuda = torch.device("cuda")
+    assert select_backend(cuda, "auto", torch.bfloat16, 128, 16).name == "triton"
+    fallback = "flashinfer" if flashinfer_attention.available(cuda) is None else "torch"
+    assert select_backend(cuda, None, torch.bfloat16, 128, 4).name == fallback
+    assert select_backend(cuda, None, torch.bfloat16, 16, 4).name == "torch"  # head dim 16
+    with pytest.raises(ValueError, match="power-of-two block size >= 16, not 4"):
+        select_backend(cuda, "triton", torch.bfloat16, 128, 4)
 
 
 def fake_flashinfer(decode_plan, prefill_plan):

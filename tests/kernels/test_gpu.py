@@ -63,10 +63,16 @@ def test_flashinfer_backend_gives_the_torch_tokens(family, kv_heads, tmp_path, r
 
 @pytest.mark.gpu
 def test_auto_picks_a_gpu_backend():
+    """Triton under auto (no nvcc build on first use); FlashInfer by name, and refused at a
+    head dim its kernels do not compile for."""
     from kernels import flashinfer_attention
     from kernels.backends import select_backend
 
-    name = select_backend(torch.device("cuda"), "auto", torch.bfloat16).name
-    has_flashinfer = flashinfer_attention.available(torch.device("cuda")) is None
-    assert name == ("flashinfer" if has_flashinfer else "triton")
-    assert select_backend(torch.device("cuda"), "auto", torch.float32).name == "triton"
+    cuda = torch.device("cuda")
+    assert select_backend(cuda, "auto", torch.bfloat16, 128).name == "triton"
+    assert select_backend(cuda, "auto", torch.float32).name == "triton"
+    assert select_backend(cuda, "auto", torch.bfloat16, 128, 4).name != "triton"
+    if flashinfer_attention.available(cuda) is None:
+        assert select_backend(cuda, "flashinfer", torch.bfloat16, 128).name == "flashinfer"
+        with pytest.raises(ValueError, match="head dims"):
+            select_backend(cuda, "flashinfer", torch.bfloat16, 16)

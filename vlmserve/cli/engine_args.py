@@ -114,8 +114,9 @@ def _add_model_args(group: argparse._ArgumentGroup) -> None:
         "--attention-backend",
         default="auto",
         choices=BACKENDS,
-        help="auto (default): FlashInfer on a GPU where installed, else Triton there; the "
-        "C++ decode and prefill kernels on a CPU (cpu-sdpa: torch's SDPA for prefills). "
+        help="auto (default): Triton on a GPU (FlashInfer there only by name, or where "
+        "Triton cannot take --block-size); the C++ decode and prefill kernels on a CPU "
+        "(cpu-sdpa: torch's SDPA for prefills). "
         "torch: the plain-torch reference anywhere. triton runs on a CPU only under "
         "TRITON_INTERPRET=1",
     )

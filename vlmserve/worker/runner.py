@@ -21,6 +21,7 @@ import torch
 from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
+from encoders.weights import read_config
 from kernels.attention import AttentionBatch
 from kernels.backends import choose_prefill_path, select_backend
 from kernels.malloc_tuning import keep_freed_memory
@@ -37,7 +38,7 @@ from vlmserve.worker.kv_groups import (
     kv_layout,
     slots_of,
 )
-from vlmserve.worker.models.loader import LoadedModel, load_model
+from vlmserve.worker.models.loader import LoadedModel, decoder_config, load_model
 from vlmserve.worker.parallel.layers import shard_decoder
 from vlmserve.worker.parallel.sharding import TPShard
 
@@ -109,7 +110,11 @@ class ModelRunner:
             keep_activations_in_heap()
         self.dtype = config.model.torch_dtype
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
-        self.backend = select_backend(self.device, config.model.attention_backend, self.dtype)
+        head_dim = decoder_config(read_config(config.model.path)).head_dim
+        self.backend = select_backend(
+            self.device, config.model.attention_backend, self.dtype, head_dim,
+            config.cache.block_size,
+        )  # fmt: skip
         check_dtypes(config, self.dtype, self.kv_dtype, self.backend.name)
         shard = None if group is None else TPShard(group.rank, group.size)
         self.model: LoadedModel = load_model(

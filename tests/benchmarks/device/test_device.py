@@ -4,6 +4,7 @@ missing (as on the device before its bundle), and run.sh on a machine without CU
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -131,3 +132,24 @@ def test_run_sh_without_cuda_checks_imports_and_collection_then_says_so(tmp_path
     assert "unavailable" not in built, built
     assert log.rstrip().endswith("the GPU parts need an NVIDIA GPU")
     assert "no CUDA device visible" in log.splitlines()[-1]
+
+
+def test_summary_names_the_parts_cut_off_and_leaves_out_those_not_run(tmp_path):
+    """A part that started and never saved its result failed; one not run is no failure."""
+    from benchmarks import gpu_check
+
+    def save(name, body):
+        (tmp_path / f"{name}.json").write_text(json.dumps(body))
+
+    save("tests", {"result": 0, "failed": False, "seconds": 40})
+    save("bf16", {"result": 0, "failed": False, "seconds": 20})
+    save("offline", {"result": None, "failed": True, "unfinished": True})
+    results, failures = gpu_check.saved_results(tmp_path)
+    assert failures == ["offline (no result: see its log)"]
+    assert set(results) == {"tests", "bf16"}
+    lines = gpu_check.summary(results, failures, "a GPU")
+    assert "gpu tests            passed" in lines
+    assert lines[-1] == "failed parts         offline (no result: see its log)"
+    assert gpu_check._exit(results, failures, results["tests"]) == 1
+    (tmp_path / "offline.json").unlink()
+    assert gpu_check._exit(*gpu_check.saved_results(tmp_path), 0) == 0

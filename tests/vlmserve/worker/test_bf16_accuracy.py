@@ -159,6 +159,7 @@ def bf16_paths(llama_path, llava_ov_path, idefics3_path, tmp_path_factory):
 
 def check_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert ours.shape == ref.shape
+    ours = ours.to(ref.device)  # the engine's on the GPU under gpu_check, transformers' not
     diff = (ours - ref).abs().max().item()
     assert diff <= MAX_ABS_LOGIT_DIFF, f"logits differ by {diff:.4f} > {MAX_ABS_LOGIT_DIFF}"
     top2 = ref.topk(2).values

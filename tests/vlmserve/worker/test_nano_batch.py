@@ -288,10 +288,10 @@ def test_nano_batch_flag_reaches_the_engine_from_each_door(schedule_dir):
 @pytest.mark.gpu
 def test_cuda_streams_equal_the_unsplit_decoder(llama_path):
     device = torch.device("cuda")
-    backend = select_backend(device)
+    backend = select_backend(device, block_size=16)  # Triton's blocks are 16+
     decoder = load_model(str(llama_path), torch.float32, device, backend).decoder
     cfg = decoder.cfg
-    batch, slots, positions, num_blocks = mixed_step(cfg, backend)
+    batch, slots, positions, num_blocks = mixed_step(cfg, backend, block_size=16)
     shape = backend.kv_cache_shape(num_blocks, batch.block_size, cfg.num_kv_heads, cfg.head_dim)
     caches = [torch.randn(shape, device=device) for _ in range(cfg.num_layers)]
     x = torch.randn(slots.numel(), cfg.hidden_size, device=device)

@@ -236,7 +236,7 @@ def test_gguf_and_fp8_engines_on_cuda(tmp_path):
     dequantized weights, greedy tokens equal; `--quantization fp8` within FP8's bound."""
     hf = make_text_checkpoint(tmp_path / "hf", "llama", hidden=64, kv_heads=2)
     gguf_file = write_gguf(hf, tmp_path / "model.gguf", "llama")
-    common = {"tokenizer": str(hf), "dtype": "float32", "device": "cuda"}
+    common = {"tokenizer": str(hf), "dtype": "float32", "device": "cuda", "block_size": 16}
     blocks = make_engine(gguf_file, quantization="gguf", **common)
     decoder = blocks.runner.model.decoder
     assert isinstance(decoder.layers[0].self_attn.qkv_proj, QuantLinear)
