@@ -62,6 +62,10 @@ class LayeredMetadata:
         return self.groups[self.layer_group[layer]]
 
 
+# Query rows a long chunk's SDPA call takes at once (TorchPagedAttention._attend).
+SDPA_QUERY_BLOCK = 256
+
+
 def allowed_keys(
     q_pos: torch.Tensor, num_keys: int, window: int | None, spans: list[tuple[int, int]]
 ) -> torch.Tensor:
@@ -89,6 +93,33 @@ class _Group:
     # when no row is padding, as in an all-decode group).
     out_rows: torch.Tensor  # [num_valid]
     valid_rows: torch.Tensor | None  # [num_valid]
+    _sdpa_blocks: tuple[torch.dtype, list] | None = None
+
+    def sdpa_blocks(
+        self, dtype: torch.dtype
+    ) -> list[tuple[int, int, int, int, torch.Tensor | None]]:
+        """The first sequence's query rows in blocks of SDPA_QUERY_BLOCK: (rows j0:j1, the
+        keys k0:k1 any of them reads, their additive mask in `dtype`, None where it is
+        plain causal). Made once a step for every layer. A window or causality leaves most
+        of a long chunk's [queries, keys] masked: each block attends only over its keys
+        (SDPA computes every masked score), and an additive mask of the query's dtype
+        spares SDPA converting a bool one each call (Xeon with AMX, bfloat16, 2,048
+        queries under a 512 window: 10.7 ms against 16.5 for one call)."""
+        if self._sdpa_blocks is None or self._sdpa_blocks[0] != dtype:
+            allowed = self.bias[0, :, 0] == 0  # [Q, C]
+            q_len, c_len = allowed.shape
+            lo = allowed.int().argmax(1)  # each row's first key (every row reads one)
+            hi = c_len - allowed.flip(1).int().argmax(1)  # ... and one past its last
+            blocks = []
+            for j0 in range(0, q_len, SDPA_QUERY_BLOCK):
+                j1 = min(q_len, j0 + SDPA_QUERY_BLOCK)
+                k0, k1 = int(lo[j0:j1].min()), int(hi[j0:j1].max())
+                part = allowed[j0:j1, k0:k1]
+                causal = k1 - k0 == j1 - j0 and torch.equal(part, torch.ones_like(part).tril())
+                mask = None if causal else self.bias[0, j0:j1, 0, k0:k1].to(dtype).contiguous()
+                blocks.append((j0, j1, k0, k1, mask))
+            self._sdpa_blocks = (dtype, blocks)
+        return self._sdpa_blocks[1]
 
 
 @dataclass
@@ -252,8 +283,11 @@ class TorchPagedAttention:
             starts.append(total)
             total += q_len
         lens = list(zip(batch.query_lens, batch.context_lens, strict=True))
-        # A window or spans need a mask: such prefills take the gathering path.
-        plain = [batch.sliding_window is None and not batch.seq_spans(i) for i in range(len(lens))]
+        # A window or spans need a mask: such prefills take the gathering path (a window
+        # no shorter than the context masks nothing).
+        window = batch.sliding_window
+        plain = [(window is None or c <= window) and not batch.seq_spans(i)
+                 for i, (_, c) in enumerate(lens)]  # fmt: skip
         fresh = [i for i, (q, c) in enumerate(lens) if q > SMALL_QUERY_LEN and q == c and plain[i]]
         small = [i for i, (q, _) in enumerate(lens) if q <= SMALL_QUERY_LEN]
         large = [
@@ -305,10 +339,13 @@ class TorchPagedAttention:
                 ks, vs = self._gather(kv_cache[0], slots, 0), self._gather(kv_cache[1], slots, 1)
                 ks, vs = ks.to(q.dtype), vs.to(q.dtype)
                 rows = g.q_index[0]
-                os = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1), ks, vs, attn_mask=g.bias[0, :, 0] == 0,
-                    scale=scale, enable_gqa=True,
-                )  # fmt: skip
+                qs = q[rows].transpose(0, 1)  # [H, Q, D]
+                os = torch.empty_like(qs)
+                for j0, j1, k0, k1, mask in g.sdpa_blocks(q.dtype):
+                    os[:, j0:j1] = F.scaled_dot_product_attention(
+                        qs[:, j0:j1], ks[:, k0:k1], vs[:, k0:k1], attn_mask=mask,
+                        is_causal=mask is None, scale=scale, enable_gqa=True,
+                    )  # fmt: skip
                 out.index_copy_(0, rows, os.transpose(0, 1))
                 continue
             og = self._grouped_attention(q, kv_cache, g, scale).flatten(0, 1)  # [S*Qm, H, D]

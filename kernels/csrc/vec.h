@@ -62,6 +62,16 @@ inline vfloat load_bf16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+// v rounded to bfloat16 (to nearest even; NaN stays NaN), kept as float32.
+inline vfloat round_bf16(vfloat v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))),
+      _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(
+      r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000)));
+}
 // float32 -> bfloat16 bits, rounded to nearest even (NaN stays NaN).
 inline void store_bf16(uint16_t* p, vfloat v) {
 #if defined(__AVX512BF16__)
@@ -143,6 +153,16 @@ inline vfloat mask_max(vfloat a, vmask m, vfloat b) {
 inline vfloat load_bf16(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// v rounded to bfloat16 (to nearest even; NaN stays NaN), kept as float32.
+inline vfloat round_bf16(vfloat v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))),
+      _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), nan));
 }
 // float32 -> bfloat16 bits, rounded to nearest even (NaN stays NaN).
 inline void store_bf16(uint16_t* p, vfloat v) {

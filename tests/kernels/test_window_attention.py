@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
+from kernels import attention, cpu_attention
 from kernels.attention import AttentionBatch, TorchPagedAttention
 from kernels.backends import select_backend
 
@@ -95,6 +95,19 @@ def test_window_and_spans_in_bf16_on_the_cpu_kernels(dim, window, null):
     if null and window is None:
         pytest.skip("only a sliding window releases blocks")
     run_layout("cpu", dim, window, torch.bfloat16, atol=1e-2, rtol=2.0**-7, null=null)
+
+
+@pytest.mark.parametrize("null", [False, True], ids=["own-blocks", "null-block"])
+@pytest.mark.parametrize("window", [16, 7, None])
+@pytest.mark.parametrize("rows", [5, 8])
+@pytest.mark.parametrize("backend", ["torch", "cpu-sdpa"])
+def test_sdpa_in_query_blocks_matches_the_reference(backend, rows, window, null, monkeypatch):
+    """A long chunk's SDPA in blocks of `rows` queries, each over only the keys it reads
+    (plain causal ones without a mask): the layout's chunks span several blocks."""
+    if null and window is None:
+        pytest.skip("only a sliding window releases blocks")
+    monkeypatch.setattr(attention, "SDPA_QUERY_BLOCK", rows)
+    run_layout(backend, 32, window, torch.float32, atol=2e-5, rtol=1e-4, null=null)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
