@@ -21,7 +21,6 @@ import torch
 from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
-from encoders.weights import read_config
 from kernels.attention import AttentionBatch
 from kernels.backends import choose_prefill_path, select_backend
 from kernels.malloc_tuning import keep_freed_memory
@@ -38,7 +37,7 @@ from vlmserve.worker.kv_groups import (
     kv_layout,
     slots_of,
 )
-from vlmserve.worker.models.loader import LoadedModel, decoder_config, load_model
+from vlmserve.worker.models.loader import LoadedModel, head_dim_of, load_model
 from vlmserve.worker.parallel.layers import shard_decoder
 from vlmserve.worker.parallel.sharding import TPShard
 
@@ -49,11 +48,10 @@ from vlmserve.worker.nano_exec import NanoExecutor
 
 log = logging.getLogger(__name__)
 
-# A prefill step's activations stay in the heap between steps (each is at most tens of
-# MiB at the step budget), and so do a decode step's float32 logits (64 MiB at 64 rows of
-# a 262,144-token vocabulary: at a 64 MiB threshold glibc mapped them fresh every step,
-# ~60 ms of page faults and zeroing a step), and up to 512 MiB of freed heap is kept
-# (kernels/malloc_tuning).
+# A prefill step's activations (tens of MiB at the step budget) and a decode step's float32
+# logits (64 MiB at 64 rows of a 262,144-token vocabulary: at a 64 MiB threshold glibc mapped
+# them fresh every step, ~60 ms of page faults and zeroing) stay in the heap between steps,
+# with up to 512 MiB of freed heap kept (kernels/malloc_tuning).
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 256 << 20, 512 << 20
 
 
@@ -110,11 +108,9 @@ class ModelRunner:
             keep_activations_in_heap()
         self.dtype = config.model.torch_dtype
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, self.dtype)
-        head_dim = decoder_config(read_config(config.model.path)).head_dim
         self.backend = select_backend(
-            self.device, config.model.attention_backend, self.dtype, head_dim,
-            config.cache.block_size,
-        )  # fmt: skip
+            self.device, config.model.attention_backend, self.dtype,
+            head_dim_of(config.model.path), config.cache.block_size)  # fmt: skip
         check_dtypes(config, self.dtype, self.kv_dtype, self.backend.name)
         shard = None if group is None else TPShard(group.rank, group.size)
         self.model: LoadedModel = load_model(

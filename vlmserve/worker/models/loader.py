@@ -103,6 +103,12 @@ def decoder_config(config: dict) -> DecoderConfig:
     )
 
 
+def head_dim_of(path: str) -> int:
+    """The decoder's head dim, read from the checkpoint's config alone (the attention
+    backend is chosen before the weights load)."""
+    return decoder_config(read_config(path)).head_dim
+
+
 def load_model(
     path: str,
     dtype: torch.dtype,
