@@ -49,13 +49,21 @@ MIN_SPLIT_TOKENS = 256
 TARGET_PROGRAMS = 264
 
 
+def block_size_refused(block_size: int) -> str | None:
+    """Why the kernels cannot take KV blocks of `block_size` tokens; None when they can. A
+    kernel step reads one cache block as a tile: a power of two, and >= 16 for the
+    tensor-core dot products."""
+    if block_size < 16 or block_size & (block_size - 1):
+        return f"the Triton backend needs a power-of-two block size >= 16, not {block_size}"
+    return None
+
+
 def available(device: torch.device, block_size: int | None = None) -> str | None:
     """None when the kernels can run on `device` with KV blocks of `block_size` tokens;
     otherwise why not."""
-    # A kernel step reads one cache block as a tile: a power of two, and >= 16 for the
-    # tensor-core dot products.
-    if block_size is not None and (block_size < 16 or block_size & (block_size - 1)):
-        return f"the Triton backend needs a power-of-two block size >= 16, not {block_size}"
+    why = None if block_size is None else block_size_refused(block_size)
+    if why is not None:
+        return why
     if device.type == "cuda":
         return None
     if device.type == "cpu" and LATE:
@@ -319,8 +327,9 @@ class TritonPagedAttention:
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, int, int, int]:
-        if block_size < 16 or block_size & (block_size - 1):
-            raise ValueError(available(torch.device("cuda"), block_size))
+        why = block_size_refused(block_size)
+        if why is not None:
+            raise ValueError(why)
         return (2, num_kv_heads, num_blocks * block_size, head_dim)
 
     def build_metadata(
