@@ -225,6 +225,12 @@ def main(argv: list[str] | None = None) -> dict:
         schedule.save(schedule_path)
         result = run(str(path), schedule_path, args)
     load_after = os.getloadavg()
+    if not all(result["rows"].values()):
+        raise SystemExit(
+            f"no step decoded all {args.batch} requests in every mode "
+            f"({ {m: len(r) for m, r in result['rows'].items()} }): raise --output or "
+            "--token-budget (the first requests finish before the last is admitted)"
+        )
     medians = {
         mode: {k: statistics.median(r[k] for r in rows) for k in ("forward_ms", "cpu_ms")}
         for mode, rows in result["rows"].items()

@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, why in skipped.items():
         print(f"{name}: not run ({why})")
     if device.type == "cuda":
+        write_result("kernels", result)  # kept if the decode rows run out of time
         try:
             result["decode_batch1"] = decode_bound_rows(args)
             print(table(result["decode_batch1"], sorted({k for r in result["decode_batch1"]

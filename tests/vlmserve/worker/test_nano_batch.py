@@ -297,12 +297,13 @@ def test_cuda_streams_equal_the_unsplit_decoder(llama_path):
     x = torch.randn(slots.numel(), cfg.hidden_size, device=device)
     from vlmserve.worker.runner import _to_device
 
+    # metadata is built on the host; the runner moves it (the plain path's too)
+    meta = _to_device(backend.build_metadata(batch, slots, device), device)
     for name in SCHEDULES:
         batcher = NanoBatcher([SCHEDULES[name]()], backend)
         step = _to_device(batcher.plan(batch, slots), device)
         executor = NanoExecutor(batcher.num_streams, device, 1)
         with torch.inference_mode():
-            meta = backend.build_metadata(batch, slots.to(device), device)
             plain_caches = [c.clone() for c in caches]
             plain = decoder(x.clone(), positions.to(device), meta, plain_caches)
             nano = decoder(x.clone(), positions.to(device), meta, [c.clone() for c in caches],
