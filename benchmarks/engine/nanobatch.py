@@ -93,7 +93,8 @@ def make_schedule(args: argparse.Namespace, one_core: DurationUs, all_cores: Dur
 
 def run(path: str, schedule_path: Path, args: argparse.Namespace) -> dict:
     """One engine over the workload; decode-only steps alternate modes."""
-    blocks = args.batch * (-(-(args.prompt + args.output) // 16)) + 64
+    # every request's blocks, plus the admission watermark (1%) and a margin: all admitted
+    blocks = int(args.batch * (-(-(args.prompt + args.output) // 16)) * 1.02) + 64
     engine = Engine(
         EngineConfig(
             ModelConfig(
