@@ -72,6 +72,13 @@ def bf16_dot_available() -> bool:
     return prefill_available() is None and torch.ops.vlmserve_prefill.bf16_dot()
 
 
+@functools.cache
+def amx_available() -> bool:
+    """Whether the prefill kernel runs bfloat16 at head dims a multiple of 32 on AMX tiles
+    here (Intel's `amx_bf16`), the tower's tile attention included."""
+    return prefill_available() is None and torch.ops.vlmserve_prefill.amx()
+
+
 # The prefill cases the calibration times, (cached prefix, new tokens): a fresh prompt and
 # a chunk on a prefix; at most this many KV heads (the query heads in the model's ratio).
 PREFILL_CASES = ((0, 1024), (512, 512))

@@ -25,10 +25,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <immintrin.h>
 #include <limits>
 #include <optional>
+#include <sys/syscall.h>
 #include <type_traits>
+#include <unistd.h>
 #include <vector>
 
 #include "bf16_dot.h"
@@ -150,8 +153,9 @@ inline void values(const float* const* vals, int64_t count, const float* p, int6
 template <bool Masked>
 inline void softmax_tile(float* st, int64_t count, int64_t vecs, int64_t first,
                          const int32_t* positions, const int32_t* neg_lows, float* m, float* l,
-                         float* correction) {
+                         float* correction, float scale) {
   const int64_t ld = kLanes * vecs;
+  const vfloat sc = vec::set1(scale);
   for (int64_t v = 0; v < vecs; ++v) {
     const int32_t* pos = positions + kLanes * v;
     auto seen = [&](int64_t j) {
@@ -165,7 +169,7 @@ inline void softmax_tile(float* st, int64_t count, int64_t vecs, int64_t first,
     const vfloat old_max = vec::load(m + kLanes * v);
     vfloat new_max = old_max;
     for (int64_t j = 0; j < count; ++j) {
-      const vfloat s = vec::load(st + j * ld + kLanes * v);
+      const vfloat s = vec::mul(vec::load(st + j * ld + kLanes * v), sc);
       if constexpr (Masked)  // both masks: max(new_max, s) only where both hold
         new_max = vec::mask_max(new_max, seen(j), vec::mask_max(new_max, in_window(j), s));
       else
@@ -174,7 +178,7 @@ inline void softmax_tile(float* st, int64_t count, int64_t vecs, int64_t first,
     vfloat sum = vec::zero();
     for (int64_t j = 0; j < count; ++j) {
       float* s = st + j * ld + kLanes * v;
-      vfloat e = vec::exp2_neg_ps(vec::sub(vec::load(s), new_max));
+      vfloat e = vec::exp2_neg_ps(vec::sub(vec::mul(vec::load(s), sc), new_max));
       if constexpr (Masked) e = vec::maskz(seen(j), vec::maskz(in_window(j), e));
       vec::store(s, e);
       sum = vec::add(sum, e);
@@ -213,7 +217,7 @@ struct Scratch {
   std::vector<const float*> keys, vals, shifted;
   std::vector<uint32_t> qp, pp, vp;  // bfloat16 pairs (the dot-product path)
   std::vector<const uint16_t*> key_bits, val_bits;
-  std::vector<uint16_t> zero_row;
+  std::vector<uint16_t> zero_row, pb, kb;  // the AMX path's P [rows][keys], gathered keys
 };
 
 // The keys one item's rows see, [lo, hi] per row (w.positions = hi, w.neg_lows = -lo;
@@ -264,16 +268,17 @@ void write_rows(const Problem<scalar_t, cache_t>& pb, const Item& item, int64_t 
   }
 }
 
-// The online softmax over one tile of scores (masked only where the tile needs it).
+// The online softmax over one tile of scores (masked only where the tile needs it), the
+// scores multiplied by `scale` as they are read (1: st holds them scaled).
 inline void softmax_step(Scratch& w, const Bounds& b, int64_t first, int64_t count,
-                         int64_t vecs) {
+                         int64_t vecs, float scale = 1.f) {
   // The tile reaches past some row's last key or starts before some row's window.
   if (first + count - 1 > b.min_hi || first < b.max_lo)
     softmax_tile<true>(w.st.data(), count, vecs, first, w.positions.data(), w.neg_lows.data(),
-                       w.m.data(), w.l.data(), w.correction.data());
+                       w.m.data(), w.l.data(), w.correction.data(), scale);
   else
     softmax_tile<false>(w.st.data(), count, vecs, first, w.positions.data(), w.neg_lows.data(),
-                        w.m.data(), w.l.data(), w.correction.data());
+                        w.m.data(), w.l.data(), w.correction.data(), scale);
 }
 
 // Rows r of one item: query token i = r / group, head kv_head * group + r % group. A float32
@@ -490,6 +495,276 @@ void attend_item_dot(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
   }
   write_rows(pb, item, rows_used, width, w);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define VLMSERVE_AMX 1
+// The AMX path (Intel's tile matrix units, `amx_bf16`): both products of attend_item_dot
+// on 16 x 16 float32 tiles, TDPBF16PS taking 16 x 32 bfloat16 A tiles and B tiles of
+// bfloat16 pairs. The scores come out key-major (S^T = K Q^T: A the cache's key rows as
+// they lie, B the query pairs qp), so the online softmax is attend_item_dot's; P is turned
+// row-major in 16 x 16 float transposes for O += P V (A = P, B = the value pairs vp).
+namespace amx {
+
+// Asks Linux for the tile state once per process (oneDNN asks too); false if refused.
+bool enabled() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-7, each 16 rows of 64 bytes: C 0-3, A 4-5, B 6-7. Per item: oneDNN configures
+// the tiles its own way on this thread between our calls.
+inline void configure() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) c.bytes_per_row[t] = 64, c.rows[t] = 16;
+  _tile_loadconfig(&c);
+}
+
+// st[16 t + j][16 u + r] = key row (16 t + j) . query row (16 u + r) for NK key tiles
+// (`keys[t]`: 16 rows `key_bytes` apart) and NR row tiles of qp (ldq pairs a row).
+template <int NK, int NR>
+inline void scores(const uint16_t* const* keys, int64_t key_bytes, const uint32_t* qp,
+                   int64_t ldq, float* st, int64_t dim) {
+  _tile_zero(0);
+  if constexpr (NR > 1) _tile_zero(1);
+  if constexpr (NK > 1) _tile_zero(2);
+  if constexpr (NK > 1 && NR > 1) _tile_zero(3);
+  for (int64_t d = 0; d < dim; d += 32) {
+    _tile_loadd(4, keys[0] + d, key_bytes);
+    if constexpr (NK > 1) _tile_loadd(5, keys[1] + d, key_bytes);
+    _tile_loadd(6, qp + d / 2 * ldq, ldq * 4);
+    if constexpr (NR > 1) _tile_loadd(7, qp + d / 2 * ldq + 16, ldq * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NR > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NK > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NK > 1 && NR > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, st, ldq * 4);
+  if constexpr (NR > 1) _tile_stored(1, st + 16, ldq * 4);
+  if constexpr (NK > 1) _tile_stored(2, st + 16 * ldq, ldq * 4);
+  if constexpr (NK > 1 && NR > 1) _tile_stored(3, st + 16 * ldq + 16, ldq * 4);
+}
+
+// o[16 u + r][16 v + d] += sum_j p[16 u + r][j] v[j][16 v + d] over `steps` x 32 keys, for
+// NR row tiles of p (ldp bfloat16 a row) and ND dim tiles of vp (ldv pairs a row).
+template <int NR, int ND>
+inline void values(const uint16_t* p, int64_t ldp, const uint32_t* vp, int64_t ldv,
+                   int64_t steps, float* o, int64_t ldo) {
+  _tile_loadd(0, o, ldo * 4);
+  if constexpr (ND > 1) _tile_loadd(1, o + 16, ldo * 4);
+  if constexpr (NR > 1) _tile_loadd(2, o + 16 * ldo, ldo * 4);
+  if constexpr (NR > 1 && ND > 1) _tile_loadd(3, o + 16 * ldo + 16, ldo * 4);
+  for (int64_t k = 0; k < steps; ++k) {
+    _tile_loadd(4, p + 32 * k, ldp * 2);
+    if constexpr (NR > 1) _tile_loadd(5, p + 16 * ldp + 32 * k, ldp * 2);
+    _tile_loadd(6, vp + 16 * k * ldv, ldv * 4);
+    if constexpr (ND > 1) _tile_loadd(7, vp + 16 * k * ldv + 16, ldv * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (ND > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (NR > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NR > 1 && ND > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, o, ldo * 4);
+  if constexpr (ND > 1) _tile_stored(1, o + 16, ldo * 4);
+  if constexpr (NR > 1) _tile_stored(2, o + 16 * ldo, ldo * 4);
+  if constexpr (NR > 1 && ND > 1) _tile_stored(3, o + 16 * ldo + 16, ldo * 4);
+}
+
+// r[i][j] <- r[j][i] for a 16 x 16 float block.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+// p[r][j] = st[j][r] rounded to bfloat16, for keys j < 32 * pairs32 (zero past `count`):
+// st is [keys][rows], p is [rows][ldp].
+inline void transpose_probs(const float* st, int64_t rows, int64_t count, int64_t blocks32,
+                            uint16_t* p, int64_t ldp) {
+  for (int64_t u = 0; u < rows; u += 16) {
+    for (int64_t g = 0; g < blocks32; ++g) {
+      __m512 lo[16], hi[16];
+      for (int j = 0; j < 16; ++j) {
+        const int64_t k0 = 32 * g + j, k1 = k0 + 16;
+        lo[j] = k0 < count ? _mm512_loadu_ps(st + k0 * rows + u) : _mm512_setzero_ps();
+        hi[j] = k1 < count ? _mm512_loadu_ps(st + k1 * rows + u) : _mm512_setzero_ps();
+      }
+      transpose16(lo);
+      transpose16(hi);
+      for (int r = 0; r < 16; ++r)
+        _mm512_storeu_si512(p + (u + r) * ldp + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(hi[r], lo[r]));
+    }
+  }
+}
+
+}  // namespace amx
+
+// Keys per AMX step: the scores of this many keys go through the softmax together, and
+// each P V pass keeps its output tiles in registers over all of them (o goes through the
+// tiles once a step, so a longer step moves less of it).
+constexpr int64_t kAmxKeys = 256;
+constexpr int64_t kAmxRows = 64;  // query rows per item
+
+// Every sequence's values for one KV head as pairs of consecutive keys (vp[k][d]: keys
+// base + 2k and base + 2k + 1 at dim d), packed once a call and read by all of the
+// sequence's items; zero pairs up to a multiple of 32 keys.
+struct ValuePairs {
+  std::vector<uint32_t> pairs;
+  std::vector<int64_t> offset, base;  // per (seq, kv head): where its pairs start; per seq
+};
+
+// The first key any row of the sequence may see (its first query's window start).
+template <typename scalar_t, typename cache_t>
+int64_t first_key(const Problem<scalar_t, cache_t>& pb, int64_t seq) {
+  const int64_t first_pos = pb.clens[seq] - pb.qlens[seq];
+  return pb.window > 0 ? std::max<int64_t>(0, first_pos - pb.window + 1) : 0;
+}
+
+ValuePairs pack_values(const Problem<at::BFloat16, at::BFloat16>& pb, int64_t num_seqs,
+                       int64_t kv_heads) {
+  ValuePairs vp;
+  const int64_t dim = pb.dim;
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    vp.base.push_back(first_key(pb, s) / 32 * 32);
+    const int64_t keys = (pb.clens[s] - vp.base[s] + 31) / 32 * 32;
+    for (int64_t h = 0; h < kv_heads; ++h) vp.offset.push_back(total), total += keys / 2 * dim;
+  }
+  vp.pairs.resize(total);
+  const auto* v_base = reinterpret_cast<const uint16_t*>(pb.v_base);
+  const std::vector<uint16_t> zero(dim, 0);
+  const int64_t tasks = num_seqs * kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t n = 0; n < tasks; ++n) {
+    const int64_t s = n / kv_heads, h = n % kv_heads, base = vp.base[s], ctx = pb.clens[s];
+    const int64_t lo = first_key(pb, s);  // keys before it: zeros (their blocks may be freed)
+    const uint16_t* v_head = v_base + h * pb.num_slots * dim;
+    const int32_t* table = pb.tables + s * pb.max_blocks;
+    uint32_t* out = vp.pairs.data() + vp.offset[n];
+    const int64_t npairs = (ctx - base + 31) / 32 * 16;
+    for (int64_t k = 0; k < npairs; ++k) {
+      const int64_t j0 = base + 2 * k, j1 = j0 + 1;
+      const uint16_t* v0 = j0 >= lo && j0 < ctx ? v_head + slot_of(pb, table, j0) * dim : zero.data();
+      const uint16_t* v1 = j1 >= lo && j1 < ctx ? v_head + slot_of(pb, table, j1) * dim : zero.data();
+      for (int64_t d = 0; d < dim; d += kLanes)
+        bf::store(out + k * dim + d, bf::interleave(v0 + d, v1 + d));
+    }
+  }
+  return vp;
+}
+
+// attend_item_dot on AMX tiles (bfloat16 q and cache, head dim a multiple of 32): the same
+// arithmetic (bfloat16 products, float32 sums, P rounded to bfloat16), the same softmax.
+// Key tiles start at multiples of 32 and are read in place from the cache where its
+// blocks hold whole tiles (block size a multiple of 16), else gathered.
+void attend_item_amx(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& item,
+                     const ValuePairs& values, int64_t kv_heads, Scratch& w) {
+  const int64_t dim = pb.dim, group = pb.group, pairs = dim / 2;
+  const int64_t rows_used = item.num_queries * group;
+  const int64_t vecs = (rows_used + kLanes - 1) / kLanes, rows = kLanes * vecs;
+  w.qp.assign(pairs * rows, 0u);
+  w.o.assign(rows * dim, 0.f);
+  w.st.resize(kAmxKeys * rows);
+  w.pb.resize(rows * kAmxKeys);
+  w.m.assign(rows, kNegInf);
+  w.l.assign(rows, 0.f);
+  w.correction.resize(rows);
+  const Bounds b = row_bounds(pb, item, rows, rows_used, w);
+  const int64_t first_token = pb.starts[item.seq] + item.first_query;
+  for (int64_t r = 0; r < rows_used; ++r) {
+    const int64_t head = item.kv_head * group + r % group;
+    const auto* src = reinterpret_cast<const uint16_t*>(pb.q + (first_token + r / group) *
+                                                                   pb.q_stride + head * dim);
+    for (int64_t e = 0; e < pairs; ++e)
+      w.qp[e * rows + r] = src[2 * e] | static_cast<uint32_t>(src[2 * e + 1]) << 16;
+  }
+  const auto* k_head = reinterpret_cast<const uint16_t*>(pb.k_base) + item.kv_head * pb.num_slots * dim;
+  const int32_t* table = pb.tables + item.seq * pb.max_blocks;
+  const int64_t base = values.base[item.seq];
+  const uint32_t* vpairs = values.pairs.data() + values.offset[item.seq * kv_heads + item.kv_head];
+  const bool in_place = pb.block_size % 16 == 0;
+  if (!in_place) w.kb.assign(kAmxKeys * dim, 0);
+  amx::configure();
+  bool started = false;
+  for (int64_t first = std::max(base, b.min_lo / 32 * 32); first <= b.max_hi; first += kAmxKeys) {
+    const int64_t count = std::min(kAmxKeys, b.max_hi + 1 - first);
+    const int64_t key_tiles = (count + 15) / 16;
+    const uint16_t* keys[kAmxKeys / 16];
+    for (int64_t t = 0; t < key_tiles; ++t) {
+      if (in_place) {
+        keys[t] = k_head + slot_of(pb, table, first + 16 * t) * dim;
+        continue;
+      }
+      keys[t] = w.kb.data() + 16 * t * dim;
+      for (int64_t j = 16 * t; j < std::min<int64_t>(count, 16 * t + 16); ++j)
+        std::memcpy(w.kb.data() + j * dim, k_head + slot_of(pb, table, first + j) * dim, 2 * dim);
+    }
+    for (int64_t t = 0; t < key_tiles; t += 2) {
+      for (int64_t u = 0; u < rows; u += 32) {
+        float* st = w.st.data() + 16 * t * rows + u;
+        const uint32_t* qp = w.qp.data() + u;
+        const bool two_keys = t + 1 < key_tiles, two_rows = u + 16 < rows;
+        if (two_keys && two_rows) amx::scores<2, 2>(keys + t, 2 * dim, qp, rows, st, dim);
+        else if (two_keys) amx::scores<2, 1>(keys + t, 2 * dim, qp, rows, st, dim);
+        else if (two_rows) amx::scores<1, 2>(keys + t, 2 * dim, qp, rows, st, dim);
+        else amx::scores<1, 1>(keys + t, 2 * dim, qp, rows, st, dim);
+      }
+    }
+    softmax_step(w, b, first, count, vecs, pb.scale2);
+    const int64_t steps = (count + 31) / 32;
+    amx::transpose_probs(w.st.data(), rows, count, steps, w.pb.data(), kAmxKeys);
+    if (started) {  // o *= correction, row by row, where a row's maximum moved
+      for (int64_t r = 0; r < rows; ++r) {
+        if (w.correction[r] == 1.f) continue;
+        const vfloat c = vec::set1(w.correction[r]);
+        float* o = w.o.data() + r * dim;
+        for (int64_t d = 0; d < dim; d += kLanes) vec::store(o + d, vec::mul(vec::load(o + d), c));
+      }
+    }
+    started = true;
+    const uint32_t* vp = vpairs + (first - base) / 2 * dim;
+    for (int64_t u = 0; u < rows; u += 32) {
+      for (int64_t d = 0; d < dim; d += 32) {
+        const uint16_t* p = w.pb.data() + u * kAmxKeys;
+        float* o = w.o.data() + u * dim + d;
+        if (u + 16 < rows) amx::values<2, 2>(p, kAmxKeys, vp + d, dim, steps, o, dim);
+        else amx::values<1, 2>(p, kAmxKeys, vp + d, dim, steps, o, dim);
+      }
+    }
+  }
+  _tile_release();
+  write_rows(pb, item, rows_used, dim, w);
+}
+#else
+#define VLMSERVE_AMX 0
+#endif
 #endif
 
 // One item, on the bfloat16 dot products where they apply.
@@ -501,6 +776,16 @@ void attend_one(const Problem<scalar_t, cache_t>& pb, const Item& item, Scratch&
   }
 #endif
   attend_item(pb, item, w);
+}
+
+// Whether the step runs on AMX tiles: bfloat16 q and cache, head dims a multiple of 32.
+template <typename scalar_t, typename cache_t>
+bool use_amx(const Problem<scalar_t, cache_t>& pb) {
+#if VLMSERVE_AMX
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>)
+    return pb.dim % 32 == 0 && amx::enabled();
+#endif
+  return false;
 }
 
 template <typename scalar_t, typename cache_t>
@@ -518,7 +803,8 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
       block_tables.size(1), q.size(1) / kv_heads, dim, block_size,
       static_cast<float>(scale * 1.4426950408889634), window,
       key_ends.numel() ? key_ends.data_ptr<int32_t>() : nullptr};
-  const int64_t queries_per_item = std::max<int64_t>(1, kTargetRows / pb.group);
+  const int64_t target_rows = use_amx(pb) ? kAmxRows : kTargetRows;
+  const int64_t queries_per_item = std::max<int64_t>(1, target_rows / pb.group);
   std::vector<Item> items;
   for (int64_t s = 0; s < query_starts.size(0); ++s) {
     const int64_t q_len = pb.qlens[s], ctx = pb.clens[s];
@@ -532,6 +818,21 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.work > b.work; });
   const int64_t num_items = static_cast<int64_t>(items.size());
+#if VLMSERVE_AMX
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
+    if (use_amx(pb)) {
+      const ValuePairs values = pack_values(pb, query_starts.size(0), kv_heads);
+#pragma omp parallel num_threads(at::get_num_threads())
+      {
+        Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t n = 0; n < num_items; ++n)
+          attend_item_amx(pb, items[n], values, kv_heads, scratch);
+      }
+      return;
+    }
+  }
+#endif
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     Scratch scratch;
@@ -570,10 +871,20 @@ int64_t vector_lanes() { return vlmserve_vec::kLanes; }
 // Whether bfloat16 q and cache run on AVX-512 BF16 dot products (even head dims), not
 // widened to float32.
 bool bf16_dot() { return vlmserve_bf16::kBf16Dot; }
+// Whether bfloat16 q and cache with head dims a multiple of 32 run on AMX tiles here (built
+// for a CPU with amx_bf16, and Linux granted the tile state).
+bool amx_tiles() {
+#if VLMSERVE_VEC_LANES && VLMSERVE_BF16_DOT && VLMSERVE_AMX
+  return amx::enabled();
+#else
+  return false;
+#endif
+}
 
 TORCH_LIBRARY(vlmserve_prefill, m) {
   m.def("vector_lanes() -> int", &vector_lanes);
   m.def("bf16_dot() -> bool", &bf16_dot);
+  m.def("amx() -> bool", &amx_tiles);
   m.def(
       "prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor query_starts, Tensor query_lens, Tensor context_lens, int block_size, "

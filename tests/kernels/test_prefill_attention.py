@@ -104,6 +104,22 @@ def test_other_head_dims_and_dtypes_match_reference(dtype, dim, tol):
         start += len(q)
 
 
+@pytest.mark.parametrize("dim, block", [(256, 16), (64, 32), (96, 4), (128, 48)])
+def test_bfloat16_at_head_dims_a_multiple_of_32_match_reference(dim, block):
+    """The AMX path where the CPU has it (`amx_available()`), else the dot-product one: key
+    tiles read in place from 16- and 48-slot blocks, gathered from 4-slot ones; query
+    blocks of 1 and 2 row tiles (GQA 4 and 6), ragged lengths around the 16- and 64-key
+    tiles. The tolerance is bfloat16's on q, k, v and the rounded probabilities."""
+    for heads, kv_heads in ((4, 1), (6, 1)):
+        seqs, out = run_kernel(RAGGED, heads, kv_heads, dim, block, torch.bfloat16, seed=dim)
+        start = 0
+        for q, k, v in seqs:
+            expected = reference(q, k, v, dim**-0.5).float()
+            got = out[start : start + len(q)].float()
+            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+            start += len(q)
+
+
 def test_large_scores_stay_finite():
     """Scores of +-100 (e^100 overflows float32) must not overflow the online softmax; the
     tolerance is float32's on scores that large."""
