@@ -94,29 +94,42 @@ class HeadChoice(NamedTuple):
     oneDNN's blocked layout, AMX tiles where the CPU has them) or on the plain one
     ("plain": torch's F.linear), widened to float32. With "packed", `plain_min_rows` (None:
     never) is where the plain weight takes over again: the two GEMMs cross over by batch
-    size on some CPUs (a Zen 4's packed GEMM 4x the plain one at 16 rows, level at 256)."""
+    size on some CPUs (a Zen 4's packed GEMM 4x the plain one at 16 rows, level at 256).
+    `amx_min_rows` (None: never): from these rows on, the AMX tile kernel on its own
+    packed copy of the weight (`packed_linear.amx_linear`, CPUs with `amx_bf16`)."""
 
     skinny_max_rows: int
     gemm: str
     plain_min_rows: int | None = None
+    amx_min_rows: int | None = None
 
 
 def decide_head(seconds: Measured) -> HeadChoice:
-    """Records {"rows", "skinny", "packed", "plain"}. The skinny kernel's rows against the
-    faster GEMM at each size (`decide_max_rows`); then, over the sizes a GEMM takes (all of
-    them where the skinny kernel took every size), the packed GEMM up to the rows where it
-    beat the plain one by MARGIN (`decide_max_rows` on the packed times scaled by MARGIN: a
-    tied head holds the packed weight as a second copy), the plain one above them."""
-    gemm = [{"rows": r["rows"], "skinny": r["skinny"], "gemm": min(r["packed"], r["plain"])}
+    """Records {"rows", "skinny", "packed", "plain"} (and "amx" where measured). The
+    skinny kernel's rows against the fastest GEMM at each size (`decide_max_rows`); then,
+    over the sizes a GEMM takes (all of them where the skinny kernel took every size), the
+    packed GEMM up to the rows where it beat the plain one by MARGIN (`decide_max_rows` on
+    the packed times scaled by MARGIN: a tied head holds the packed weight as a second
+    copy), the plain one above them; and the AMX kernel from the rows where it beats the
+    faster of those two by MARGIN at that size and above (its own copy of the weight too)."""
+    gemms = ("packed", "plain", "amx") if "amx" in seconds[0] else ("packed", "plain")
+    gemm = [{"rows": r["rows"], "skinny": r["skinny"], "gemm": min(r[g] for g in gemms)}
             for r in seconds]  # fmt: skip
     skinny = decide_max_rows(gemm, "skinny", "gemm")
     above = [r for r in seconds if r["rows"] > skinny] or seconds
+    largest = max(int(r["rows"]) for r in above)
+    amx_min = None
+    if "amx" in gemms:
+        versus = [{"rows": r["rows"], "gemm": min(r["packed"], r["plain"]),
+                   "amx": MARGIN * r["amx"]} for r in above]  # fmt: skip
+        gemm_max = decide_max_rows(versus, "gemm", "amx")
+        amx_min = None if gemm_max >= largest else max(gemm_max, skinny) + 1
     handicapped = [{**r, "packed": MARGIN * r["packed"]} for r in above]
     packed_max = decide_max_rows(handicapped, "packed", "plain")
     if packed_max == 0:
-        return HeadChoice(skinny, "plain")
-    largest = max(int(r["rows"]) for r in above)
-    return HeadChoice(skinny, "packed", None if packed_max >= largest else packed_max + 1)
+        return HeadChoice(skinny, "plain", None, amx_min)
+    plain_min = None if packed_max >= largest else packed_max + 1
+    return HeadChoice(skinny, "packed", plain_min, amx_min)
 
 
 def decide_faster(seconds: Measured, first: str, second: str) -> bool:

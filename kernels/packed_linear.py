@@ -116,6 +116,8 @@ def head_choice(dtype: torch.dtype, hidden: int, vocab: int) -> calibration.Head
     out_m = _measured_rows(vocab, hidden, dtype, HEAD_MAX_BYTES)
     name = f"lm_head/{_dtype_name(dtype)}/{hidden}x{out_m}"
     paths = ("skinny", "packed", "plain")
+    if amx_head_available(dtype, hidden, vocab) and out_m % 16 == 0:
+        paths += ("amx",)
     return calibration.calibrated(
         name,
         lambda: _measure_ladder(dtype, hidden, out_m, HEAD_LADDER, paths, HEAD_BUDGET_S),
@@ -135,6 +137,7 @@ def _measure_ladder(
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    amx = torch.ops.vlmserve_skinny.amx_pack(weight) if "amx" in paths else None
     out_dtype = torch.float32 if "plain" in paths else None  # the LM head: float32 logits
     measured, losses, start = [], 0, time.perf_counter()
     for rows in ladder:
@@ -144,6 +147,7 @@ def _measure_ladder(
             "onednn": lambda x=x: _onednn(x, packed),
             "packed": lambda x=x: _onednn(x, packed).float(),
             "plain": lambda x=x: F.linear(x, weight).float(),
+            "amx": lambda x=x: amx_linear(x, amx),
         }
         seconds = calibration.time_paths({p: run[p] for p in paths})
         measured.append({"rows": rows, **seconds})
@@ -274,11 +278,13 @@ def can_choose_head(plain: torch.Tensor | None, dtype: torch.dtype) -> bool:
 
 def _logits(
     x: torch.Tensor, plain: torch.Tensor, packed: PackedLinear | None,
-    bias: torch.Tensor | None, choice: calibration.HeadChoice,
+    bias: torch.Tensor | None, choice: calibration.HeadChoice, amx: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     rows = x.numel() // x.shape[-1]
     if rows <= choice.skinny_max_rows:
         return skinny_linear(x, plain, bias, torch.float32)  # the float32 sums, unrounded
+    if amx is not None and choice.amx_min_rows is not None and rows >= choice.amx_min_rows:
+        return amx_linear(x, amx)  # float32 sums too
     below_plain = choice.plain_min_rows is None or rows < choice.plain_min_rows
     if choice.gemm == "packed" and packed is not None and below_plain:
         return packed.forward_packed(x).float()
@@ -288,7 +294,8 @@ def _logits(
 class LogitsHead(nn.Module):
     """A CPU LM head with its calibrated choice (`head_choice`), made once at load
     (`logits_head`): float32 logits through the skinny kernel up to the chosen rows, then
-    oneDNN's packed GEMM or F.linear on the plain weight."""
+    oneDNN's packed GEMM or F.linear on the plain weight, or the AMX kernel on its own
+    packed copy (`amx`) from the rows it won."""
 
     def __init__(
         self, plain: torch.Tensor, packed: PackedLinear | None, choice: calibration.HeadChoice
@@ -298,9 +305,12 @@ class LogitsHead(nn.Module):
         self.packed = packed
         self.choice = choice
         self.bias = None if packed is None else packed.bias
+        self.amx = None
+        if choice.amx_min_rows is not None and self.bias is None:
+            self.amx = torch.ops.vlmserve_skinny.amx_pack(plain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _logits(x, self.plain, self.packed, self.bias, self.choice)
+        return _logits(x, self.plain, self.packed, self.bias, self.choice, self.amx)
 
 
 def logits_head(layer: nn.Module | None, embedding: torch.Tensor) -> nn.Module | None:
@@ -313,7 +323,10 @@ def logits_head(layer: nn.Module | None, embedding: torch.Tensor) -> nn.Module |
         return layer
     choice = head_choice(plain.dtype, plain.shape[1], plain.shape[0])
     packed = layer if isinstance(layer, PackedLinear) else None
-    if packed is None and choice.gemm == "packed":
+    amx_throughout = (
+        choice.amx_min_rows is not None and choice.amx_min_rows <= choice.skinny_max_rows + 1
+    )
+    if packed is None and choice.gemm == "packed" and not amx_throughout:
         tied = nn.Linear(plain.shape[1], plain.shape[0], bias=False, device="meta")
         tied.weight = nn.Parameter(plain, requires_grad=False)  # the embedding: no copy
         packed = PackedLinear(tied)  # the packed copy
@@ -327,6 +340,26 @@ def skinny_available() -> str | None:
     if why is None and torch.ops.vlmserve_skinny.vector_lanes() == 0:
         return "this CPU has neither AVX-512 nor AVX2 + FMA"
     return why
+
+
+def amx_head_available(dtype: torch.dtype, in_features: int, out_features: int) -> bool:
+    """Whether `amx_linear` takes a [out, in] weight in `dtype` here: bfloat16, in a
+    multiple of 32, out of 16, on a CPU with AMX tiles (`amx_bf16`)."""
+    return (
+        dtype == torch.bfloat16 and in_features % 32 == 0 and out_features % 16 == 0
+        and skinny_available() is None and torch.ops.vlmserve_skinny.amx_available()
+    )  # fmt: skip
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """float32 x @ W.T on AMX tiles, bfloat16 x and W as `amx_pack` laid it out (W's
+    [out / 16, in / 32, 16, 32] tiles): the float32 sums, as the skinny kernel's."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], packed.shape[0] * 16, dtype=torch.float32)
+    torch.ops.vlmserve_skinny.amx_linear(out, rows, packed)
+    return out.view(*x.shape[:-1], out.shape[1])
 
 
 def skinny_linear(

@@ -23,8 +23,13 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "vec.h"
 
@@ -267,6 +272,147 @@ void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
 #endif
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define VLMSERVE_AMX_LINEAR 1
+// bfloat16 x [M, K] times a weight [N, K] on AMX tiles, float32 out (the LM head's logits
+// at many rows: oneDNN's AMX GEMM falls well below the weight stream's bandwidth there).
+// The weight is packed once (`amx_pack`) as 16-column tiles of bfloat16 pairs: tile (n, s)
+// holds columns 16n..16n+15 at K indices 32s..32s+31 as B operand, 1 KB contiguous, so a
+// thread streams its columns once, front to back; x is packed per call as A tiles (up to
+// 64 rows a pass, held in L2) and the 16 x 16 float sums go out through a small buffer.
+namespace amx {
+
+bool enabled() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+inline void configure() {  // tiles 0-7, 16 rows of 64 bytes: C 0-3, B 4, A 5-7
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) c.bytes_per_row[t] = 64, c.rows[t] = 16;
+  _tile_loadconfig(&c);
+}
+
+// C_r += A(r, s) B(n, s) over the K steps for RT row tiles; C_r stored to buf[r].
+template <int RT>
+inline void column_tile(const uint16_t* a, const uint16_t* b, int64_t steps, float* buf) {
+  _tile_zero(0);
+  if constexpr (RT > 1) _tile_zero(1);
+  if constexpr (RT > 2) _tile_zero(2);
+  if constexpr (RT > 3) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _mm_prefetch(reinterpret_cast<const char*>(b + 512 * (s + 16)), _MM_HINT_T0);
+    _tile_loadd(4, b + 512 * s, 64);
+    _tile_loadd(5, a + 512 * s, 64);
+    _tile_dpbf16ps(0, 5, 4);
+    if constexpr (RT > 1) {
+      _tile_loadd(6, a + 512 * (steps + s), 64);
+      _tile_dpbf16ps(1, 6, 4);
+    }
+    if constexpr (RT > 2) {
+      _tile_loadd(7, a + 512 * (2 * steps + s), 64);
+      _tile_dpbf16ps(2, 7, 4);
+    }
+    if constexpr (RT > 3) {
+      _tile_loadd(5, a + 512 * (3 * steps + s), 64);
+      _tile_dpbf16ps(3, 5, 4);
+    }
+  }
+  _tile_stored(0, buf, 64);
+  if constexpr (RT > 1) _tile_stored(1, buf + 256, 64);
+  if constexpr (RT > 2) _tile_stored(2, buf + 512, 64);
+  if constexpr (RT > 3) _tile_stored(3, buf + 768, 64);
+}
+
+}  // namespace amx
+
+// weight [N, K] (N a multiple of 16, K of 32) -> [N / 16, K / 32, 16, 32]: tile (n, s), row
+// e, holds (w[16n + c][32s + 2e], w[16n + c][32s + 2e + 1]) for c = 0..15.
+at::Tensor amx_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
+                  weight.is_contiguous() && weight.size(0) % 16 == 0 && weight.size(1) % 32 == 0,
+              "amx_pack: contiguous bfloat16 [N, K], N % 16 == 0, K % 32 == 0");
+  const int64_t N = weight.size(0), K = weight.size(1), steps = K / 32;
+  at::Tensor packed = at::empty({N / 16, steps, 16, 32}, weight.options());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* p = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N / 16, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t s = 0; s < steps; ++s)
+        for (int64_t e = 0; e < 16; ++e)
+          for (int64_t c = 0; c < 16; ++c) {
+            const uint16_t* src = w + (16 * n + c) * K + 32 * s + 2 * e;
+            uint16_t* dst = p + ((n * steps + s) * 16 + e) * 32 + 2 * c;
+            dst[0] = src[0], dst[1] = src[1];
+          }
+  });
+  return packed;
+}
+
+// out [M, N] float32 = x [M, K] bfloat16 @ weight^T, the weight as amx_pack made it.
+void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(amx::enabled(), "amx_linear: the AMX tile state was refused");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 &&
+                  packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.size(1) * 32 == x.size(1),
+              "amx_linear: bfloat16 x [M, K] with dense rows and amx_pack's weight for K");
+  const int64_t M = x.size(0), K = x.size(1), steps = K / 32, tiles = packed.size(0);
+  const int64_t N = tiles * 16;
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M &&
+                  out.size(1) == N,
+              "amx_linear: out contiguous float32 [M, N]");
+  const auto* b = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  float* o = out.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += 64) {
+    const int64_t rows = std::min<int64_t>(64, M - m0), rt = (rows + 15) / 16;
+    // A tiles [rt][steps][16][32], zero rows past M.
+    std::vector<uint16_t> a(rt * steps * 512, 0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t s = 0; s < steps; ++s)
+        std::memcpy(a.data() + ((r / 16 * steps + s) * 16 + r % 16) * 32,
+                    xs + (m0 + r) * x.stride(0) + 32 * s, 64);
+#pragma omp parallel num_threads(at::get_num_threads())
+    {
+      amx::configure();
+      alignas(64) float buf[4 * 256];
+#pragma omp for schedule(static)
+      for (int64_t n = 0; n < tiles; ++n) {
+        const uint16_t* bn = b + n * steps * 512;
+        switch (rt) {
+          case 1: amx::column_tile<1>(a.data(), bn, steps, buf); break;
+          case 2: amx::column_tile<2>(a.data(), bn, steps, buf); break;
+          case 3: amx::column_tile<3>(a.data(), bn, steps, buf); break;
+          default: amx::column_tile<4>(a.data(), bn, steps, buf); break;
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          _mm512_storeu_ps(o + (m0 + r) * N + 16 * n, _mm512_load_ps(buf + 16 * r));
+      }
+      _tile_release();
+    }
+  }
+}
+#endif
+
+bool amx_linear_available() {
+#if VLMSERVE_AMX_LINEAR
+  return amx::enabled();
+#else
+  return false;
+#endif
+}
+
 // Whether the bfloat16 path has native dot products (AVX-512 BF16) in this build.
 bool native_bf16() {
 #if defined(__AVX512BF16__)
@@ -285,6 +431,17 @@ TORCH_LIBRARY(vlmserve_skinny, m) {
   m.def("vector_lanes() -> int", &vector_lanes);
   m.def("native_bf16() -> bool", &native_bf16);
   m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def("amx_available() -> bool", &amx_linear_available);
+#if VLMSERVE_AMX_LINEAR
+  m.def("amx_pack(Tensor weight) -> Tensor");
+  m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
+#endif
 }
 
-TORCH_LIBRARY_IMPL(vlmserve_skinny, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(vlmserve_skinny, CPU, m) {
+  m.impl("linear", &linear);
+#if VLMSERVE_AMX_LINEAR
+  m.impl("amx_pack", &amx_pack);
+  m.impl("amx_linear", &amx_linear);
+#endif
+}

@@ -92,6 +92,26 @@ def test_the_lm_head_picks_the_skinny_kernel_then_the_faster_gemm():
     assert head((1, 1, 2, 2), (16, 9, 3.0, 2.0), (256, 90, 10, 30)) == HeadChoice(1, "packed")
 
 
+def test_the_lm_head_takes_the_amx_kernel_from_the_rows_it_wins_by_the_margin():
+    def head(*records):  # (rows, skinny, packed, plain, amx) each
+        keys = ("rows", "skinny", "packed", "plain", "amx")
+        return calibration.decide_head([dict(zip(keys, r, strict=True)) for r in records])
+
+    # like the AMX Xeon's real 262k head (ms, float32 logits): the skinny kernel to 4 rows,
+    # then AMX (1.9x oneDNN's packed GEMM at 64 rows)
+    xeon = ((1, 8, 15, 21, 12), (4, 9, 16, 23, 12), (16, 25, 17, 23, 13),
+            (64, 90, 48, 60, 25), (256, 350, 120, 160, 80))  # fmt: skip
+    assert head(*xeon) == HeadChoice(4, "packed", None, 5)
+    # ahead only at the largest size: from the size after the last one it lost
+    assert head((1, 1, 2, 2, 3), (64, 9, 4, 5, 5), (256, 40, 10, 12, 6)) == HeadChoice(
+        1, "packed", None, 65
+    )
+    # within the margin everywhere (its copy of the weight is not worth it): never
+    assert head((1, 1, 2, 2, 3), (64, 9, 4, 5, 3.9)).amx_min_rows is None
+    # the AMX kernel counts as a GEMM against the skinny kernel too
+    assert head((1, 1, 2, 2, 1.5), (4, 3, 9, 9, 2)).skinny_max_rows == 1
+
+
 def test_the_prefill_kernel_is_kept_where_it_was_faster():
     zen = [{"kernel": 1.0, "sdpa": 5.0}, {"kernel": 2.0, "sdpa": 9.0}]
     amx = [{"kernel": 79.0, "sdpa": 28.5}, {"kernel": 40.0, "sdpa": 20.0}]
@@ -279,6 +299,40 @@ def test_the_lm_head_goes_back_to_the_plain_gemm_where_it_won(cache_dir, monkeyp
         after = {p: counts[p] - before[p] for p in counts}
         assert after == {p: int(p == path) for p in counts}, (rows, after)  # None: F.linear
         check_logits(logits, x, linear.weight, rounded=path != "skinny")
+
+
+@needs_onednn
+@pytest.mark.usefixtures("needs_skinny")
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_lm_head_runs_the_amx_kernel_from_its_rows(cache_dir, monkeypatch, tied):
+    if not packed_linear.amx_head_available(BF16, 96, 704):
+        pytest.skip("no AMX tiles here (amx_bf16)")
+    torch.manual_seed(6)
+    hidden, vocab = 96, 704
+    measured = [
+        {"rows": 16, "skinny": 1.0, "packed": 2.0, "plain": 3.0, "amx": 2.5},
+        {"rows": 64, "skinny": 4.0, "packed": 2.0, "plain": 3.0, "amx": 1.0},
+    ]
+    store(f"lm_head/bfloat16/{hidden}x{vocab}", measured)
+    linear = nn.Linear(hidden, vocab, bias=False).to(BF16)
+    layer = None if tied else packed_linear.PackedLinear(linear, plain=True)
+    head = packed_linear.logits_head(layer, linear.weight.detach())
+    assert head.choice == HeadChoice(16, "packed", None, 17) and head.amx is not None
+    counts = count_paths(monkeypatch)
+    amx = packed_linear.amx_linear
+    counts["amx"] = 0
+
+    def counted_amx(*args):
+        counts["amx"] += 1
+        return amx(*args)
+
+    monkeypatch.setattr(packed_linear, "amx_linear", counted_amx)
+    for rows, path in ((16, "skinny"), (17, "amx"), (100, "amx")):
+        before = dict(counts)
+        x = torch.randn(rows, hidden).to(BF16)
+        logits = packed_linear.linear_float(head, x, linear.weight.detach())
+        assert {p: counts[p] - before[p] for p in counts} == {p: int(p == path) for p in counts}
+        check_logits(logits, x, linear.weight, rounded=False)  # float32 sums, unrounded
 
 
 def check_logits(logits, x, weight, rounded: bool) -> None:
