@@ -95,13 +95,19 @@ class HeadChoice(NamedTuple):
     ("plain": torch's F.linear), widened to float32. With "packed", `plain_min_rows` (None:
     never) is where the plain weight takes over again: the two GEMMs cross over by batch
     size on some CPUs (a Zen 4's packed GEMM 4x the plain one at 16 rows, level at 256).
-    `amx_min_rows` (None: never): from these rows on, the AMX tile kernel on its own
-    packed copy of the weight (`packed_linear.amx_linear`, CPUs with `amx_bf16`)."""
+    `amx_min_rows` (None: never) to `amx_max_rows` (None: no end): the AMX tile kernel
+    on its own packed copy of the weight (`packed_linear.amx_linear`, `amx_bf16` CPUs)."""
 
     skinny_max_rows: int
     gemm: str
     plain_min_rows: int | None = None
     amx_min_rows: int | None = None
+    amx_max_rows: int | None = None
+
+    def takes_amx(self, rows: int) -> bool:
+        return self.amx_min_rows is not None and self.amx_min_rows <= rows and (
+            self.amx_max_rows is None or rows <= self.amx_max_rows
+        )
 
 
 def decide_head(seconds: Measured) -> HeadChoice:
@@ -110,26 +116,29 @@ def decide_head(seconds: Measured) -> HeadChoice:
     over the sizes a GEMM takes (all of them where the skinny kernel took every size), the
     packed GEMM up to the rows where it beat the plain one by MARGIN (`decide_max_rows` on
     the packed times scaled by MARGIN: a tied head holds the packed weight as a second
-    copy), the plain one above them; and the AMX kernel from the rows where it beats the
-    faster of those two by MARGIN at that size and above (its own copy of the weight too)."""
+    copy), the plain one above them; and the AMX kernel over the sizes where it beats the
+    faster of those two by MARGIN (its own copy of the weight too): up to the most rows it
+    takes against them (`decide_max_rows`), from the fewest below that."""
     gemms = ("packed", "plain", "amx") if "amx" in seconds[0] else ("packed", "plain")
     gemm = [{"rows": r["rows"], "skinny": r["skinny"], "gemm": min(r[g] for g in gemms)}
             for r in seconds]  # fmt: skip
     skinny = decide_max_rows(gemm, "skinny", "gemm")
     above = [r for r in seconds if r["rows"] > skinny] or seconds
     largest = max(int(r["rows"]) for r in above)
-    amx_min = None
+    amx: tuple[int | None, int | None] = (None, None)
     if "amx" in gemms:
         versus = [{"rows": r["rows"], "gemm": min(r["packed"], r["plain"]),
                    "amx": MARGIN * r["amx"]} for r in above]  # fmt: skip
-        gemm_max = decide_max_rows(versus, "gemm", "amx")
-        amx_min = None if gemm_max >= largest else max(gemm_max, skinny) + 1
+        amx_max = decide_max_rows(versus, "amx", "gemm")
+        gemm_max = decide_max_rows([r for r in versus if r["rows"] <= amx_max], "gemm", "amx")
+        if amx_max > 0 and gemm_max < amx_max:
+            amx = (max(gemm_max, skinny) + 1, None if amx_max >= largest else amx_max)
     handicapped = [{**r, "packed": MARGIN * r["packed"]} for r in above]
     packed_max = decide_max_rows(handicapped, "packed", "plain")
     if packed_max == 0:
-        return HeadChoice(skinny, "plain", None, amx_min)
+        return HeadChoice(skinny, "plain", None, *amx)
     plain_min = None if packed_max >= largest else packed_max + 1
-    return HeadChoice(skinny, "packed", plain_min, amx_min)
+    return HeadChoice(skinny, "packed", plain_min, *amx)
 
 
 def decide_faster(seconds: Measured, first: str, second: str) -> bool:

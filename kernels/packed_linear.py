@@ -114,10 +114,10 @@ def head_choice(dtype: torch.dtype, hidden: int, vocab: int) -> calibration.Head
     if skinny_available() is not None:
         return calibration.HeadChoice(0, "packed")
     out_m = _measured_rows(vocab, hidden, dtype, HEAD_MAX_BYTES)
-    name = f"lm_head/{_dtype_name(dtype)}/{hidden}x{out_m}"
     paths = ("skinny", "packed", "plain")
-    if amx_head_available(dtype, hidden, vocab) and out_m % 16 == 0:
-        paths += ("amx",)
+    if amx_head_available(dtype, hidden, vocab):
+        paths, out_m = (*paths, "amx"), max(16, out_m // 16 * 16)  # whole AMX tiles
+    name = f"lm_head/{_dtype_name(dtype)}/{hidden}x{out_m}"
     return calibration.calibrated(
         name,
         lambda: _measure_ladder(dtype, hidden, out_m, HEAD_LADDER, paths, HEAD_BUDGET_S),
@@ -283,7 +283,7 @@ def _logits(
     rows = x.numel() // x.shape[-1]
     if rows <= choice.skinny_max_rows:
         return skinny_linear(x, plain, bias, torch.float32)  # the float32 sums, unrounded
-    if amx is not None and choice.amx_min_rows is not None and rows >= choice.amx_min_rows:
+    if amx is not None and choice.takes_amx(rows):
         return amx_linear(x, amx)  # float32 sums too
     below_plain = choice.plain_min_rows is None or rows < choice.plain_min_rows
     if choice.gemm == "packed" and packed is not None and below_plain:
@@ -323,8 +323,8 @@ def logits_head(layer: nn.Module | None, embedding: torch.Tensor) -> nn.Module |
         return layer
     choice = head_choice(plain.dtype, plain.shape[1], plain.shape[0])
     packed = layer if isinstance(layer, PackedLinear) else None
-    amx_throughout = (
-        choice.amx_min_rows is not None and choice.amx_min_rows <= choice.skinny_max_rows + 1
+    amx_throughout = (  # every GEMM size: no oneDNN copy
+        choice.takes_amx(choice.skinny_max_rows + 1) and choice.amx_max_rows is None
     )
     if packed is None and choice.gemm == "packed" and not amx_throughout:
         tied = nn.Linear(plain.shape[1], plain.shape[0], bias=False, device="meta")

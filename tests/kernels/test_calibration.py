@@ -102,6 +102,10 @@ def test_the_lm_head_takes_the_amx_kernel_from_the_rows_it_wins_by_the_margin():
     xeon = ((1, 8, 15, 21, 12), (4, 9, 16, 23, 12), (16, 25, 17, 23, 13),
             (64, 90, 48, 60, 25), (256, 350, 120, 160, 80))  # fmt: skip
     assert head(*xeon) == HeadChoice(4, "packed", None, 5)
+    # the same, but behind oneDNN at 256 rows (its compute there): AMX from 5 to 64 rows
+    xeon_256 = (*xeon[:-1], (256, 350, 120, 160, 150))
+    assert head(*xeon_256) == HeadChoice(4, "packed", None, 5, 64)
+    assert [head(*xeon_256).takes_amx(r) for r in (4, 5, 64, 65)] == [False, True, True, False]
     # ahead only at the largest size: from the size after the last one it lost
     assert head((1, 1, 2, 2, 3), (64, 9, 4, 5, 5), (256, 40, 10, 12, 6)) == HeadChoice(
         1, "packed", None, 65
