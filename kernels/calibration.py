@@ -105,8 +105,10 @@ class HeadChoice(NamedTuple):
     amx_max_rows: int | None = None
 
     def takes_amx(self, rows: int) -> bool:
-        return self.amx_min_rows is not None and self.amx_min_rows <= rows and (
-            self.amx_max_rows is None or rows <= self.amx_max_rows
+        return (
+            self.amx_min_rows is not None
+            and self.amx_min_rows <= rows
+            and (self.amx_max_rows is None or rows <= self.amx_max_rows)
         )
 
 
