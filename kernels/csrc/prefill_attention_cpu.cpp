@@ -29,11 +29,10 @@
 #include <immintrin.h>
 #include <limits>
 #include <optional>
-#include <sys/syscall.h>
 #include <type_traits>
-#include <unistd.h>
 #include <vector>
 
+#include "amx.h"
 #include "bf16_dot.h"
 #include "paged_inputs.h"
 #include "vec.h"
@@ -434,6 +433,22 @@ inline void values_dot(const uint32_t* vp, int64_t npairs, const uint32_t* pp, i
   }
 }
 
+// w.qp[e][r] = row r's head dims 2e and 2e + 1 as a bfloat16 pair (rows `rows` wide, the
+// padding rows zero).
+void pack_query_pairs(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& item,
+                      int64_t rows, int64_t rows_used, Scratch& w) {
+  const int64_t dim = pb.dim, group = pb.group, pairs = dim / 2;
+  const int64_t first_token = pb.starts[item.seq] + item.first_query;
+  w.qp.assign(pairs * rows, 0u);
+  for (int64_t r = 0; r < rows_used; ++r) {
+    const int64_t head = item.kv_head * group + r % group;
+    const auto* src = reinterpret_cast<const uint16_t*>(pb.q + (first_token + r / group) *
+                                                                   pb.q_stride + head * dim);
+    for (int64_t e = 0; e < pairs; ++e)
+      w.qp[e * rows + r] = src[2 * e] | static_cast<uint32_t>(src[2 * e + 1]) << 16;
+  }
+}
+
 // attend_item for a bfloat16 q and cache with an even head dim, on AVX-512 BF16 dot
 // products (o and the value pairs padded to the vector width with zeros): the scores from bfloat16 q and k (exact products, float32 sums), the
 // softmax in float32 as above, and the probabilities rounded to bfloat16 for P V (as
@@ -444,7 +459,6 @@ void attend_item_dot(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
   const int64_t width = (dim + kLanes - 1) / kLanes * kLanes;  // o's and vp's row length
   const int64_t rows_used = item.num_queries * group;
   const int64_t vecs = (rows_used + kLanes - 1) / kLanes, rows = kLanes * vecs;
-  w.qp.assign(pairs * rows, 0u);
   w.o.assign(rows * width, 0.f);
   w.st.resize(kTileKeys * rows);
   w.pp.resize(kTileKeys / 2 * rows);
@@ -456,14 +470,7 @@ void attend_item_dot(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
   w.key_bits.resize(kTileKeys);
   w.val_bits.resize(kTileKeys);
   const Bounds b = row_bounds(pb, item, rows, rows_used, w);
-  const int64_t first_token = pb.starts[item.seq] + item.first_query;
-  for (int64_t r = 0; r < rows_used; ++r) {
-    const int64_t head = item.kv_head * group + r % group;
-    const auto* src = reinterpret_cast<const uint16_t*>(pb.q + (first_token + r / group) *
-                                                                   pb.q_stride + head * dim);
-    for (int64_t e = 0; e < pairs; ++e)
-      w.qp[e * rows + r] = src[2 * e] | static_cast<uint32_t>(src[2 * e + 1]) << 16;
-  }
+  pack_query_pairs(pb, item, rows, rows_used, w);
   const auto* k_head = reinterpret_cast<const uint16_t*>(pb.k_base) + item.kv_head * pb.num_slots * dim;
   const auto* v_head = reinterpret_cast<const uint16_t*>(pb.v_base) + item.kv_head * pb.num_slots * dim;
   const int32_t* table = pb.tables + item.seq * pb.max_blocks;
@@ -496,38 +503,16 @@ void attend_item_dot(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
   write_rows(pb, item, rows_used, width, w);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define VLMSERVE_AMX 1
+#if VLMSERVE_AMX
 // The AMX path (Intel's tile matrix units, `amx_bf16`): both products of attend_item_dot
 // on 16 x 16 float32 tiles, TDPBF16PS taking 16 x 32 bfloat16 A tiles and B tiles of
 // bfloat16 pairs. The scores come out key-major (S^T = K Q^T: A the cache's key rows as
 // they lie, B the query pairs qp), so the online softmax is attend_item_dot's; P is turned
 // row-major in 16 x 16 float transposes for O += P V (A = P, B = the value pairs vp).
+// Tiles (amx.h's layout): C 0-3, A 4-5, B 6-7.
 namespace amx {
-
-// Asks Linux for the tile state once per process (oneDNN asks too); false if refused.
-bool enabled() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t bytes_per_row[16];
-  uint8_t rows[16];
-};
-
-// Tiles 0-7, each 16 rows of 64 bytes: C 0-3, A 4-5, B 6-7. Per item: oneDNN configures
-// the tiles its own way on this thread between our calls.
-inline void configure() {
-  TileConfig c{};
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) c.bytes_per_row[t] = 64, c.rows[t] = 16;
-  _tile_loadconfig(&c);
-}
+using vlmserve_amx::configure;
+using vlmserve_amx::enabled;
 
 // st[16 t + j][16 u + r] = key row (16 t + j) . query row (16 u + r) for NK key tiles
 // (`keys[t]`: 16 rows `key_bytes` apart) and NR row tiles of qp (ldq pairs a row).
@@ -689,7 +674,6 @@ void attend_item_amx(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
   const int64_t dim = pb.dim, group = pb.group, pairs = dim / 2;
   const int64_t rows_used = item.num_queries * group;
   const int64_t vecs = (rows_used + kLanes - 1) / kLanes, rows = kLanes * vecs;
-  w.qp.assign(pairs * rows, 0u);
   w.o.assign(rows * dim, 0.f);
   w.st.resize(kAmxKeys * rows);
   w.pb.resize(rows * kAmxKeys);
@@ -697,14 +681,7 @@ void attend_item_amx(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
   w.l.assign(rows, 0.f);
   w.correction.resize(rows);
   const Bounds b = row_bounds(pb, item, rows, rows_used, w);
-  const int64_t first_token = pb.starts[item.seq] + item.first_query;
-  for (int64_t r = 0; r < rows_used; ++r) {
-    const int64_t head = item.kv_head * group + r % group;
-    const auto* src = reinterpret_cast<const uint16_t*>(pb.q + (first_token + r / group) *
-                                                                   pb.q_stride + head * dim);
-    for (int64_t e = 0; e < pairs; ++e)
-      w.qp[e * rows + r] = src[2 * e] | static_cast<uint32_t>(src[2 * e + 1]) << 16;
-  }
+  pack_query_pairs(pb, item, rows, rows_used, w);
   const auto* k_head = reinterpret_cast<const uint16_t*>(pb.k_base) + item.kv_head * pb.num_slots * dim;
   const int32_t* table = pb.tables + item.seq * pb.max_blocks;
   const int64_t base = values.base[item.seq];
@@ -762,8 +739,6 @@ void attend_item_amx(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
   _tile_release();
   write_rows(pb, item, rows_used, dim, w);
 }
-#else
-#define VLMSERVE_AMX 0
 #endif
 #endif
 

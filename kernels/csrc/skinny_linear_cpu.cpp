@@ -23,14 +23,13 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "vec.h"
 
 namespace {
@@ -273,36 +272,18 @@ void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
 }
 
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define VLMSERVE_AMX_LINEAR 1
-// bfloat16 x [M, K] times a weight [N, K] on AMX tiles, float32 out (the LM head's logits
-// at many rows: oneDNN's AMX GEMM falls well below the weight stream's bandwidth there).
+#if VLMSERVE_AMX
+// bfloat16 x [M, K] times a weight [N, K] on AMX tiles, float32 out: the LM head's logits
+// at tens of rows (on an AMX Xeon 10% under oneDNN's packed GEMM plus the float32 widening
+// in the engine at 64 rows of the 262k head; the head's calibration decides where).
 // The weight is packed once (`amx_pack`) as 16-column tiles of bfloat16 pairs: tile (n, s)
 // holds columns 16n..16n+15 at K indices 32s..32s+31 as B operand, 1 KB contiguous, so a
 // thread streams its columns once, front to back; x is packed per call as A tiles (up to
 // 64 rows a pass, held in L2) and the 16 x 16 float sums go out through a small buffer.
+// Tiles (amx.h's layout): C 0-3, B 4, A 5-7.
 namespace amx {
-
-bool enabled() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t bytes_per_row[16];
-  uint8_t rows[16];
-};
-
-inline void configure() {  // tiles 0-7, 16 rows of 64 bytes: C 0-3, B 4, A 5-7
-  TileConfig c{};
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) c.bytes_per_row[t] = 64, c.rows[t] = 16;
-  _tile_loadconfig(&c);
-}
+using vlmserve_amx::configure;
+using vlmserve_amx::enabled;
 
 // C_r += A(r, s) B(n, s) over the K steps for RT row tiles; C_r stored to buf[r].
 template <int RT>
@@ -406,7 +387,7 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
 #endif
 
 bool amx_linear_available() {
-#if VLMSERVE_AMX_LINEAR
+#if VLMSERVE_AMX
   return amx::enabled();
 #else
   return false;
@@ -432,7 +413,7 @@ TORCH_LIBRARY(vlmserve_skinny, m) {
   m.def("native_bf16() -> bool", &native_bf16);
   m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.def("amx_available() -> bool", &amx_linear_available);
-#if VLMSERVE_AMX_LINEAR
+#if VLMSERVE_AMX
   m.def("amx_pack(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
 #endif
@@ -440,7 +421,7 @@ TORCH_LIBRARY(vlmserve_skinny, m) {
 
 TORCH_LIBRARY_IMPL(vlmserve_skinny, CPU, m) {
   m.impl("linear", &linear);
-#if VLMSERVE_AMX_LINEAR
+#if VLMSERVE_AMX
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
 #endif
