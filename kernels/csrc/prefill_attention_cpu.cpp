@@ -56,6 +56,12 @@ constexpr int kKeysPerStep = 4, kMaxRowVecs = 6, kRowsPerStep = 6, kMaxDimVecs =
 constexpr int kKeysPerStep = 6, kMaxRowVecs = 2, kRowsPerStep = 6, kMaxDimVecs = 2;
 #endif
 constexpr int64_t kTargetRows = 96;  // query rows per item, a multiple of both widths
+// The AMX path's: keys a step (the scores of this many keys go through the softmax
+// together, and each P V pass keeps its output tiles in registers over all of them: o goes
+// through the tiles once a step, so a longer step moves less of it) and query rows an item
+// (measured on one AMX Xeon: 256 / 64 against 64-256 / 32-96).
+constexpr int64_t kAmxKeys = 256;
+constexpr int64_t kAmxRows = 64;
 
 // st[j][r0 + L v + lane] = sum_d keys[j][d] * qt[d][r0 + L v + lane] for JB keys, NV vectors.
 template <int JB, int NV>
@@ -611,11 +617,6 @@ inline void transpose_probs(const float* st, int64_t rows, int64_t count, int64_
 
 }  // namespace amx
 
-// Keys per AMX step: the scores of this many keys go through the softmax together, and
-// each P V pass keeps its output tiles in registers over all of them (o goes through the
-// tiles once a step, so a longer step moves less of it).
-constexpr int64_t kAmxKeys = 256;
-constexpr int64_t kAmxRows = 64;  // query rows per item
 
 // Every sequence's values for one KV head as pairs of consecutive keys (vp[k][d]: keys
 // base + 2k and base + 2k + 1 at dim d), packed once a call and read by all of the
@@ -671,7 +672,7 @@ ValuePairs pack_values(const Problem<at::BFloat16, at::BFloat16>& pb, int64_t nu
 // blocks hold whole tiles (block size a multiple of 16), else gathered.
 void attend_item_amx(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& item,
                      const ValuePairs& values, int64_t kv_heads, Scratch& w) {
-  const int64_t dim = pb.dim, group = pb.group, pairs = dim / 2;
+  const int64_t dim = pb.dim, group = pb.group;
   const int64_t rows_used = item.num_queries * group;
   const int64_t vecs = (rows_used + kLanes - 1) / kLanes, rows = kLanes * vecs;
   w.o.assign(rows * dim, 0.f);
