@@ -13,11 +13,26 @@ from pathlib import Path
 import torch
 
 from kernels.backends import choose_prefill_path, select_backend
-from kernels.cpu_build import native_bf16
+from kernels.cpu_build import cpu_flags, native_bf16
 from kernels.fused_ops import op_backends
 from vlmserve.config import checkpoint_dtype, choose_dtype, default_device
 from vlmserve.worker.models.gguf_weights import ARCHITECTURES as GGUF_ARCHITECTURES
 from vlmserve.worker.models.loader import SUPPORTED_FAMILIES
+
+
+def amx_kernels() -> str:
+    """Which of our kernels run on AMX tiles here (the calibration still decides, per shape,
+    whether they are taken: see `calibration`)."""
+    if "amx_bf16" not in cpu_flags():
+        return "none (this CPU has no amx_bf16)"
+    from kernels.cpu_attention import amx_available
+    from kernels.packed_linear import amx_head_available
+
+    kernels = [name for name, ok in (
+        ("prefill attention (bfloat16, head dims a multiple of 32)", amx_available()),
+        ("LM head GEMM (bfloat16, float32 logits)", amx_head_available(torch.bfloat16, 32, 16)),
+    ) if ok]  # fmt: skip
+    return "; ".join(kernels) or "none (the kernels did not build or Linux refused the tiles)"
 
 
 def dist_version(dist: str) -> str | None:
@@ -238,6 +253,7 @@ def collect(
         "pil": pil_variant(),
         "device": device,
         "native_bf16": native_bf16() or "none (bfloat16 emulated: slower than float32)",
+        "amx": amx_kernels() if device == "cpu" else "not on this device",
         "dtype": f"{str(choice.dtype).removeprefix('torch.')} ({choice.reason}"
         + ("" if model_path is not None else "; a 16-bit checkpoint, no --model given")
         + ")",

@@ -65,6 +65,12 @@ def test_info_reports_versions_pil_device_and_backend():
     if info["device"] == "cpu":
         want = "bfloat16" if native_bf16() else "float32"
         assert info["dtype"].startswith(want) and "checkpoint is bfloat16" in info["dtype"]
+        # our AMX kernels exactly where the CPU has AMX tiles and they built
+        from kernels.cpu_attention import amx_available
+        from kernels.cpu_build import cpu_flags
+
+        has_amx = "amx_bf16" in cpu_flags() and amx_available()
+        assert info["amx"].startswith("prefill attention") == has_amx, info["amx"]
 
 
 def test_info_names_the_dtype_a_model_would_run_in(llama_path, capsys):
