@@ -620,9 +620,11 @@ inline void transpose_probs(const float* st, int64_t rows, int64_t count, int64_
 
 // Every sequence's values for one KV head as pairs of consecutive keys (vp[k][d]: keys
 // base + 2k and base + 2k + 1 at dim d), packed once a call and read by all of the
-// sequence's items; zero pairs up to a multiple of 32 keys.
+// sequence's items; zero pairs up to a multiple of 32 keys. `pairs` points into a buffer
+// the calling thread keeps for its next call (one per layer and step: every pair is
+// written, so it is neither allocated nor cleared again).
 struct ValuePairs {
-  std::vector<uint32_t> pairs;
+  const uint32_t* pairs;
   std::vector<int64_t> offset, base;  // per (seq, kv head): where its pairs start; per seq
 };
 
@@ -643,7 +645,10 @@ ValuePairs pack_values(const Problem<at::BFloat16, at::BFloat16>& pb, int64_t nu
     const int64_t keys = (pb.clens[s] - vp.base[s] + 31) / 32 * 32;
     for (int64_t h = 0; h < kv_heads; ++h) vp.offset.push_back(total), total += keys / 2 * dim;
   }
-  vp.pairs.resize(total);
+  static thread_local std::vector<uint32_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < total) buffer.resize(total);
+  uint32_t* pairs = buffer.data();
+  vp.pairs = pairs;
   const auto* v_base = reinterpret_cast<const uint16_t*>(pb.v_base);
   const std::vector<uint16_t> zero(dim, 0);
   const int64_t tasks = num_seqs * kv_heads;
@@ -653,7 +658,7 @@ ValuePairs pack_values(const Problem<at::BFloat16, at::BFloat16>& pb, int64_t nu
     const int64_t lo = first_key(pb, s);  // keys before it: zeros (their blocks may be freed)
     const uint16_t* v_head = v_base + h * pb.num_slots * dim;
     const int32_t* table = pb.tables + s * pb.max_blocks;
-    uint32_t* out = vp.pairs.data() + vp.offset[n];
+    uint32_t* out = pairs + vp.offset[n];
     const int64_t npairs = (ctx - base + 31) / 32 * 16;
     for (int64_t k = 0; k < npairs; ++k) {
       const int64_t j0 = base + 2 * k, j1 = j0 + 1;
@@ -686,7 +691,7 @@ void attend_item_amx(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
   const auto* k_head = reinterpret_cast<const uint16_t*>(pb.k_base) + item.kv_head * pb.num_slots * dim;
   const int32_t* table = pb.tables + item.seq * pb.max_blocks;
   const int64_t base = values.base[item.seq];
-  const uint32_t* vpairs = values.pairs.data() + values.offset[item.seq * kv_heads + item.kv_head];
+  const uint32_t* vpairs = values.pairs + values.offset[item.seq * kv_heads + item.kv_head];
   const bool in_place = pb.block_size % 16 == 0;
   if (!in_place) w.kb.assign(kAmxKeys * dim, 0);
   amx::configure();
