@@ -143,6 +143,20 @@ def decide_head(seconds: Measured) -> HeadChoice:
     return HeadChoice(skinny, "packed", plain_min, *amx)
 
 
+def decide_greedy(seconds: Measured) -> tuple[int, int | None] | None:
+    """Records {"rows", "logits", "fused"}: the rows (fewest, most; None: no end) at which
+    greedy decoding takes its tokens from the fused AMX argmax rather than from the head's
+    logits, as `decide_head` places the AMX kernel: up to the most rows it takes against
+    the logits path (`decide_max_rows`), from the fewest below that; None: never. No
+    MARGIN: the fused path holds no weight of its own (it reads the AMX head's copy)."""
+    fused_max = decide_max_rows(seconds, "fused", "logits")
+    logits_max = decide_max_rows([r for r in seconds if r["rows"] <= fused_max], "logits", "fused")
+    if fused_max == 0 or logits_max >= fused_max:
+        return None
+    largest = max(int(r["rows"]) for r in seconds)
+    return logits_max + 1, None if fused_max >= largest else fused_max
+
+
 def decide_faster(seconds: Measured, first: str, second: str) -> bool:
     """Whether `first` took less time than `second`, summed over the records."""
     return sum(r[first] for r in seconds) <= sum(r[second] for r in seconds)

@@ -125,6 +125,50 @@ def head_choice(dtype: torch.dtype, hidden: int, vocab: int) -> calibration.Head
     )
 
 
+def greedy_rows(
+    dtype: torch.dtype, hidden: int, vocab: int, choice: calibration.HeadChoice
+) -> tuple[int, int | None] | None:
+    """The rows (fewest, most; None: no end) at which greedy decoding takes its tokens
+    straight from the AMX tiles of a [vocab, hidden] head that `choice` runs (`amx_argmax`,
+    no logits written) rather than from its float32 logits and the argmax kernel, as
+    measured on this CPU (`calibration.decide_greedy`); None: never, and for a head
+    without the AMX kernel (its own copy of the weight)."""
+    if choice.amx_min_rows is None or not amx_head_available(dtype, hidden, vocab):
+        return None
+    out_m = max(16, _measured_rows(vocab, hidden, dtype, HEAD_MAX_BYTES) // 16 * 16)
+    return calibration.calibrated(
+        f"lm_head_argmax/{_dtype_name(dtype)}/{hidden}x{out_m}",
+        lambda: _measure_greedy(dtype, hidden, out_m, choice),
+        calibration.decide_greedy,
+    )
+
+
+def _measure_greedy(
+    dtype: torch.dtype, hidden: int, vocab: int, choice: calibration.HeadChoice
+) -> calibration.Measured:
+    """Seconds per greedy pick of the rows of HEAD_LADDER for a [vocab, hidden]
+    head: "logits" (the head as `choice` runs it, then the argmax kernel) against "fused"
+    (`amx_argmax`), interleaved, within HEAD_BUDGET_S."""
+    from kernels import sampling_cpu
+
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(dtype)
+    tied = nn.Linear(hidden, vocab, bias=False, device="meta")
+    tied.weight = nn.Parameter(weight, requires_grad=False)
+    head = LogitsHead(weight, PackedLinear(tied) if choice.gemm == "packed" else None, choice)
+    measured, start = [], time.perf_counter()
+    for rows in HEAD_LADDER:
+        x = torch.randn(rows, hidden, generator=gen).to(dtype)
+        seconds = calibration.time_paths({
+            "logits": lambda x=x: sampling_cpu.argmax_any(head(x)),
+            "fused": lambda x=x: amx_argmax(x, head.amx),
+        })  # fmt: skip
+        measured.append({"rows": rows, **seconds})
+        if time.perf_counter() - start > HEAD_BUDGET_S:
+            break
+    return measured
+
+
 def _measure_ladder(
     dtype: torch.dtype, in_features: int, out_features: int, ladder: tuple[int, ...],
     paths: tuple[str, ...], budget_s: float = LADDER_BUDGET_S,
@@ -295,7 +339,8 @@ class LogitsHead(nn.Module):
     """A CPU LM head with its calibrated choice (`head_choice`), made once at load
     (`logits_head`): float32 logits through the skinny kernel up to the chosen rows, then
     oneDNN's packed GEMM or F.linear on the plain weight, or the AMX kernel on its own
-    packed copy (`amx`) from the rows it won."""
+    packed copy (`amx`) from the rows it won. `argmax`: greedy tokens straight from the
+    AMX tiles at the rows `greedy_rows` chose (calibrated too), no logits written."""
 
     def __init__(
         self, plain: torch.Tensor, packed: PackedLinear | None, choice: calibration.HeadChoice
@@ -308,9 +353,23 @@ class LogitsHead(nn.Module):
         self.amx = None
         if choice.amx_min_rows is not None and self.bias is None:
             self.amx = torch.ops.vlmserve_skinny.amx_pack(plain)
+        self.greedy_rows: tuple[int, int | None] | None = None  # `calibrate_greedy` sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _logits(x, self.plain, self.packed, self.bias, self.choice, self.amx)
+
+    def calibrate_greedy(self) -> None:
+        if self.amx is not None:
+            self.greedy_rows = greedy_rows(self.plain.dtype, *self.plain.shape[::-1], self.choice)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[rows] long: torch.argmax of `self(x)` per row, from the AMX tiles where the
+        calibration chose them for this many rows; None elsewhere (the caller takes the
+        logits' argmax)."""
+        rows, window = x.numel() // x.shape[-1], self.greedy_rows
+        if window is None or rows < window[0] or (window[1] is not None and rows > window[1]):
+            return None
+        return amx_argmax(x, self.amx)
 
 
 def logits_head(layer: nn.Module | None, embedding: torch.Tensor) -> nn.Module | None:
@@ -330,7 +389,9 @@ def logits_head(layer: nn.Module | None, embedding: torch.Tensor) -> nn.Module |
         tied = nn.Linear(plain.shape[1], plain.shape[0], bias=False, device="meta")
         tied.weight = nn.Parameter(plain, requires_grad=False)  # the embedding: no copy
         packed = PackedLinear(tied)  # the packed copy
-    return LogitsHead(plain.contiguous(), packed, choice)
+    head = LogitsHead(plain.contiguous(), packed, choice)
+    head.calibrate_greedy()
+    return head
 
 
 def skinny_available() -> str | None:
@@ -360,6 +421,17 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows.shape[0], packed.shape[0] * 16, dtype=torch.float32)
     torch.ops.vlmserve_skinny.amx_linear(out, rows, packed)
     return out.view(*x.shape[:-1], out.shape[1])
+
+
+def amx_argmax(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """[rows] long: torch.argmax of `amx_linear(x, packed)` over its last dim (the first
+    maximum, a NaN above every number), the float32 sums never written anywhere."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.long)
+    torch.ops.vlmserve_skinny.amx_argmax(out, rows, packed)
+    return out.view(x.shape[:-1])
 
 
 def skinny_linear(

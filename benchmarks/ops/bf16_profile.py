@@ -19,7 +19,6 @@ Writes benchmarks/results/bf16_profile.json (the CPU's flags with it).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import tempfile
@@ -29,11 +28,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.engine.offline_throughput import make_engine, workload
 from benchmarks.lib.common import environment, table, write_result
 from benchmarks.lib.vs_vllm_workloads import text_args, write_image_workload
+from benchmarks.ops.real_profile import labelled
 from kernels.packed_linear import PackedLinear, skinny_available, skinny_linear
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
@@ -47,18 +47,10 @@ def label_regions(engine: Engine) -> None:
     """Wrap the model's regions in record_function labels (instance attributes over the
     bound methods: the runner calls them as usual)."""
     decoder, vision = engine.runner.model.decoder, engine.runner.model.vision
-
-    def labelled(fn: Callable, name: str) -> Callable:
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            with record_function(name):
-                return fn(*args, **kwargs)
-
-        return run
-
     decoder.embed = labelled(decoder.embed, "embed")
     decoder.forward = labelled(decoder.forward, "decoder_layers")
     decoder.compute_logits = labelled(decoder.compute_logits, "lm_head")
+    decoder.compute_argmax = labelled(decoder.compute_argmax, "lm_head")  # greedy: + argmax
     if vision is not None:
         vision.tile_features = labelled(vision.tile_features, "vision_tower")
 

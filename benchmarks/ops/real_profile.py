@@ -5,8 +5,10 @@ step goes (torch.profiler: LM head, argmax / sampling, attention, linears, norms
 with this branch's kernels and without them, in the same run, interleaved.
 
 Variants (each a few profiled steps per round, rounds interleaved, medians):
-- greedy, torch: torch.argmax over the logits, GELU-tanh and mul as eager ops;
-- greedy, kernels: the C++ argmax (kernels/sampling_cpu) and the fused GELU-tanh·mul;
+- greedy, torch: the logits, then torch.argmax over them, GELU-tanh and mul as eager ops;
+- greedy, kernels: the greedy tokens from the head (`Decoder.compute_argmax`: the AMX
+  head's fused argmax where calibrated, else the C++ argmax of kernels/sampling_cpu) and
+  the fused GELU-tanh·mul; the "lm_head" region then holds the argmax too;
 - sampled (--sampled: temperature 0.8, top-p 0.95, top-k 0 and 64 on alternate
   requests), one batch of every row as before, or batches of 8 MiB of weights.
 
@@ -105,16 +107,22 @@ def add_requests(engine: Engine, args: argparse.Namespace, sampled: bool) -> Non
 # Seconds spent in each region, summed, by every call (profiled or not): the CPU path is
 # synchronous, so a wall clock around a region times it without the profiler's overhead.
 REGION_S: dict[str, float] = {}
+_OPEN: set[str] = set()
 
 
 def labelled(fn: Callable, name: str) -> Callable:
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        if name in _OPEN:  # within the region already (the greedy head's logits path)
+            return fn(*args, **kwargs)
+        _OPEN.add(name)
         start = time.perf_counter()
-        with record_function(name):
-            out = fn(*args, **kwargs)
-        REGION_S[name] = REGION_S.get(name, 0.0) + time.perf_counter() - start
-        return out
+        try:
+            with record_function(name):
+                return fn(*args, **kwargs)
+        finally:
+            _OPEN.discard(name)
+            REGION_S[name] = REGION_S.get(name, 0.0) + time.perf_counter() - start
 
     return run
 
@@ -137,14 +145,17 @@ def label_regions(engine: Engine) -> None:
     decoder.embed = labelled(decoder.embed, "embed")
     decoder.forward = labelled(decoder.forward, "decoder_layers")
     decoder.compute_logits = labelled(decoder.compute_logits, "lm_head")
+    decoder.compute_argmax = labelled(decoder.compute_argmax, "lm_head")  # greedy: + argmax
 
 
 @contextlib.contextmanager
 def variant(name: str) -> Iterator[None]:
     """This branch's kernels on ("kernels", "batches") or the ops they replaced ("torch",
     "one_batch"), for the duration."""
-    saved = (sampler.sampling_cpu.argmax, fused_ops.gelu_tanh_and_mul, sampler.BATCH_BYTES)
+    saved = (sampler.sampling_cpu.argmax, fused_ops.gelu_tanh_and_mul, sampler.BATCH_BYTES,
+             forward_thread.takes_argmax)  # fmt: skip
     if name == "torch":
+        forward_thread.takes_argmax = lambda samplers: False  # logits, then the sampler
         sampler.sampling_cpu.argmax = sampling_cpu.argmax_eager
         fused_ops.gelu_tanh_and_mul = lambda gate_up, fused: fused_ops.gelu_tanh_and_mul_eager(
             gate_up
@@ -154,7 +165,8 @@ def variant(name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        sampling_cpu.argmax, fused_ops.gelu_tanh_and_mul, sampler.BATCH_BYTES = saved
+        sampling_cpu.argmax, fused_ops.gelu_tanh_and_mul, sampler.BATCH_BYTES = saved[:3]
+        forward_thread.takes_argmax = saved[3]
 
 
 def group_of(op: str) -> str:
@@ -246,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "dtype": "bfloat16", "load_average_before": load}  # fmt: skip
     print(f"{result['machine']['cpu']}, {torch.get_num_threads()} threads, load {load}")
     forward_thread.sample_plan = labelled(forward_thread.sample_plan, "sampling")
+    forward_thread.greedy_plan = labelled(forward_thread.greedy_plan, "sampling")
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or (str(REAL) if (REAL / "config.json").exists() else None)
         result["model"] = model or "random Gemma 3 270M shape"

@@ -341,47 +341,137 @@ at::Tensor amx_pack(const at::Tensor& weight) {
   return packed;
 }
 
-// out [M, N] float32 = x [M, K] bfloat16 @ weight^T, the weight as amx_pack made it.
-void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(amx::enabled(), "amx_linear: the AMX tile state was refused");
+// x's rows m0 .. m0 + rows - 1 as A tiles [rt][steps][16][32], zero rows past them.
+std::vector<uint16_t> pack_rows(const at::Tensor& x, int64_t m0, int64_t rows) {
+  const int64_t steps = x.size(1) / 32, rt = (rows + 15) / 16;
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  std::vector<uint16_t> a(rt * steps * 512, 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t s = 0; s < steps; ++s)
+      std::memcpy(a.data() + ((r / 16 * steps + s) * 16 + r % 16) * 32,
+                  xs + (m0 + r) * x.stride(0) + 32 * s, 64);
+  return a;
+}
+
+// Inside a parallel region: this thread's share of the column tiles, emit(n, buf) for each
+// with buf the 16 x 16 float sums of row tile r at buf + 256 r (row i at buf + 16 i).
+template <class Emit>
+void column_tiles(const uint16_t* a, int64_t rt, const uint16_t* b, int64_t steps,
+                  int64_t tiles, Emit&& emit) {
+  amx::configure();
+  alignas(64) float buf[4 * 256];
+#pragma omp for schedule(static)
+  for (int64_t n = 0; n < tiles; ++n) {
+    const uint16_t* bn = b + n * steps * 512;
+    switch (rt) {
+      case 1: amx::column_tile<1>(a, bn, steps, buf); break;
+      case 2: amx::column_tile<2>(a, bn, steps, buf); break;
+      case 3: amx::column_tile<3>(a, bn, steps, buf); break;
+      default: amx::column_tile<4>(a, bn, steps, buf); break;
+    }
+    emit(n, static_cast<const float*>(buf));
+  }
+  _tile_release();
+}
+
+void check_amx_operands(const at::Tensor& x, const at::Tensor& packed, const char* name) {
+  TORCH_CHECK(amx::enabled(), name, ": the AMX tile state was refused");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 &&
                   packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
                   packed.size(1) * 32 == x.size(1),
-              "amx_linear: bfloat16 x [M, K] with dense rows and amx_pack's weight for K");
-  const int64_t M = x.size(0), K = x.size(1), steps = K / 32, tiles = packed.size(0);
-  const int64_t N = tiles * 16;
+              name, ": bfloat16 x [M, K] with dense rows and amx_pack's weight for K");
+}
+
+// out [M, N] float32 = x [M, K] bfloat16 @ weight^T, the weight as amx_pack made it.
+void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+  check_amx_operands(x, packed, "amx_linear");
+  const int64_t M = x.size(0), steps = x.size(1) / 32, tiles = packed.size(0), N = tiles * 16;
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == M &&
                   out.size(1) == N,
               "amx_linear: out contiguous float32 [M, N]");
   const auto* b = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   float* o = out.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += 64) {
     const int64_t rows = std::min<int64_t>(64, M - m0), rt = (rows + 15) / 16;
-    // A tiles [rt][steps][16][32], zero rows past M.
-    std::vector<uint16_t> a(rt * steps * 512, 0);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t s = 0; s < steps; ++s)
-        std::memcpy(a.data() + ((r / 16 * steps + s) * 16 + r % 16) * 32,
-                    xs + (m0 + r) * x.stride(0) + 32 * s, 64);
+    const std::vector<uint16_t> a = pack_rows(x, m0, rows);
+#pragma omp parallel num_threads(at::get_num_threads())
+    column_tiles(a.data(), rt, b, steps, tiles, [&](int64_t n, const float* buf) {
+      for (int64_t r = 0; r < rows; ++r)
+        _mm512_storeu_ps(o + (m0 + r) * N + 16 * n, _mm512_load_ps(buf + 16 * r));
+    });
+  }
+}
+
+// A candidate for a row's argmax: torch.argmax's order (a NaN above every number, the
+// first NaN or the first maximum wins).
+struct Best {
+  float value;
+  int64_t index;
+  bool beats(const Best& o) const {
+    const bool nan = value != value, other_nan = o.value != o.value;
+    if (nan || other_nan) return nan && (!other_nan || index < o.index);
+    return value > o.value || (value == o.value && index < o.index);
+  }
+};
+
+// out [M] int64: argmax over N of x [M, K] @ weight^T (amx_linear's float32 sums, the same
+// pick as torch.argmax of amx_linear's output) without writing the [M, N] sums anywhere:
+// greedy decoding's token ids straight from the LM head. Each thread keeps, per row and
+// lane, the first maximum of the columns it multiplies (16 lanes: columns 16n + lane),
+// then the lanes and the threads are merged in torch.argmax's order.
+void amx_argmax(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+  check_amx_operands(x, packed, "amx_argmax");
+  const int64_t M = x.size(0), steps = x.size(1) / 32, tiles = packed.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.dim() == 1 &&
+                  out.size(0) == M && tiles > 0,
+              "amx_argmax: out contiguous int64 [M], a weight of at least 16 rows");
+  const auto* b = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  int64_t* o = out.data_ptr<int64_t>();
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t m0 = 0; m0 < M; m0 += 64) {
+    const int64_t rows = std::min<int64_t>(64, M - m0), rt = (rows + 15) / 16;
+    const std::vector<uint16_t> a = pack_rows(x, m0, rows);
+    std::vector<Best> best(rows, Best{0.0f, -1});
 #pragma omp parallel num_threads(at::get_num_threads())
     {
-      amx::configure();
-      alignas(64) float buf[4 * 256];
-#pragma omp for schedule(static)
-      for (int64_t n = 0; n < tiles; ++n) {
-        const uint16_t* bn = b + n * steps * 512;
-        switch (rt) {
-          case 1: amx::column_tile<1>(a.data(), bn, steps, buf); break;
-          case 2: amx::column_tile<2>(a.data(), bn, steps, buf); break;
-          case 3: amx::column_tile<3>(a.data(), bn, steps, buf); break;
-          default: amx::column_tile<4>(a.data(), bn, steps, buf); break;
+      alignas(64) float value[64 * 16];
+      alignas(64) int32_t column[64 * 16];  // N < 2^31: amx_pack's [N / 16] tiles
+      bool any = false;
+      column_tiles(a.data(), rt, b, steps, tiles, [&](int64_t n, const float* buf) {
+        const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(int32_t(16 * n)), lanes);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 v = _mm512_load_ps(buf + 16 * r);
+          if (!any) {  // this thread's first tile: every lane starts here
+            _mm512_store_ps(value + 16 * r, v);
+            _mm512_store_si512(column + 16 * r, at);
+            continue;
+          }
+          const __m512 kept = _mm512_load_ps(value + 16 * r);
+          const __mmask16 take =
+              _mm512_cmp_ps_mask(v, kept, _CMP_GT_OQ) |
+              (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & ~_mm512_cmp_ps_mask(kept, kept, _CMP_UNORD_Q));
+          _mm512_store_ps(value + 16 * r, _mm512_mask_mov_ps(kept, take, v));
+          _mm512_store_si512(column + 16 * r, _mm512_mask_mov_epi32(
+              _mm512_load_si512(column + 16 * r), take, at));
         }
+        any = true;
+      });
+      if (any) {
+        std::vector<Best> mine(rows);
+        for (int64_t r = 0; r < rows; ++r) {
+          Best top{value[16 * r], column[16 * r]};
+          for (int l = 1; l < 16; ++l) {
+            const Best c{value[16 * r + l], column[16 * r + l]};
+            if (c.beats(top)) top = c;
+          }
+          mine[r] = top;
+        }
+#pragma omp critical(vlmserve_amx_argmax)
         for (int64_t r = 0; r < rows; ++r)
-          _mm512_storeu_ps(o + (m0 + r) * N + 16 * n, _mm512_load_ps(buf + 16 * r));
+          if (best[r].index < 0 || mine[r].beats(best[r])) best[r] = mine[r];
       }
-      _tile_release();
     }
+    for (int64_t r = 0; r < rows; ++r) o[m0 + r] = best[r].index;
   }
 }
 #endif
@@ -416,6 +506,7 @@ TORCH_LIBRARY(vlmserve_skinny, m) {
 #if VLMSERVE_AMX
   m.def("amx_pack(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
+  m.def("amx_argmax(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
 #endif
 }
 
@@ -424,5 +515,6 @@ TORCH_LIBRARY_IMPL(vlmserve_skinny, CPU, m) {
 #if VLMSERVE_AMX
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
+  m.impl("amx_argmax", &amx_argmax);
 #endif
 }

@@ -92,6 +92,18 @@ def test_the_lm_head_picks_the_skinny_kernel_then_the_faster_gemm():
     assert head((1, 1, 2, 2), (16, 9, 3.0, 2.0), (256, 90, 10, 30)) == HeadChoice(1, "packed")
 
 
+def test_greedy_takes_the_fused_argmax_over_the_rows_it_wins():
+    def greedy(*records):  # (rows, logits, fused) each
+        return calibration.decide_greedy(ladder(*records, fast="logits", slow="fused"))
+
+    # This AMX Xeon's measurements: the fused pick wins to 64 rows, loses at 256 (the AMX
+    # kernel streams the weight once per 64 rows).
+    xeon = ((1, 0.68, 0.64), (4, 0.70, 0.65), (16, 0.84, 0.64), (64, 1.77, 1.41), (256, 5.18, 5.81))
+    assert greedy(*xeon) == (1, 64)
+    assert greedy((1, 0.6, 0.7), (4, 0.7, 0.65), (64, 1.8, 1.4), (256, 6.0, 5.0)) == (2, None)
+    assert greedy((1, 0.6, 0.7), (64, 1.0, 1.4)) is None  # never ahead
+
+
 def test_the_lm_head_takes_the_amx_kernel_from_the_rows_it_wins_by_the_margin():
     def head(*records):  # (rows, skinny, packed, plain, amx) each
         keys = ("rows", "skinny", "packed", "plain", "amx")
@@ -228,10 +240,14 @@ def test_recalibration_is_forced_by_the_env_var_and_by_forget(cache_dir, monkeyp
 
 
 def store(name: str, measured: list[dict]) -> None:
-    """Put measurements in this machine's cache, as an earlier calibration would have."""
+    """Put measurements in this machine's cache, as an earlier calibration would have (the
+    choices stored before kept)."""
     path = calibration.cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"key": calibration.machine_key(), "choices": {name: {"measured": measured}}}
+    data = {"key": calibration.machine_key(), "choices": {}}
+    if path.exists():
+        data = json.loads(path.read_text())
+    data["choices"][name] = {"measured": measured}
     path.write_text(json.dumps(data))
 
 
@@ -337,6 +353,63 @@ def test_the_lm_head_runs_the_amx_kernel_from_its_rows(cache_dir, monkeypatch, t
         logits = packed_linear.linear_float(head, x, linear.weight.detach())
         assert {p: counts[p] - before[p] for p in counts} == {p: int(p == path) for p in counts}
         check_logits(logits, x, linear.weight, rounded=False)  # float32 sums, unrounded
+
+
+def needs_amx_head():
+    if not packed_linear.amx_head_available(BF16, 96, 704):
+        pytest.skip("no AMX tiles here (amx_bf16)")
+
+
+@pytest.mark.usefixtures("needs_skinny")
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 65, 130])
+def test_the_fused_argmax_is_torchs_argmax_of_the_amx_logits(rows):
+    needs_amx_head()
+    gen = torch.Generator().manual_seed(rows)
+    hidden, vocab = 96, 16 * 45
+    weight = torch.randn(vocab, hidden, generator=gen).to(BF16)
+    weight[9] *= 4  # row 0 of x (= weight[9]) has its maximum at column 9, then ties in
+    ties = [329, 400, vocab - 7]  # other tiles and threads, in its lane (9 + 16 k) or not
+    weight[ties] = weight[9].clone()
+    x = torch.randn(rows, hidden, generator=gen).to(BF16)
+    x[0] = weight[9]
+    packed = torch.ops.vlmserve_skinny.amx_pack(weight)
+    logits = packed_linear.amx_linear(x, packed)
+    assert (logits[0, ties] == logits[0, 9]).all() and logits[0, 9] == logits[0].max()
+    assert torch.equal(packed_linear.amx_argmax(x, packed), logits.argmax(-1))
+    weight[33, 5], weight[600, 7] = float("nan"), float("nan")  # every row: NaN at 33, 600
+    packed = torch.ops.vlmserve_skinny.amx_pack(weight)
+    logits = packed_linear.amx_linear(x, packed)
+    assert logits[:, 33].isnan().all() and torch.equal(logits.argmax(-1), torch.full((rows,), 33))
+    assert torch.equal(packed_linear.amx_argmax(x, packed), logits.argmax(-1))
+
+
+@needs_onednn
+@pytest.mark.usefixtures("needs_skinny")
+def test_greedy_tokens_come_from_the_amx_head_at_the_rows_calibrated(cache_dir, monkeypatch):
+    needs_amx_head()
+    torch.manual_seed(7)
+    hidden, vocab = 96, 704
+    store(f"lm_head/bfloat16/{hidden}x{vocab}", [
+        {"rows": 16, "skinny": 1.0, "packed": 2.0, "plain": 3.0, "amx": 2.5},
+        {"rows": 64, "skinny": 4.0, "packed": 2.0, "plain": 3.0, "amx": 1.0},
+    ])  # fmt: skip
+    store(f"lm_head_argmax/bfloat16/{hidden}x{vocab}", [
+        {"rows": 16, "logits": 1.0, "fused": 1.5},
+        {"rows": 64, "logits": 3.0, "fused": 1.0},
+        {"rows": 256, "logits": 4.0, "fused": 8.0},
+    ])  # fmt: skip
+    linear = nn.Linear(hidden, vocab, bias=False).to(BF16)
+    head = packed_linear.logits_head(None, linear.weight.detach())
+    assert head.greedy_rows == (17, 64)
+    calls, fused = [], packed_linear.amx_argmax
+    monkeypatch.setattr(packed_linear, "amx_argmax", lambda *a: calls.append(1) or fused(*a))
+    for rows, takes in ((16, False), (17, True), (64, True), (65, False)):
+        x = torch.randn(rows, hidden).to(BF16)
+        before = len(calls)
+        ids = head.argmax(x)
+        assert (ids is not None) == takes and len(calls) - before == int(takes), rows
+        if takes:
+            assert torch.equal(ids, head(x).argmax(-1))
 
 
 def check_logits(logits, x, weight, rounded: bool) -> None:

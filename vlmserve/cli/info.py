@@ -142,8 +142,8 @@ def model_shapes(model_path: str | None) -> dict[str, int]:
 def calibrate(shapes: dict[str, int], dtype: torch.dtype) -> dict[str, object]:
     """Every CPU kernel choice a decoder of `shapes` in `dtype` takes on this CPU, measured
     now where this machine has none cached (kernels/calibration.py): the skinny kernel's
-    rows per linear layer, float32 MKL, the LM head's paths, prefill attention; the cache
-    file, its key and each choice with its measurements."""
+    rows per linear layer, float32 MKL, the LM head's paths (greedy's too), prefill
+    attention; the cache file, its key and each choice with its measurements."""
     import time
 
     from kernels import calibration, cpu_attention, packed_linear
@@ -156,7 +156,8 @@ def calibrate(shapes: dict[str, int], dtype: torch.dtype) -> dict[str, object]:
     if packed_linear.skinny_available() is None and dtype in packed_linear.PACKED_DTYPES:
         for shape in layers:
             packed_linear.plain_rows(dtype, shape)
-        packed_linear.head_choice(dtype, hidden, shapes["vocab_size"])
+        head = packed_linear.head_choice(dtype, hidden, shapes["vocab_size"])
+        packed_linear.greedy_rows(dtype, hidden, shapes["vocab_size"], head)
     cpu_attention.prefill_kernel_wins(dtype, heads, kv_heads, head_dim)
     report = calibration.report(asked_only=True)
     return {**report, "seconds_now": round(time.perf_counter() - start, 2)}

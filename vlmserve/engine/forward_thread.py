@@ -26,7 +26,7 @@ import torch
 from scheduler.step_plan import ScheduledSeq
 from vlmserve.sample.logprobs import book_prompt_logprobs
 from vlmserve.sample.params import SamplerState
-from vlmserve.sample.verify import sample_plan, start_masks
+from vlmserve.sample.verify import greedy_plan, sample_plan, start_masks, takes_argmax
 from vlmserve.worker.runner import ModelRunner, StepInputs
 
 Sampled = list[list[int] | Exception]  # per plan item, as `sample_plan` returns it
@@ -125,9 +125,15 @@ def run_step(
     try:
         # Constrained rows: their grammar masks fill on another thread meanwhile.
         masks = start_masks(scheduled, samplers, runner.model.decoder.cfg.vocab_size)
-        logits = runner.run(inputs, previous)
+        # Greedy alone: the head gives each row's argmax (no [rows, vocab] logits where
+        # it can), and the plan its tokens from them.
+        greedy = not inputs.prompt_spans and takes_argmax(samplers)
+        logits = runner.run(inputs, previous, greedy)
         sampling = time.perf_counter()
-        sampled = sample_plan(scheduled, logits, samplers, masks)
+        if greedy:
+            sampled = greedy_plan(scheduled, logits, samplers)
+        else:
+            sampled = sample_plan(scheduled, logits, samplers, masks)
         times.sample_s += time.perf_counter() - sampling
         if inputs.prompt_spans:
             book_prompt_logprobs(logits, inputs.prompt_spans, prompt_samplers or {})

@@ -128,6 +128,31 @@ def sample_plan(
     return [next(taken) if item.sample else [] for item in scheduled]
 
 
+def takes_argmax(samplers: list[SamplerState]) -> bool:
+    """Whether a step's tokens need no more than each row's argmax (`greedy_plan`): some
+    request samples, and every one is greedy without logit controls, constraint or
+    logprobs."""
+    return bool(samplers) and all(
+        s.params.greedy and not s.params.has_logit_controls and s.params.logprobs is None
+        and s.grammar is None for s in samplers
+    )  # fmt: skip
+
+
+def greedy_plan(
+    scheduled: list[ScheduledSeq], argmaxes: torch.Tensor, samplers: list[SamplerState]
+) -> list[list[int] | Exception]:
+    """`sample_plan`'s result for a step that `takes_argmax`, from its rows' argmaxes
+    ([num_sampling_rows] long, plan order) instead of their logits: the same tokens."""
+    targets = argmaxes.tolist()
+    emitted = []
+    for group in plan_groups(scheduled, samplers):
+        rows = targets[group.first_row : group.first_row + 1 + len(group.draft_token_ids)]
+        emitted.append(verify_greedy(rows, group.draft_token_ids))
+        group.state.output_token_ids.extend(emitted[-1])  # as `book_emitted` does
+    taken = iter(emitted)
+    return [next(taken) if item.sample else [] for item in scheduled]
+
+
 def ridge_batch_for(device: torch.device, dtype: torch.dtype) -> float:
     """B* = s_w·π/(2β) (article §11) for the engine's device and weight dtype: a datasheet
     preset for a GPU (one no preset matches is refused), this machine measured for a CPU."""

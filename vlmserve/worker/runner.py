@@ -42,6 +42,7 @@ from vlmserve.worker.parallel.layers import shard_decoder
 from vlmserve.worker.parallel.sharding import TPShard
 
 if TYPE_CHECKING:
+    from vlmserve.worker.models.decoder import Decoder
     from vlmserve.worker.parallel.comm import TPGroup
 from vlmserve.worker.nano_batch import NanoBatcher, NanoStep, nano_schedules
 from vlmserve.worker.nano_exec import NanoExecutor
@@ -327,12 +328,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, inputs: StepInputs, previous: list[list[int] | Exception] | None = None
+        self,
+        inputs: StepInputs,
+        previous: list[list[int] | Exception] | None = None,
+        greedy: bool = False,
     ) -> torch.Tensor:
         """The forward pass of prepared inputs; returns logits [num_sampling_rows, vocab]
         in plan order: one row per sampling item, 1 + len(draft_token_ids) rows for a
-        speculating one. `previous`: the tokens the step before emitted, per item (None
-        when it failed), for the pending rows."""
+        speculating one; with `greedy`, each of those rows' argmax instead ([rows] long).
+        `previous`: the tokens the step before emitted, per item (None when it failed),
+        for the pending rows."""
         self._fill_pending_rows(inputs, previous)
         device, decoder = self.device, self.model.decoder
         ids = inputs.token_ids
@@ -343,7 +348,7 @@ class ModelRunner:
             and self.graphs.fits(inputs.metadata)
         ):
             hidden = self.graphs.run(ids, inputs.positions, inputs.metadata)
-            return decoder.compute_logits(hidden[inputs.sample_rows.to(device)])
+            return _head(decoder, hidden[inputs.sample_rows.to(device)], greedy)
         embeds = decoder.embed(ids.to(device))  # [num_tokens, hidden]
         for rows, values, offsets in inputs.image_rows:
             embeds[rows.to(device)] = values[offsets.to(device)]
@@ -354,7 +359,7 @@ class ModelRunner:
             nano = functools.partial(self.nano_executor.run_layers, step=step)
             self.num_nano_steps += 1
         hidden = decoder(embeds, inputs.positions.to(device), metadata, self.kv_caches, nano)
-        return decoder.compute_logits(hidden[inputs.sample_rows.to(device)])
+        return _head(decoder, hidden[inputs.sample_rows.to(device)], greedy)
 
     @staticmethod
     def _fill_pending_rows(
@@ -419,6 +424,10 @@ class ModelRunner:
         for (key, _, _), emb in zip(wanted, embeds, strict=True):
             self._image_embeds[key] = emb.to(self.dtype)
         self.num_encoded_images += len(wanted)
+
+
+def _head(decoder: Decoder, hidden: torch.Tensor, greedy: bool) -> torch.Tensor:
+    return decoder.compute_argmax(hidden) if greedy else decoder.compute_logits(hidden)
 
 
 def _to_device(value: object, device: torch.device) -> object:

@@ -47,9 +47,9 @@ def count_rows(engine: Engine) -> list[int]:
     """Counts the query rows every forward computes (into the returned one-item list)."""
     rows, run = [0], engine.runner.run
 
-    def counted(inputs, previous=None):
+    def counted(inputs, previous=None, greedy=False):
         rows[0] += inputs.token_ids.numel()
-        return run(inputs, previous)
+        return run(inputs, previous, greedy)
 
     engine.runner.run = counted
     return rows

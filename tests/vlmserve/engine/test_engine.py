@@ -232,3 +232,53 @@ def test_requests_prepared_on_other_threads_give_the_same_tokens(llava_ov_path, 
             engine.step()
             engine.scheduler.block_manager.check_integrity()
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+
+
+def test_only_plain_greedy_steps_take_argmaxes():
+    from vlmserve.sample.params import SamplerState
+    from vlmserve.sample.verify import takes_argmax
+
+    def state(**kw):
+        return SamplerState(SamplingParams(max_tokens=4, **{"temperature": 0.0, **kw}))
+
+    assert takes_argmax([state(), state(stop=["x"], seed=3)])
+    assert not takes_argmax([])  # nothing samples
+    for kw in ({"temperature": 0.7}, {"logprobs": 1}, {"presence_penalty": 0.5},
+               {"min_tokens": 2}, {"logit_bias": {5: 1.0}}):  # fmt: skip
+        assert not takes_argmax([state(), state(**kw)]), kw
+    constrained = state()
+    constrained.grammar = object()
+    assert not takes_argmax([state(), constrained])
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_greedy_steps_take_the_heads_argmaxes_and_give_the_logits_tokens(
+    llama_path, monkeypatch, speculate
+):
+    """A step of plain greedy requests asks the runner for its rows' argmaxes (the head's
+    own where it can: no logits); the tokens are those of the logits and the sampler."""
+    import vlmserve.engine.forward_thread as forward_thread
+    from scheduler.config import SpeculativeConfig
+
+    always = SpeculativeConfig(num_speculative_tokens=4, min_n=1, adaptive=False)
+    spec = always if speculate else None
+    prompts = ["one two three one two three one two", "four five six seven", "eight"]
+
+    def generate() -> tuple[list[list[int]], set[bool]]:
+        engine = make_engine(llama_path, speculative=spec)
+        asked, run = set(), engine.runner.run
+
+        def recorded(inputs, previous=None, greedy=False):
+            asked.add(greedy)
+            return run(inputs, previous, greedy)
+
+        engine.runner.run = recorded
+        outs = run_checked(engine, [Request(prompt=p, sampling=GREEDY_32) for p in prompts])
+        return [out.token_ids for out in outs], asked
+
+    argmaxes, asked = generate()
+    assert asked == {True}
+    monkeypatch.setattr(forward_thread, "takes_argmax", lambda samplers: False)
+    logits, asked = generate()
+    assert asked == {False}
+    assert argmaxes == logits

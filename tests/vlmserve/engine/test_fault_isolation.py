@@ -102,7 +102,7 @@ def test_a_failed_forward_pass_fails_its_step_and_the_engine_serves_on(
     outs = {rid: engine._states[rid].output for rid in ids}
     run = engine.runner.run
 
-    def out_of_memory_once(inputs, previous=None):
+    def out_of_memory_once(inputs, previous=None, greedy=False):
         engine.runner.run = run
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 

@@ -67,10 +67,10 @@ def engine_logits(  # noqa: PLR0913
     recorded: list[torch.Tensor] = []
     run = engine.runner.run
 
-    def recording_run(inputs, previous=None):  # the real forward; its logits kept
+    def recording_run(inputs, previous=None, greedy=False):  # the real forward; logits kept
         logits = run(inputs, previous)
         recorded.append(logits.float().cpu())  # on the GPU under gpu_check: compared on CPU
-        return logits
+        return logits.argmax(-1) if greedy else logits
 
     engine.runner.run = recording_run
     caches = engine.runner.kv_caches

@@ -127,7 +127,10 @@ class TensorParallelRunner(ModelRunner):
 
     @torch.inference_mode()
     def run(
-        self, inputs: StepInputs, previous: list[list[int] | Exception] | None = None
+        self,
+        inputs: StepInputs,
+        previous: list[list[int] | Exception] | None = None,
+        greedy: bool = False,
     ) -> torch.Tensor:
         self._fill_pending_rows(inputs, previous)
         shared = dataclasses.replace(
@@ -139,7 +142,7 @@ class TensorParallelRunner(ModelRunner):
             channel.check()
             try:
                 channel.group.broadcast_object(("step", shared))
-                return super().run(inputs, previous)
+                return super().run(inputs, previous, greedy)
             except Exception as e:
                 channel.broken = f"a step failed on rank 0: {e!r}"
                 raise
