@@ -21,11 +21,9 @@ at on a CPU, each crossover measured on the CPU that runs it (kernels/calibratio
   where MKL beats oneDNN on this CPU (on a Zen 3 from ~1,536 rows, on a Zen 5 with AVX-512
   never). Between the two, oneDNN's packed GEMM.
 
-The LM head (`linear_float`, `LogitsHead`) writes float32 logits straight from the skinny
-kernel's float32 sums up to `head_choice`'s rows, instead of rounding them to bfloat16 and
-widening them back (sampling and logprobs read float32 logits); above them oneDNN's
-packed GEMM (AMX tiles where the CPU has them; a tied head gets a packed copy of the
-embedding for it) or F.linear on the plain weight, whichever was faster here.
+The LM head's paths (kernels/lm_head.py) use the same kernels: the skinny one with
+float32 sums out, oneDNN's packed GEMM, and on AMX CPUs a tile kernel of our own on its own
+packed copy of the weight (`amx_linear`, and `amx_argmax` for greedy tokens).
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ from torch import nn
 from kernels import calibration, cpu_build
 
 __all__ = [
-    "Activation", "LogitsHead", "PackedLinear", "linear_act", "linear_add", "linear_float",
-    "logits_head", "pack_linears", "skinny_linear",
+    "Activation", "PackedLinear", "amx_argmax", "amx_linear", "linear_act", "linear_add",
+    "pack_linears", "skinny_linear",
 ]  # fmt: skip
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -49,17 +47,12 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # decode steps' rows, per dtype and layer shape (the skinny kernel up to somewhere in 1-64
 # rows on the CPUs measured so far: 16 in float32, 8 in bfloat16 on a Zen 5).
 LINEAR_LADDER = (1, 2, 4, 8, 16, 32, 64)
-# The LM head: sampling rows (on a Zen 5 the skinny kernel won up to 256; on an AMX Xeon
-# oneDNN's bfloat16 GEMM ran [64 x 640] x [262,144 x 640] several times faster).
-HEAD_LADDER = (1, 4, 16, 64, 256)
 # A weight is measured on at most this many bytes of its output rows: the per-row cost of
 # a weight streamed from memory, in a bounded time (a 262k-token head is 335 MB).
 LINEAR_MAX_BYTES = 16 << 20
-HEAD_MAX_BYTES = 32 << 20
-# A ladder stops after this long (a loaded machine), decided on the sizes measured: the LM
-# head, the largest choice at stake (half a decode step on an AMX Xeon), gets longer.
+# A ladder stops after this long (a loaded machine), decided on the sizes measured (the LM
+# head's, kernels/lm_head.py, gets longer).
 LADDER_BUDGET_S = 1.5
-HEAD_BUDGET_S = 5.0
 # float32 prefill GEMMs: MKL on the plain weight against oneDNN's packed GEMM, one square
 # GEMM at 2,048 and 1,024 rows (MKL won from ~1,536 rows on a Zen 3 and never on a Zen 5,
 # where it runs its AVX2 code: benchmarks/ops/gemm_crossover.py).
@@ -79,11 +72,11 @@ def plain_rows(dtype: torch.dtype, shape: tuple[int, int] | None = None) -> tupl
     return skinny, mkl_min_rows() if dtype == torch.float32 else None
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _measured_rows(out_features: int, in_features: int, dtype: torch.dtype, cap: int) -> int:
+def measured_rows(out_features: int, in_features: int, dtype: torch.dtype, cap: int) -> int:
     return max(1, min(out_features, cap // (in_features * dtype.itemsize)))
 
 
@@ -92,11 +85,11 @@ def skinny_max_rows(dtype: torch.dtype, in_features: int, out_features: int) -> 
     packed GEMM above), calibrated on this CPU at that shape (0 where it cannot run)."""
     if skinny_available() is not None:
         return 0
-    out_m = _measured_rows(out_features, in_features, dtype, LINEAR_MAX_BYTES)
-    name = f"linear_skinny_max_rows/{_dtype_name(dtype)}/{in_features}x{out_m}"
+    out_m = measured_rows(out_features, in_features, dtype, LINEAR_MAX_BYTES)
+    name = f"linear_skinny_max_rows/{dtype_name(dtype)}/{in_features}x{out_m}"
     return calibration.calibrated(
         name,
-        lambda: _measure_ladder(dtype, in_features, out_m, LINEAR_LADDER, ("skinny", "onednn")),
+        lambda: measure_ladder(dtype, in_features, out_m, LINEAR_LADDER, ("skinny", "onednn")),
         lambda m: calibration.decide_max_rows(m, "skinny", "onednn"),
     )
 
@@ -109,67 +102,7 @@ def mkl_min_rows() -> int | None:
     )
 
 
-def head_choice(dtype: torch.dtype, hidden: int, vocab: int) -> calibration.HeadChoice:
-    """How an LM head of [vocab, hidden] in `dtype` computes its logits on this CPU."""
-    if skinny_available() is not None:
-        return calibration.HeadChoice(0, "packed")
-    out_m = _measured_rows(vocab, hidden, dtype, HEAD_MAX_BYTES)
-    paths = ("skinny", "packed", "plain")
-    if amx_head_available(dtype, hidden, vocab):
-        paths, out_m = (*paths, "amx"), max(16, out_m // 16 * 16)  # whole AMX tiles
-    name = f"lm_head/{_dtype_name(dtype)}/{hidden}x{out_m}"
-    return calibration.calibrated(
-        name,
-        lambda: _measure_ladder(dtype, hidden, out_m, HEAD_LADDER, paths, HEAD_BUDGET_S),
-        calibration.decide_head,
-    )
-
-
-def greedy_rows(
-    dtype: torch.dtype, hidden: int, vocab: int, choice: calibration.HeadChoice
-) -> tuple[int, int | None] | None:
-    """The rows (fewest, most; None: no end) at which greedy decoding takes its tokens
-    straight from the AMX tiles of a [vocab, hidden] head that `choice` runs (`amx_argmax`,
-    no logits written) rather than from its float32 logits and the argmax kernel, as
-    measured on this CPU (`calibration.decide_greedy`); None: never, and for a head
-    without the AMX kernel (its own copy of the weight)."""
-    if choice.amx_min_rows is None or not amx_head_available(dtype, hidden, vocab):
-        return None
-    out_m = max(16, _measured_rows(vocab, hidden, dtype, HEAD_MAX_BYTES) // 16 * 16)
-    return calibration.calibrated(
-        f"lm_head_argmax/{_dtype_name(dtype)}/{hidden}x{out_m}",
-        lambda: _measure_greedy(dtype, hidden, out_m, choice),
-        calibration.decide_greedy,
-    )
-
-
-def _measure_greedy(
-    dtype: torch.dtype, hidden: int, vocab: int, choice: calibration.HeadChoice
-) -> calibration.Measured:
-    """Seconds per greedy pick of the rows of HEAD_LADDER for a [vocab, hidden]
-    head: "logits" (the head as `choice` runs it, then the argmax kernel) against "fused"
-    (`amx_argmax`), interleaved, within HEAD_BUDGET_S."""
-    from kernels import sampling_cpu
-
-    gen = torch.Generator().manual_seed(0)
-    weight = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(dtype)
-    tied = nn.Linear(hidden, vocab, bias=False, device="meta")
-    tied.weight = nn.Parameter(weight, requires_grad=False)
-    head = LogitsHead(weight, PackedLinear(tied) if choice.gemm == "packed" else None, choice)
-    measured, start = [], time.perf_counter()
-    for rows in HEAD_LADDER:
-        x = torch.randn(rows, hidden, generator=gen).to(dtype)
-        seconds = calibration.time_paths({
-            "logits": lambda x=x: sampling_cpu.argmax_any(head(x)),
-            "fused": lambda x=x: amx_argmax(x, head.amx),
-        })  # fmt: skip
-        measured.append({"rows": rows, **seconds})
-        if time.perf_counter() - start > HEAD_BUDGET_S:
-            break
-    return measured
-
-
-def _measure_ladder(
+def measure_ladder(
     dtype: torch.dtype, in_features: int, out_features: int, ladder: tuple[int, ...],
     paths: tuple[str, ...], budget_s: float = LADDER_BUDGET_S,
 ) -> calibration.Measured:  # fmt: skip
@@ -290,108 +223,6 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
     if isinstance(layer, PackedLinear):
         return layer.forward_add(x, residual)
     return layer(x).add_(residual)
-
-
-def linear_float(layer: nn.Module | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The LM head: `layer(x)` (or x @ weight.T where `layer` is None: tied embeddings) as
-    float32. A `LogitsHead` computes them its calibrated way; so does a CPU head with a
-    plain weight (a packed layer's, or the tied embedding itself: no copy), calibrated on
-    first use; otherwise the layer's output, widened."""
-    if isinstance(layer, LogitsHead):
-        return layer(x)
-    plain = weight if layer is None else getattr(layer, "plain", None)
-    if can_choose_head(plain, x.dtype):
-        choice = head_choice(x.dtype, plain.shape[1], plain.shape[0])
-        packed = layer if isinstance(layer, PackedLinear) else None
-        return _logits(x, plain, packed, getattr(layer, "bias", None), choice)
-    out = F.linear(x, weight) if layer is None else layer(x)
-    return out.float()
-
-
-def can_choose_head(plain: torch.Tensor | None, dtype: torch.dtype) -> bool:
-    """Whether a head with this plain weight takes its calibrated paths on this CPU."""
-    return (
-        plain is not None
-        and plain.device.type == "cpu"
-        and plain.dtype == dtype
-        and dtype in PACKED_DTYPES
-        and torch.backends.mkldnn.is_available()
-        and skinny_available() is None
-    )
-
-
-def _logits(
-    x: torch.Tensor, plain: torch.Tensor, packed: PackedLinear | None,
-    bias: torch.Tensor | None, choice: calibration.HeadChoice, amx: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
-    rows = x.numel() // x.shape[-1]
-    if rows <= choice.skinny_max_rows:
-        return skinny_linear(x, plain, bias, torch.float32)  # the float32 sums, unrounded
-    if amx is not None and choice.takes_amx(rows):
-        return amx_linear(x, amx)  # float32 sums too
-    below_plain = choice.plain_min_rows is None or rows < choice.plain_min_rows
-    if choice.gemm == "packed" and packed is not None and below_plain:
-        return packed.forward_packed(x).float()
-    return F.linear(x, plain, bias).float()
-
-
-class LogitsHead(nn.Module):
-    """A CPU LM head with its calibrated choice (`head_choice`), made once at load
-    (`logits_head`): float32 logits through the skinny kernel up to the chosen rows, then
-    oneDNN's packed GEMM or F.linear on the plain weight, or the AMX kernel on its own
-    packed copy (`amx`) from the rows it won. `argmax`: greedy tokens straight from the
-    AMX tiles at the rows `greedy_rows` chose (calibrated too), no logits written."""
-
-    def __init__(
-        self, plain: torch.Tensor, packed: PackedLinear | None, choice: calibration.HeadChoice
-    ) -> None:
-        super().__init__()
-        self.plain = plain  # [vocab, hidden]: the tied embedding itself, or the layer's
-        self.packed = packed
-        self.choice = choice
-        self.bias = None if packed is None else packed.bias
-        self.amx = None
-        if choice.amx_min_rows is not None and self.bias is None:
-            self.amx = torch.ops.vlmserve_skinny.amx_pack(plain)
-        self.greedy_rows: tuple[int, int | None] | None = None  # `calibrate_greedy` sets it
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _logits(x, self.plain, self.packed, self.bias, self.choice, self.amx)
-
-    def calibrate_greedy(self) -> None:
-        if self.amx is not None:
-            self.greedy_rows = greedy_rows(self.plain.dtype, *self.plain.shape[::-1], self.choice)
-
-    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """[rows] long: torch.argmax of `self(x)` per row, from the AMX tiles where the
-        calibration chose them for this many rows; None elsewhere (the caller takes the
-        logits' argmax)."""
-        rows, window = x.numel() // x.shape[-1], self.greedy_rows
-        if window is None or rows < window[0] or (window[1] is not None and rows > window[1]):
-            return None
-        return amx_argmax(x, self.amx)
-
-
-def logits_head(layer: nn.Module | None, embedding: torch.Tensor) -> nn.Module | None:
-    """The LM head a CPU decoder computes its logits with (after `pack_linears`): `layer`
-    (None: tied to `embedding`) as a LogitsHead where its paths can be chosen here, with
-    a packed copy of a tied embedding only where oneDNN's packed GEMM won (vocab x hidden
-    more memory); `layer` unchanged elsewhere."""
-    plain = embedding.detach() if layer is None else getattr(layer, "plain", None)
-    if not can_choose_head(plain, plain.dtype if plain is not None else torch.float64):
-        return layer
-    choice = head_choice(plain.dtype, plain.shape[1], plain.shape[0])
-    packed = layer if isinstance(layer, PackedLinear) else None
-    amx_throughout = (  # every GEMM size: no oneDNN copy
-        choice.takes_amx(choice.skinny_max_rows + 1) and choice.amx_max_rows is None
-    )
-    if packed is None and choice.gemm == "packed" and not amx_throughout:
-        tied = nn.Linear(plain.shape[1], plain.shape[0], bias=False, device="meta")
-        tied.weight = nn.Parameter(plain, requires_grad=False)  # the embedding: no copy
-        packed = PackedLinear(tied)  # the packed copy
-    head = LogitsHead(plain.contiguous(), packed, choice)
-    head.calibrate_greedy()
-    return head
 
 
 def skinny_available() -> str | None:

@@ -10,13 +10,18 @@ partly cached image would start a chunk inside its span). Pure functions.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-
-from scheduler.sequence import ImagePlaceholder
+from typing import Protocol
 
 Span = tuple[int, int]  # [start, end) positions
 
 
-def image_spans(images: Seq[ImagePlaceholder]) -> tuple[Span, ...]:
+class Placed(Protocol):
+    """An image's placeholders (a prompt's `ImagePlaceholder`, a chunk's `ImageChunk`)."""
+
+    positions: Seq[int]
+
+
+def image_spans(images: Seq[Placed]) -> tuple[Span, ...]:
     """The runs of consecutive placeholder positions, in order: one per image, or per
     pan-and-scan crop (their runs are separated by text tokens)."""
     runs: list[Span] = []

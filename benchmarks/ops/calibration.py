@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.lib.common import environment, table, write_result
 from kernels import calibration, cpu_attention, packed_linear
+from kernels.lm_head import HEAD_BUDGET_S, HEAD_LADDER, HEAD_MAX_BYTES
 
 # Gemma 3 270M (google/gemma-3-270m): the real checkpoint's decoder.
 GEMMA3_270M = {"hidden_size": 640, "num_heads": 4, "num_kv_heads": 1, "head_dim": 256,
@@ -51,9 +52,9 @@ def ms(records: list[dict]) -> list[dict]:
 def linears(dtype: torch.dtype, m: dict[str, int]) -> dict:
     out = {}
     for name, (k, n) in layer_shapes(m).items():
-        n_m = packed_linear._measured_rows(n, k, dtype, packed_linear.LINEAR_MAX_BYTES)
+        n_m = packed_linear.measured_rows(n, k, dtype, packed_linear.LINEAR_MAX_BYTES)
         paths = ("skinny", "onednn")
-        measured = packed_linear._measure_ladder(dtype, k, n_m, packed_linear.LINEAR_LADDER, paths)
+        measured = packed_linear.measure_ladder(dtype, k, n_m, packed_linear.LINEAR_LADDER, paths)
         chosen = calibration.decide_max_rows(measured, "skinny", "onednn")
         print(f"\n{name} [{k} -> {n}] ({n_m} rows measured): skinny up to {chosen} rows (ms)")
         print(table(ms(measured), ["rows", "skinny", "onednn"]))
@@ -63,11 +64,10 @@ def linears(dtype: torch.dtype, m: dict[str, int]) -> dict:
 
 def lm_head(dtype: torch.dtype, m: dict[str, int], full: bool) -> dict:
     hidden, vocab = m["hidden_size"], m["vocab_size"]
-    rows_m = packed_linear._measured_rows(vocab, hidden, dtype, packed_linear.HEAD_MAX_BYTES)
+    rows_m = packed_linear.measured_rows(vocab, hidden, dtype, HEAD_MAX_BYTES)
     paths = ("skinny", "packed", "plain")
-    ladder = packed_linear.HEAD_LADDER
-    budget = packed_linear.HEAD_BUDGET_S
-    measured = packed_linear._measure_ladder(dtype, hidden, rows_m, ladder, paths, budget)
+    ladder, budget = HEAD_LADDER, HEAD_BUDGET_S
+    measured = packed_linear.measure_ladder(dtype, hidden, rows_m, ladder, paths, budget)
     choice = calibration.decide_head(measured)
     print(f"\nLM head [{hidden} -> {vocab}] ({rows_m} rows measured): {choice} (ms)")
     print(table(ms(measured), ["rows", *paths]))

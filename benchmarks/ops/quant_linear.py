@@ -32,7 +32,8 @@ from torch import nn
 
 from benchmarks.lib.common import table, write_result
 from benchmarks.lib.real_model import fetch_gguf
-from kernels.packed_linear import PackedLinear, logits_head
+from kernels.lm_head import logits_head
+from kernels.packed_linear import PackedLinear
 from kernels.quant_linear import QuantLinear, QuantWeight, best_isa, kernel_available
 
 ISA_NAMES = {0: "scalar", 1: "avx2 maddubs", 2: "avx-vnni dpbusd", 3: "avx512-vnni dpbusd"}

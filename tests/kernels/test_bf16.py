@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_attention, fused_ops, packed_linear
+from kernels import cpu_attention, fused_ops, lm_head, packed_linear
 from tests.kernels.test_prefill_attention import paged_problem, reference
 
 BF16 = torch.bfloat16
@@ -155,13 +155,13 @@ def test_lm_head_gives_float32_logits_in_bf16(tied, gemm, monkeypatch):
         pytest.skip("torch without oneDNN")
     limit = 16  # whatever this CPU's calibration chose
     choice = packed_linear.calibration.HeadChoice(limit, gemm)
-    monkeypatch.setattr(packed_linear, "head_choice", lambda *a: choice)
+    monkeypatch.setattr(lm_head, "head_choice", lambda *a: choice)
     torch.manual_seed(6)
     head = nn.Linear(128, 500, bias=False).to(BF16)
     layer = None if tied else packed_linear.PackedLinear(head, plain=True)
     for rows, roundings in ((1, 0), (limit, 0), (limit + 1, 1)):
         x = torch.randn(rows, 128).to(BF16)
-        logits = packed_linear.linear_float(layer, x, head.weight.detach())
+        logits = lm_head.linear_float(layer, x, head.weight.detach())
         assert logits.dtype == torch.float32 and logits.shape == (rows, 500)
         exact = x.double() @ head.weight.double().T
         magnitude = x.double().abs() @ head.weight.double().abs().T

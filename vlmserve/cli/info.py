@@ -146,7 +146,7 @@ def calibrate(shapes: dict[str, int], dtype: torch.dtype) -> dict[str, object]:
     attention; the cache file, its key and each choice with its measurements."""
     import time
 
-    from kernels import calibration, cpu_attention, packed_linear
+    from kernels import calibration, cpu_attention, lm_head, packed_linear
 
     start = time.perf_counter()
     hidden, heads, kv_heads = shapes["hidden_size"], shapes["num_heads"], shapes["num_kv_heads"]
@@ -156,8 +156,8 @@ def calibrate(shapes: dict[str, int], dtype: torch.dtype) -> dict[str, object]:
     if packed_linear.skinny_available() is None and dtype in packed_linear.PACKED_DTYPES:
         for shape in layers:
             packed_linear.plain_rows(dtype, shape)
-        head = packed_linear.head_choice(dtype, hidden, shapes["vocab_size"])
-        packed_linear.greedy_rows(dtype, hidden, shapes["vocab_size"], head)
+        head = lm_head.head_choice(dtype, hidden, shapes["vocab_size"])
+        lm_head.greedy_rows(dtype, hidden, shapes["vocab_size"], head)
     cpu_attention.prefill_kernel_wins(dtype, heads, kv_heads, head_dim)
     report = calibration.report(asked_only=True)
     return {**report, "seconds_now": round(time.perf_counter() - start, 2)}

@@ -23,11 +23,13 @@ from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
 from kernels.attention import AttentionBatch
 from kernels.backends import choose_prefill_path, select_backend
+from kernels.lm_head import logits_head
 from kernels.malloc_tuning import keep_freed_memory
-from kernels.packed_linear import logits_head, pack_linears
+from kernels.packed_linear import pack_linears
 from kernels.quant_linear import QuantLinear
 from scheduler.config import kv_pool_num_blocks, seq_peak_blocks
-from scheduler.step_plan import ScheduledSeq, StepPlan
+from scheduler.spans import image_spans
+from scheduler.step_plan import StepPlan
 from vlmserve.config import EngineConfig, kv_cache_torch_dtype
 from vlmserve.worker.dtypes import check_dtypes
 from vlmserve.worker.kv_groups import (
@@ -296,7 +298,7 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(end)
             block_tables.append(table)
-            spans.append(image_spans(item) if self.model.bidirectional_images else [])
+            spans.append(list(image_spans(item.images)) if self.model.bidirectional_images else [])
             for chunk in item.images:
                 embeds = self._image_embeds[(item.request_id, chunk.index)]
                 rows = torch.tensor(chunk.positions, dtype=torch.long) - start + row
@@ -443,16 +445,3 @@ def _to_device(value: object, device: torch.device) -> object:
         }
         return dataclasses.replace(value, **fields)
     return value
-
-
-def image_spans(item: ScheduledSeq) -> list[tuple[int, int]]:
-    """[start, end) position runs of the chunk's image placeholders: each run (an image,
-    or one pan-and-scan crop) attends to itself in full."""
-    runs: list[tuple[int, int]] = []
-    for chunk in item.images:
-        for pos in chunk.positions:
-            if runs and runs[-1][1] == pos:
-                runs[-1] = (runs[-1][0], pos + 1)
-            else:
-                runs.append((pos, pos + 1))
-    return runs

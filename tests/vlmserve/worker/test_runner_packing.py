@@ -33,7 +33,7 @@ def test_the_runner_takes_the_calibrated_cpu_choices(model, request, monkeypatch
     """The runner asks the calibration at the model's own shapes and runs what it chose:
     the LM head's rows and GEMM ("oneDNN's packed GEMM from 2 rows", here forced), and
     the prefill attention path (SDPA where the C++ kernel lost)."""
-    from kernels import cpu_attention, packed_linear
+    from kernels import cpu_attention, lm_head, packed_linear
     from kernels.calibration import HeadChoice
 
     if packed_linear.skinny_available() or cpu_attention.prefill_available():
@@ -48,7 +48,7 @@ def test_the_runner_takes_the_calibrated_cpu_choices(model, request, monkeypatch
         asked["prefill"] = (dtype, heads, kv_heads, head_dim)
         return False
 
-    monkeypatch.setattr(packed_linear, "head_choice", head_choice)
+    monkeypatch.setattr(lm_head, "head_choice", head_choice)
     monkeypatch.setattr(cpu_attention, "prefill_kernel_wins", prefill_kernel_wins)
     runner = ModelRunner(EngineConfig(ModelConfig(str(request.getfixturevalue(model)), "cpu")))
     decoder, cfg = runner.model.decoder, runner.model.decoder.cfg
@@ -56,7 +56,7 @@ def test_the_runner_takes_the_calibrated_cpu_choices(model, request, monkeypatch
     assert asked["prefill"] == (torch.float32, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     assert runner.backend.name == "cpu-sdpa"
     head = decoder.lm_head
-    assert isinstance(head, packed_linear.LogitsHead) and head.choice == HeadChoice(1, "packed")
+    assert isinstance(head, lm_head.LogitsHead) and head.choice == HeadChoice(1, "packed")
     calls = []
     packed = packed_linear.PackedLinear.forward_packed
     monkeypatch.setattr(

@@ -17,7 +17,7 @@ from torch import nn
 from encoders.weights import CheckpointError, TensorView, load_into, take
 from kernels import fused_ops, sampling_cpu
 from kernels.attention import AttentionBackend
-from kernels.packed_linear import LogitsHead, linear_float
+from kernels.lm_head import LogitsHead, linear_float
 from kernels.quant_linear import QuantLinear
 from vlmserve.worker.models import gemma3
 from vlmserve.worker.models.layers import DecoderConfig, RMSNorm

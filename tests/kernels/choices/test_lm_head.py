@@ -1,74 +1,21 @@
-"""The CPU kernel choices' calibration: each pure rule picks the faster path given its
-measurements (both ways), the cache is keyed by the machine and recalibrates when the key
-changes, and the layers take the choice the cache holds, with numerics equal to F.linear."""
+"""The LM head's calibrated paths (kernels/lm_head.py): the rules that choose them from
+measurements, the head taking the stored choice, each path against float64, and greedy
+tokens straight from the AMX tiles."""
 
 from __future__ import annotations
-
-import json
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import calibration, cpu_attention, packed_linear
-from kernels.backends import choose_prefill_path, select_backend
+from kernels import calibration, lm_head, packed_linear
 from kernels.calibration import HeadChoice
-
-BF16 = torch.bfloat16
-needs_onednn = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
-)
-
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    """A fresh calibration cache, as in a new process on a new machine."""
-    monkeypatch.setattr(calibration, "CACHE_DIR", tmp_path)
-    monkeypatch.setattr(calibration, "_entries", {})
-    monkeypatch.delenv(calibration.RECALIBRATE_ENV, raising=False)
-    return tmp_path
-
-
-@pytest.fixture
-def needs_skinny():
-    if (why := packed_linear.skinny_available()) is not None:
-        pytest.skip(f"skinny kernel unavailable: {why}")
+from tests.kernels.choices.calibration_cache import BF16, count_paths, needs_onednn, store
 
 
 def ladder(*rows_fast_slow, fast="skinny", slow="onednn"):
     return [{"rows": r, fast: a, slow: b} for r, a, b in rows_fast_slow]
-
-
-# -- the pure rules -----------------------------------------------------------------------
-
-
-def test_mkl_is_taken_only_where_it_won_from_the_largest_size_down():
-    def mkl(*rows_onednn_mkl):
-        return calibration.decide_mkl(ladder(*rows_onednn_mkl, fast="onednn", slow="mkl"))
-
-    assert mkl((2048, 1.0, 2.0)) is None  # MKL lost at 2,048 (Zen 5)
-    assert mkl((2048, 1.0, 0.98)) is None  # within the margin: noise
-    assert mkl((2048, 1.0, 0.8), (1024, 1.0, 0.8)) == 1024
-    assert mkl((2048, 1.0, 0.8), (1024, 0.5, 0.6)) == 1536  # (Zen 3)
-    assert mkl((2048, 1.0, 2.0), (1024, 1.0, 0.5)) is None
-
-
-def test_the_skinny_kernel_takes_the_rows_it_was_faster_at():
-    # skinny ahead up to 8 rows, behind from 16 (a Zen 5 in bfloat16)
-    zen = ladder((1, 1.0, 1.1), (2, 1.0, 1.2), (4, 1.0, 1.1), (8, 1.0, 1.05), (16, 2.0, 1.0))
-    assert calibration.decide_max_rows(zen, "skinny", "onednn") == 8
-    # the other way round: oneDNN ahead from 2 rows (matrix units)
-    amx = ladder((1, 1.0, 1.2), (2, 2.0, 1.0), (4, 3.0, 1.0), (8, 5.0, 1.0))
-    assert calibration.decide_max_rows(amx, "skinny", "onednn") == 1
-    behind = ladder((1, 1.3, 1.0), (2, 1.5, 1.0))
-    assert calibration.decide_max_rows(behind, "skinny", "onednn") == 0
-    ahead = ladder((1, 0.5, 1.0), (64, 0.9, 1.0))
-    assert calibration.decide_max_rows(ahead, "skinny", "onednn") == 64
-    # one noisy sample (2 rows, skinny slightly behind) between wins does not cut it short
-    blip = ladder((1, 1.0, 2.0), (2, 1.05, 1.0), (4, 1.0, 2.0), (8, 3.0, 1.0))
-    assert calibration.decide_max_rows(blip, "skinny", "onednn") == 4
 
 
 def test_the_lm_head_picks_the_skinny_kernel_then_the_faster_gemm():
@@ -128,146 +75,6 @@ def test_the_lm_head_takes_the_amx_kernel_from_the_rows_it_wins_by_the_margin():
     assert head((1, 1, 2, 2, 1.5), (4, 3, 9, 9, 2)).skinny_max_rows == 1
 
 
-def test_the_prefill_kernel_is_kept_where_it_was_faster():
-    zen = [{"kernel": 1.0, "sdpa": 5.0}, {"kernel": 2.0, "sdpa": 9.0}]
-    amx = [{"kernel": 79.0, "sdpa": 28.5}, {"kernel": 40.0, "sdpa": 20.0}]
-    assert calibration.decide_faster(zen, "kernel", "sdpa")
-    assert not calibration.decide_faster(amx, "kernel", "sdpa")
-
-
-# -- timing and the cache -----------------------------------------------------------------
-
-
-def test_time_paths_times_each_path_on_its_own():
-    # sleeps: a loaded machine only lengthens them, so the ranking holds under any load
-    calls = {"short": 0, "long": 0}
-
-    def path(name: str, seconds: float):
-        def run() -> None:
-            calls[name] += 1
-            time.sleep(seconds)
-
-        return run
-
-    seconds = calibration.time_paths({"short": path("short", 2e-3), "long": path("long", 12e-3)})
-    assert 2e-3 <= seconds["short"] and 12e-3 <= seconds["long"]
-    assert seconds["long"] > 2 * seconds["short"]
-    assert calls["long"] >= calibration.ROUNDS + 1 and calls["short"] >= calibration.ROUNDS + 1
-
-
-def test_the_key_names_the_cpu_its_flags_torch_threads_and_kernels():
-    key = calibration.machine_key()
-    assert key["kernels"] == calibration.cpu_build.sources_digest()
-    flags = calibration.cpu_build.cpu_flags()
-    assert key["torch"] == torch.__version__ and key["threads"] == str(torch.get_num_threads())
-    assert set(key["flags"].split()) == set(flags)
-    assert key["cpu"] and key["cpu"] != "unknown" or not flags
-
-
-def test_a_choice_is_measured_once_per_machine_key(cache_dir, monkeypatch):
-    calls = []
-
-    def measure():
-        calls.append(1)
-        return [{"rows": 1, "skinny": 1.0, "onednn": 2.0}]
-
-    def decide(m):
-        return calibration.decide_max_rows(m, "skinny", "onednn")
-
-    assert calibration.calibrated("probe", measure, decide) == 1 and len(calls) == 1
-    stored = json.loads(calibration.cache_path().read_text())
-    assert stored["key"] == calibration.machine_key()
-    assert stored["choices"]["probe"]["choice"] == 1
-    monkeypatch.setattr(calibration, "_entries", {})  # a new process: read from the file
-    assert calibration.calibrated("probe", measure, decide) == 1 and len(calls) == 1
-    # another CPU model, other flags, another torch: another file, measured again
-    real = calibration.cpu_build.cpu_features()
-    for changed in (
-        real.replace("model name", "model name\t: Another CPU\nignored"),
-        real + " amx_bf16 amx_tile",
-    ):
-        monkeypatch.setattr(calibration.cpu_build, "cpu_features", lambda c=changed: c)
-        before = len(calls)
-        calibration.calibrated("probe", measure, decide)
-        assert len(calls) == before + 1
-    monkeypatch.setattr(calibration.cpu_build, "cpu_features", lambda: real)
-    monkeypatch.setattr(calibration.torch, "__version__", "0.0.1-other")
-    before = len(calls)
-    calibration.calibrated("probe", measure, decide)
-    assert len(calls) == before + 1
-    monkeypatch.setattr(calibration.cpu_build, "sources_digest", lambda: "another-kernel")
-    before = len(calls)
-    calibration.calibrated("probe", measure, decide)  # the kernels changed: measured again
-    assert len(calls) == before + 1
-    assert len(list(cache_dir.glob("*.json"))) == 5
-
-
-def test_an_unreadable_stored_choice_is_measured_again(cache_dir):
-    store("probe", [{"rows": 1, "fast": 1.0}])  # another protocol's records
-    measured = [{"rows": 2, "skinny": 1.0, "onednn": 2.0}]
-
-    def decide(m):
-        return calibration.decide_max_rows(m, "skinny", "onednn")
-
-    assert calibration.calibrated("probe", lambda: measured, decide) == 2
-
-
-def test_recalibration_is_forced_by_the_env_var_and_by_forget(cache_dir, monkeypatch):
-    calls = []
-
-    def measure():
-        calls.append(1)
-        return [{"rows": 4, "skinny": 1.0, "onednn": 2.0}]
-
-    def decide(m):
-        return calibration.decide_max_rows(m, "skinny", "onednn")
-
-    calibration.calibrated("probe", measure, decide)
-    monkeypatch.setattr(calibration, "_entries", {})
-    monkeypatch.setenv("VLMSERVE_RECALIBRATE", "1")  # the documented name
-    calibration.calibrated("probe", measure, decide)
-    calibration.calibrated("probe", measure, decide)  # once per process
-    assert len(calls) == 2
-    monkeypatch.delenv("VLMSERVE_RECALIBRATE")
-    calibration.forget()
-    assert not calibration.cache_path().exists()
-    calibration.calibrated("probe", measure, decide)
-    assert len(calls) == 3
-    assert "probe" in calibration.report()["choices"]
-
-
-# -- the layers take the cached choice ----------------------------------------------------
-
-
-def store(name: str, measured: list[dict]) -> None:
-    """Put measurements in this machine's cache, as an earlier calibration would have (the
-    choices stored before kept)."""
-    path = calibration.cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"key": calibration.machine_key(), "choices": {}}
-    if path.exists():
-        data = json.loads(path.read_text())
-    data["choices"][name] = {"measured": measured}
-    path.write_text(json.dumps(data))
-
-
-def count_paths(monkeypatch) -> dict[str, int]:
-    counts = {"skinny": 0, "packed": 0}
-    skinny, packed = packed_linear.skinny_linear, packed_linear.PackedLinear.forward_packed
-
-    def counted_skinny(*args, **kwargs):
-        counts["skinny"] += 1
-        return skinny(*args, **kwargs)
-
-    def counted_packed(self, x):
-        counts["packed"] += 1
-        return packed(self, x)
-
-    monkeypatch.setattr(packed_linear, "skinny_linear", counted_skinny)
-    monkeypatch.setattr(packed_linear.PackedLinear, "forward_packed", counted_packed)
-    return counts
-
-
 # "oneDNN for the LM head from 64 rows": the skinny kernel won at 16 rows, lost at 64
 HEAD_MEASURED = [
     {"rows": 16, "skinny": 1.0, "packed": 2.0, "plain": 3.0},
@@ -285,14 +92,14 @@ def test_the_lm_head_runs_the_cached_choice(cache_dir, monkeypatch, dtype, tied)
     store(f"lm_head/{str(dtype).removeprefix('torch.')}/{hidden}x{vocab}", HEAD_MEASURED)
     linear = nn.Linear(hidden, vocab, bias=False).to(dtype)
     layer = None if tied else packed_linear.PackedLinear(linear, plain=True)
-    head = packed_linear.logits_head(layer, linear.weight.detach())
-    assert isinstance(head, packed_linear.LogitsHead)
+    head = lm_head.logits_head(layer, linear.weight.detach())
+    assert isinstance(head, lm_head.LogitsHead)
     assert head.choice == HeadChoice(16, "packed") and head.packed is not None
     counts = count_paths(monkeypatch)
     for rows, path in ((16, "skinny"), (64, "packed")):
         before = dict(counts)
         x = torch.randn(rows, hidden).to(dtype)
-        logits = packed_linear.linear_float(head, x, linear.weight.detach())
+        logits = lm_head.linear_float(head, x, linear.weight.detach())
         assert counts[path] == before[path] + 1 and sum(counts.values()) == sum(before.values()) + 1
         check_logits(logits, x, linear.weight, rounded=dtype == BF16 and path == "packed")
 
@@ -309,13 +116,13 @@ def test_the_lm_head_goes_back_to_the_plain_gemm_where_it_won(cache_dir, monkeyp
     ]
     store(f"lm_head/bfloat16/{hidden}x{vocab}", measured)
     linear = nn.Linear(hidden, vocab, bias=False).to(BF16)
-    head = packed_linear.logits_head(None, linear.weight.detach())
+    head = lm_head.logits_head(None, linear.weight.detach())
     assert head.choice == HeadChoice(16, "packed", 65) and head.packed is not None
     counts = count_paths(monkeypatch)
     for rows, path in ((16, "skinny"), (64, "packed"), (65, None), (200, None)):
         before = dict(counts)
         x = torch.randn(rows, hidden).to(BF16)
-        logits = packed_linear.linear_float(head, x, linear.weight.detach())
+        logits = lm_head.linear_float(head, x, linear.weight.detach())
         after = {p: counts[p] - before[p] for p in counts}
         assert after == {p: int(p == path) for p in counts}, (rows, after)  # None: F.linear
         check_logits(logits, x, linear.weight, rounded=path != "skinny")
@@ -336,7 +143,7 @@ def test_the_lm_head_runs_the_amx_kernel_from_its_rows(cache_dir, monkeypatch, t
     store(f"lm_head/bfloat16/{hidden}x{vocab}", measured)
     linear = nn.Linear(hidden, vocab, bias=False).to(BF16)
     layer = None if tied else packed_linear.PackedLinear(linear, plain=True)
-    head = packed_linear.logits_head(layer, linear.weight.detach())
+    head = lm_head.logits_head(layer, linear.weight.detach())
     assert head.choice == HeadChoice(16, "packed", None, 17) and head.amx is not None
     counts = count_paths(monkeypatch)
     amx = packed_linear.amx_linear
@@ -350,7 +157,7 @@ def test_the_lm_head_runs_the_amx_kernel_from_its_rows(cache_dir, monkeypatch, t
     for rows, path in ((16, "skinny"), (17, "amx"), (100, "amx")):
         before = dict(counts)
         x = torch.randn(rows, hidden).to(BF16)
-        logits = packed_linear.linear_float(head, x, linear.weight.detach())
+        logits = lm_head.linear_float(head, x, linear.weight.detach())
         assert {p: counts[p] - before[p] for p in counts} == {p: int(p == path) for p in counts}
         check_logits(logits, x, linear.weight, rounded=False)  # float32 sums, unrounded
 
@@ -399,7 +206,7 @@ def test_greedy_tokens_come_from_the_amx_head_at_the_rows_calibrated(cache_dir, 
         {"rows": 256, "logits": 4.0, "fused": 8.0},
     ])  # fmt: skip
     linear = nn.Linear(hidden, vocab, bias=False).to(BF16)
-    head = packed_linear.logits_head(None, linear.weight.detach())
+    head = lm_head.logits_head(None, linear.weight.detach())
     assert head.greedy_rows == (17, 64)
     calls, fused = [], packed_linear.amx_argmax
     monkeypatch.setattr(packed_linear, "amx_argmax", lambda *a: calls.append(1) or fused(*a))
@@ -431,64 +238,12 @@ def test_every_head_path_equals_f_linear(cache_dir, monkeypatch, dtype):
     linear = nn.Linear(128, 300, bias=False).to(dtype)
     x = torch.randn(24, 128).to(dtype)
     for choice in (HeadChoice(64, "plain"), HeadChoice(0, "packed"), HeadChoice(0, "plain")):
-        monkeypatch.setattr(packed_linear, "head_choice", lambda *a, c=choice: c)
-        head = packed_linear.logits_head(None, linear.weight.detach())
+        monkeypatch.setattr(lm_head, "head_choice", lambda *a, c=choice: c)
+        head = lm_head.logits_head(None, linear.weight.detach())
         logits = head(x)
         check_logits(logits, x, linear.weight, rounded=dtype == BF16 and not choice[0])
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(logits, F.linear(x, linear.weight).float(), rtol=tol, atol=tol)
-
-
-@needs_onednn
-@pytest.mark.usefixtures("needs_skinny")
-def test_a_packed_linear_takes_the_skinny_rows_cached_for_its_shape(cache_dir, monkeypatch):
-    store("linear_skinny_max_rows/bfloat16/64x48", ladder((2, 1.0, 2.0), (4, 3.0, 1.0)))
-    layer = packed_linear.PackedLinear(nn.Linear(64, 48).to(BF16), plain=True)
-    assert layer.skinny_rows == 2 and layer.plain_rows is None
-    counts = count_paths(monkeypatch)
-    layer(torch.randn(2, 64).to(BF16))
-    assert counts["skinny"] == 1
-    layer(torch.randn(3, 64).to(BF16))  # oneDNN's packed GEMM
-    assert counts["skinny"] == 1
-
-
-@needs_onednn
-@pytest.mark.usefixtures("needs_skinny")
-def test_the_linear_calibration_measures_both_paths_at_the_ladder(cache_dir):
-    rows, mkl = packed_linear.plain_rows(torch.float32, (32, 40))
-    entry = calibration.report()["choices"]["linear_skinny_max_rows/float32/32x40"]
-    measured = entry["measured"]
-    assert [r["rows"] for r in measured] == list(packed_linear.LINEAR_LADDER[: len(measured)])
-    assert all(r["skinny"] > 0 and r["onednn"] > 0 for r in measured)
-    assert rows == calibration.decide_max_rows(measured, "skinny", "onednn") == entry["choice"]
-    assert mkl == calibration.decide_mkl(calibration.report()["choices"][
-        "mkl_min_rows/float32/1024x1024"]["measured"])  # fmt: skip
-
-
-def test_the_backend_takes_the_prefill_path_that_won(monkeypatch):
-    if cpu_attention.available() or cpu_attention.prefill_available():
-        pytest.skip("the CPU attention kernels did not build here")
-    cpu = torch.device("cpu")
-    for wins, name in ((True, "cpu"), (False, "cpu-sdpa")):
-        monkeypatch.setattr(cpu_attention, "prefill_kernel_wins", lambda *a, w=wins: w)
-        backend = select_backend(cpu, None, torch.float32)
-        choose_prefill_path(backend, None, torch.float32, 4, 1, 256)
-        assert backend.name == name and backend.prefill_kernel == wins
-    backend = select_backend(cpu, "cpu", torch.float32)  # asked for by name: kept
-    choose_prefill_path(backend, "cpu", torch.float32, 4, 1, 256)
-    assert backend.name == "cpu"
-
-
-@pytest.mark.slow
-def test_the_prefill_calibration_times_both_paths(cache_dir, monkeypatch):
-    if cpu_attention.available() or cpu_attention.prefill_available():
-        pytest.skip("the CPU attention kernels did not build here")
-    cases = ((0, 64), (32, 32))
-    monkeypatch.setattr(cpu_attention, "PREFILL_CASES", cases)
-    wins = cpu_attention.prefill_kernel_wins(torch.float32, 4, 1, 32)
-    measured = calibration.report()["choices"]["prefill_attention/float32/4x1x32"]["measured"]
-    assert [(r["cached"], r["tokens"]) for r in measured] == list(cases)
-    assert wins == calibration.decide_faster(measured, "kernel", "sdpa")
 
 
 def test_the_head_ladder_goes_on_after_the_skinny_kernel_lost(monkeypatch):
@@ -498,10 +253,10 @@ def test_the_head_ladder_goes_on_after_the_skinny_kernel_lost(monkeypatch):
     monkeypatch.setattr(
         calibration, "time_paths", lambda paths, rounds=0: {p: fixed[p] for p in paths}
     )
-    ladder = packed_linear.HEAD_LADDER
-    head = packed_linear._measure_ladder(
+    ladder = lm_head.HEAD_LADDER
+    head = packed_linear.measure_ladder(
         torch.float32, 64, 32, ladder, ("skinny", "packed", "plain")
     )
     assert [r["rows"] for r in head] == list(ladder)
-    linear = packed_linear._measure_ladder(torch.float32, 64, 32, ladder, ("skinny", "onednn"))
+    linear = packed_linear.measure_ladder(torch.float32, 64, 32, ladder, ("skinny", "onednn"))
     assert [r["rows"] for r in linear] == list(ladder[:2])
