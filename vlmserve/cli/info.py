@@ -30,7 +30,8 @@ def amx_kernels() -> str:
 
     kernels = [name for name, ok in (
         ("prefill attention (bfloat16, head dims a multiple of 32)", amx_available()),
-        ("LM head GEMM (bfloat16, float32 logits)", amx_head_available(torch.bfloat16, 32, 16)),
+        ("LM head GEMM (bfloat16: float32 logits, or greedy argmaxes)",
+         amx_head_available(torch.bfloat16, 32, 16)),
     ) if ok]  # fmt: skip
     return "; ".join(kernels) or "none (the kernels did not build or Linux refused the tiles)"
 
