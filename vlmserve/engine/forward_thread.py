@@ -128,15 +128,15 @@ def run_step(
         # Greedy alone: the head gives each row's argmax (no [rows, vocab] logits where
         # it can), and the plan its tokens from them.
         greedy = not inputs.prompt_spans and takes_argmax(samplers)
-        logits = runner.run(inputs, previous, greedy)
+        out = runner.run(inputs, previous, greedy)  # argmaxes when greedy, else logits
         sampling = time.perf_counter()
         if greedy:
-            sampled = greedy_plan(scheduled, logits, samplers)
+            sampled = greedy_plan(scheduled, out, samplers)
         else:
-            sampled = sample_plan(scheduled, logits, samplers, masks)
+            sampled = sample_plan(scheduled, out, samplers, masks)
         times.sample_s += time.perf_counter() - sampling
         if inputs.prompt_spans:
-            book_prompt_logprobs(logits, inputs.prompt_spans, prompt_samplers or {})
+            book_prompt_logprobs(out, inputs.prompt_spans, prompt_samplers or {})
         return sampled
     finally:
         times.last_forward_end = time.perf_counter()
