@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import calibration, packed_linear
+from kernels import calibration, packed_linear, sampling_cpu
 from kernels.packed_linear import (
     PACKED_DTYPES,
     PackedLinear,
@@ -86,8 +86,6 @@ def _measure_greedy(
     """Seconds per greedy pick of the rows of HEAD_LADDER for a [vocab, hidden]
     head: "logits" (the head as `choice` runs it, then the argmax kernel) against "fused"
     (`amx_argmax`), interleaved, within HEAD_BUDGET_S."""
-    from kernels import sampling_cpu
-
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(dtype)
     tied = nn.Linear(hidden, vocab, bias=False, device="meta")

@@ -93,10 +93,10 @@ def argmax(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tens
     return torch.ops.vlmserve_sampling.argmax_rows(logits, rows.contiguous())
 
 
-def argmax_any(logits: torch.Tensor) -> torch.Tensor:
-    """[rows] long: every row's argmax, by the kernel where it runs (`can_run`), else by
-    torch."""
-    return argmax(logits) if can_run(logits) else argmax_eager(logits)
+def argmax_any(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[n] long: the listed rows' argmaxes (None: every row), by the kernel where it runs
+    (`can_run`), else by torch."""
+    return argmax(logits, rows) if can_run(logits) else argmax_eager(logits, rows)
 
 
 def argmax_eager(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -183,10 +183,7 @@ def _run(logits: torch.Tensor, batch: _Batch, greedy_rows: list[int]) -> list[in
     if greedy_rows:
         every = greedy_rows == list(range(logits.shape[0]))
         rows = None if every else dev["greedy_rows"]
-        if sampling_cpu.can_run(logits):  # torch's argmax, without its slow index reduction
-            parts.append(sampling_cpu.argmax(logits, rows))
-        else:
-            parts.append(sampling_cpu.argmax_eager(logits, rows))
+        parts.append(sampling_cpu.argmax_any(logits, rows))  # torch's, without its slow reduction
     if batch.rows:
         parts += _draw_batch(logits, batch, dev)
     return torch.cat(parts).tolist()
