@@ -20,7 +20,7 @@ import time
 import torch
 
 from benchmarks.lib.common import environment, matmul_peak, memory_bandwidth, table, write_result
-from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
@@ -41,7 +41,7 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
 
 def make_engine(
     path: str, requests, args: argparse.Namespace, attention_backend: str | None = None,
-    kv_bytes: int | None = None,
+    kv_bytes: int | None = None, speculative: SpeculativeConfig | None = None,
 ) -> Engine:  # fmt: skip
     """The engine the benchmark measures: a KV pool that holds every request at once (its
     blocks counted for one KV cache group), or of `kv_bytes` (the peer's KV cache size:
@@ -63,6 +63,7 @@ def make_engine(
             ),  # fmt: skip
             cache,
             SchedulerConfig(max_num_batched_tokens=args.token_budget, max_num_seqs=256),
+            speculative or SpeculativeConfig(),
         )
     )
 

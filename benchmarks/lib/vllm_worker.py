@@ -38,6 +38,21 @@ def _pixel_digest(prompt: dict) -> str | None:
     return None if image is None else hashlib.sha256(image.tobytes()).hexdigest()
 
 
+def _ngram(tokens: int) -> dict:
+    """vLLM's n-gram drafts as vlmserve's: up to `tokens` a step, suffixes of 2 to 4 tokens."""
+    return {
+        "method": "ngram", "num_speculative_tokens": tokens,
+        "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+    }  # fmt: skip
+
+
+def _spec_counters(llm) -> dict:
+    """vLLM's draft counters (its Prometheus metrics), warm-up included."""
+    names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    found = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return {n: found.get(f"vllm:spec_decode_{n}") for n in names}
+
+
 def _generate(llm, requests: list[dict]) -> tuple[float, list, list[dict]]:
     from vllm import SamplingParams
 
@@ -74,7 +89,9 @@ def main(spec_path: str, result_path: str) -> None:
         # default torchvision one differs by a grey level or two)
         mm_processor_kwargs={"use_fast": False} if image else None,
         **({"block_size": engine["block_size"]} if engine.get("block_size") else {}),
-    )
+        **({"speculative_config": _ngram(engine["speculative_tokens"])}
+           if engine.get("speculative_tokens") else {}),
+    )  # fmt: skip
     load_s = time.perf_counter() - start
     warmup_s, _, _ = _generate(llm, spec["warmup"])
     seconds, outputs, prompts = _generate(llm, spec["requests"])
@@ -89,6 +106,7 @@ def main(spec_path: str, result_path: str) -> None:
         "num_prompt_tokens": [len(o.prompt_token_ids or []) for o in outputs],
         "pixel_sha256": [_pixel_digest(p) for p in prompts],
         "block_size": cache.block_size,
+        "spec_decode": _spec_counters(llm) if engine.get("speculative_tokens") else None,
     }
     with open(result_path, "w") as f:
         json.dump(result, f)

@@ -150,6 +150,7 @@ def last_error(log: str) -> str:
 def vlmserve_worker(spec_path: str, result_path: str) -> None:
     """The vlmserve side: the engine offline_throughput measures, with vLLM's KV bytes."""
     from benchmarks.engine.offline_throughput import make_engine
+    from scheduler.config import SpeculativeConfig
     from vlmserve.inputs.processing import Request
     from vlmserve.sample.params import SamplingParams
 
@@ -181,9 +182,13 @@ def vlmserve_worker(spec_path: str, result_path: str) -> None:
 
     start = time.perf_counter()
     # The KV cache vLLM gets (VLLM_CPU_KVCACHE_SPACE), in bytes: the same memory for both.
+    # n-gram drafts (--speculative-tokens): adaptive γ up to the flag, n from 2 to 4 (vLLM's
+    # prompt_lookup_min / _max in its worker)
+    speculative = SpeculativeConfig(engine_spec.get("speculative_tokens", 0), min_n=2, max_n=4)
     engine = make_engine(
-        spec["model"], sizing, engine_args, kv_bytes=engine_spec["kv_cache_gib"] << 30
-    )
+        spec["model"], sizing, engine_args, kv_bytes=engine_spec["kv_cache_gib"] << 30,
+        speculative=speculative,
+    )  # fmt: skip
     load_s = time.perf_counter() - start
     start = time.perf_counter()
     engine.generate(requests(spec["warmup"]))
@@ -204,7 +209,7 @@ def vlmserve_worker(spec_path: str, result_path: str) -> None:
         "num_prompt_tokens": [o.num_prompt_tokens for o in outputs],
         "block_size": engine.config.cache.block_size,
         "num_kv_blocks": engine.config.cache.num_blocks,
-        "engine_stats": engine.stats(),  # steps, preemptions, preprocessing seconds
+        "engine_stats": engine.stats(),  # steps, preemptions, preprocessing seconds, drafts
     }
     Path(result_path).write_text(json.dumps(result))
 
@@ -329,6 +334,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="both engines in this dtype (--dtype on each); bfloat16 writes "
         "vs_vllm_bf16.json (the CPU's amx_bf16 / avx512_bf16 flags recorded with it)",
     )
+    p.add_argument(
+        "--speculative-tokens", type=int, default=0, metavar="K",
+        help="offline, both engines draft up to K n-gram tokens a step (n 2-4, from the prompt "
+        "and output; vLLM's ngram method, vlmserve's adaptive γ): writes *_spec{K}.json",
+    )  # fmt: skip
     p.add_argument("--name", default=None, help="result file name (vs_vllm / vs_vllm_quick)")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -348,9 +358,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--serve-repeats {args.serve_repeats} must be >= 1")
     if args.serve and args.workload == "gemma3":
         p.error("--workload gemma3 is offline only (the serving part: text, image, real)")
+    if args.speculative_tokens and args.serve:
+        p.error("--speculative-tokens is offline only")
     base = "vs_vllm_serve" if args.serve else "vs_vllm"
     base += f"_{args.workload}" if args.workload in ("gemma3", "real") else ""
     base += "_bf16" if args.dtype == "bfloat16" else ""
+    base += f"_spec{args.speculative_tokens}" if args.speculative_tokens else ""
     args.name = args.name or (base + "_quick" if args.quick else base)
     return args
 
@@ -397,6 +410,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                     args.image_output,
                     args.vision_layers,
                 )
+            specs[name]["engine"]["speculative_tokens"] = args.speculative_tokens
+            Path(specs[name]["path"]).write_text(json.dumps(specs[name]))
         for name in names:
             if args.serve:
                 results[name] = run_serving(_first(specs[name], args.serve_requests), args,
@@ -409,6 +424,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 results[name]["kv_bytes_per_sequence"] = workloads.kv_report(model, 8192, elem)
     result = {
         "dtype": args.dtype,
+        "speculative_tokens": args.speculative_tokens,
         "rounds": args.rounds,
         "quick": args.quick,
         "cpus": sorted(os.sched_getaffinity(0)),

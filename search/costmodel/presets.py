@@ -394,18 +394,29 @@ def measure_cpu(budget_s: float = 0.6) -> Accelerator:
         best_flops = max(best_flops, 2 * n**3 / (time.perf_counter() - t0))
         if time.perf_counter() > deadline:
             break
+    return cpu_accelerator(best_flops, copy_bandwidth(budget_s / 2))
+
+
+def copy_bandwidth(budget_s: float = 0.3) -> float:
+    """Bytes/s a 64 MiB copy moves on this CPU (read + write), the best of `budget_s`."""
+    import numpy as np
+
     src = np.ones(64 * 2**20 // 4, dtype=np.float32)  # 64 MiB: past the last-level cache
     dst = np.empty_like(src)
     np.copyto(dst, src)
-    best_bw, deadline = 0.0, time.perf_counter() + budget_s / 2
+    best_bw, deadline = 0.0, time.perf_counter() + budget_s
     while True:
         t0 = time.perf_counter()
         np.copyto(dst, src)
         best_bw = max(best_bw, 2 * src.nbytes / (time.perf_counter() - t0))  # read + write
         if time.perf_counter() > deadline:
-            break
+            return best_bw
+
+
+def cpu_accelerator(flops: float, bandwidth: float) -> Accelerator:
+    """This CPU as an Accelerator of the given peak and bandwidth, with its memory."""
     try:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         memory = 16e9
-    return Accelerator("cpu", memory, best_bw, best_flops, None, allreduce_latency_s=0.0)
+    return Accelerator("cpu", memory, bandwidth, flops, None, allreduce_latency_s=0.0)

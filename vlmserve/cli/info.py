@@ -144,10 +144,12 @@ def calibrate(shapes: dict[str, int], dtype: torch.dtype) -> dict[str, object]:
     """Every CPU kernel choice a decoder of `shapes` in `dtype` takes on this CPU, measured
     now where this machine has none cached (kernels/calibration.py): the skinny kernel's
     rows per linear layer, float32 MKL, the LM head's paths (greedy's too), prefill
-    attention; the cache file, its key and each choice with its measurements."""
+    attention, adaptive speculation's ridge B*; the cache file, its key and each choice
+    with its measurements."""
     import time
 
     from kernels import calibration, cpu_attention, lm_head, packed_linear
+    from vlmserve.sample.verify import ridge_batch_for
 
     start = time.perf_counter()
     hidden, heads, kv_heads = shapes["hidden_size"], shapes["num_heads"], shapes["num_kv_heads"]
@@ -160,6 +162,7 @@ def calibrate(shapes: dict[str, int], dtype: torch.dtype) -> dict[str, object]:
         head = lm_head.head_choice(dtype, hidden, shapes["vocab_size"])
         lm_head.greedy_rows(dtype, hidden, shapes["vocab_size"], head)
     cpu_attention.prefill_kernel_wins(dtype, heads, kv_heads, head_dim)
+    ridge_batch_for(torch.device("cpu"), dtype)
     report = calibration.report(asked_only=True)
     return {**report, "seconds_now": round(time.perf_counter() - start, 2)}
 
@@ -297,7 +300,16 @@ def render_calibration(report: dict) -> list[str]:
         took = f"measured in {entry.get('seconds')} s, load {entry.get('load_average')}"
         lines.append(f"  {name}: {entry.get('choice')} ({took})")
         for record in entry.get("measured", []):
-            cells = [f"{k}={v}" if k in ("rows", "cached", "tokens") else f"{k}={v * 1e3:.3f}ms"
-                     for k, v in record.items()]  # fmt: skip
-            lines.append("      " + " ".join(cells))
+            lines.append("      " + " ".join(_cell(k, v) for k, v in record.items()))
     return lines
+
+
+def _cell(key: str, value: float) -> str:
+    """One measurement: a count, a rate (the ridge's), else seconds a call shown in ms."""
+    if key in ("rows", "cached", "tokens"):
+        return f"{key}={value}"
+    if key.endswith("_flops"):
+        return f"{key}={value / 1e9:.0f}G"
+    if key.endswith("_bytes_per_s"):
+        return f"{key}={value / 1e9:.1f}G"
+    return f"{key}={value * 1e3:.3f}ms"

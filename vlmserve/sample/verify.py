@@ -17,13 +17,21 @@ keeps the drafts up to the first rejection. A request's tokens do not depend on 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 
+from kernels import calibration
 from scheduler.step_plan import ScheduledSeq
 from search.costmodel.cost_model import b_star
-from search.costmodel.presets import Precision, get_accelerator, gpu_preset, measure_cpu
+from search.costmodel.presets import (
+    Precision,
+    copy_bandwidth,
+    cpu_accelerator,
+    get_accelerator,
+    gpu_preset,
+)
 from vlmserve.sample.logprobs import book_emitted
 from vlmserve.sample.params import SamplerState
 from vlmserve.sample.sampler import GroupResult, RowGroup, sample_rows
@@ -153,12 +161,38 @@ def greedy_plan(
     return [next(taken) if item.sample else [] for item in scheduled]
 
 
+# The square GEMM whose rate stands for a CPU's π: big enough to keep every thread's
+# tiles busy (at 1024² two AMX cores reach 60% of it).
+RIDGE_GEMM = 2048
+
+
 def ridge_batch_for(device: torch.device, dtype: torch.dtype) -> float:
     """B* = s_w·π/(2β) (article §11) for the engine's device and weight dtype: a datasheet
-    preset for a GPU (one no preset matches is refused), this machine measured for a CPU."""
+    preset for a GPU (one no preset matches is refused), this CPU calibrated in `dtype`
+    (`measure_cpu_ridge`, cached with the kernel choices)."""
     weight = Precision(str(dtype), torch.finfo(dtype).bits / 8, "bf16")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         preset = gpu_preset(name, "adaptive speculation needs B*: --no-adaptive-speculation")
         return b_star(get_accelerator(preset), weight)
-    return b_star(measure_cpu(), weight)
+    name = str(dtype).removeprefix("torch.")
+    return calibration.calibrated(
+        f"ridge/{name}", functools.partial(measure_cpu_ridge, dtype),
+        functools.partial(decide_ridge, weight),
+    )  # fmt: skip
+
+
+def measure_cpu_ridge(dtype: torch.dtype) -> calibration.Measured:
+    """π as torch's GEMM reaches it in `dtype` (the library and format the step's GEMMs run
+    in: bfloat16 on AMX tiles through oneDNN where the CPU has them, 6x its float32 on
+    the AMX Xeon), β a copy's: a float32 peak would put bfloat16's B* at a sixth of it."""
+    n = RIDGE_GEMM
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    seconds = calibration.time_paths({"gemm": lambda: a @ b})["gemm"]
+    return [{"gemm_flops": 2 * n**3 / seconds, "copy_bytes_per_s": copy_bandwidth()}]
+
+
+def decide_ridge(weight: Precision, measured: calibration.Measured) -> float:
+    """B* of a CPU with the measured GEMM rate and copy bandwidth."""
+    (m,) = measured
+    return b_star(cpu_accelerator(m["gemm_flops"], m["copy_bytes_per_s"]), weight)

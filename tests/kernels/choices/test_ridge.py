@@ -1,0 +1,56 @@
+"""Adaptive speculation's ridge B* on a CPU (vlmserve/sample/verify.py): calibrated in the
+engine's dtype and cached with the kernel choices, B* = s_w·π/(2β) (article §11)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kernels import calibration
+from vlmserve.sample import verify
+
+N = verify.RIDGE_GEMM
+
+
+def fake_machine(monkeypatch, gemm_s: float, copy: float) -> list[torch.dtype]:
+    """A GEMM that takes `gemm_s` and a copy of `copy` bytes/s; the dtypes the GEMM ran in."""
+    ran: list[torch.dtype] = []
+
+    def time_paths(paths, rounds=calibration.ROUNDS):
+        ran.append(paths["gemm"]().dtype)
+        return {"gemm": gemm_s}
+
+    monkeypatch.setattr(calibration, "time_paths", time_paths)
+    monkeypatch.setattr(verify, "copy_bandwidth", lambda: copy)
+    return ran
+
+
+@pytest.mark.parametrize(("dtype", "bytes_per_weight"), [(torch.bfloat16, 2), (torch.float32, 4)])
+def test_the_cpu_ridge_is_measured_in_the_engines_dtype(
+    cache_dir, monkeypatch, dtype, bytes_per_weight
+):
+    ran = fake_machine(monkeypatch, gemm_s=0.01, copy=20e9)
+    ridge = verify.ridge_batch_for(torch.device("cpu"), dtype)
+    assert ran == [dtype]  # π of the format the GEMMs run in, not float32's for bfloat16
+    flops = 2 * N**3 / 0.01
+    assert ridge == pytest.approx(bytes_per_weight * flops / (2 * 20e9))  # §11's B*
+
+
+def test_the_cpu_ridge_is_cached_per_dtype_and_read_back(cache_dir, monkeypatch):
+    ran = fake_machine(monkeypatch, gemm_s=0.004, copy=25e9)
+    first = verify.ridge_batch_for(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(calibration, "_entries", {})  # a new process on this machine
+    assert verify.ridge_batch_for(torch.device("cpu"), torch.bfloat16) == first
+    assert len(ran) == 1  # measured once
+    choices = json.loads(calibration.cache_path().read_text())["choices"]
+    (record,) = choices["ridge/bfloat16"]["measured"]
+    assert record == {"gemm_flops": pytest.approx(2 * N**3 / 0.004), "copy_bytes_per_s": 25e9}
+    verify.ridge_batch_for(torch.device("cpu"), torch.float32)
+    assert ran == [torch.bfloat16, torch.float32]  # another dtype: its own measurement
+
+
+def test_the_ridge_measurement_runs_on_this_cpu(cache_dir):
+    (record,) = verify.measure_cpu_ridge(torch.bfloat16)
+    assert record["gemm_flops"] > 1e8 and record["copy_bytes_per_s"] > 1e8
