@@ -73,6 +73,7 @@ def main(spec_path: str, result_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     engine = spec["engine"]
     image = spec["workload"] in ("image", "gemma3")
+    drafts = engine.get("vllm_speculative_tokens", engine.get("speculative_tokens"))
     start = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -89,8 +90,8 @@ def main(spec_path: str, result_path: str) -> None:
         # default torchvision one differs by a grey level or two)
         mm_processor_kwargs={"use_fast": False} if image else None,
         **({"block_size": engine["block_size"]} if engine.get("block_size") else {}),
-        **({"speculative_config": _ngram(engine["speculative_tokens"])}
-           if engine.get("speculative_tokens") else {}),
+        # its draft counters need its stats on (one log line every few seconds)
+        **({"speculative_config": _ngram(drafts), "disable_log_stats": False} if drafts else {}),
     )  # fmt: skip
     load_s = time.perf_counter() - start
     warmup_s, _, _ = _generate(llm, spec["warmup"])
@@ -106,7 +107,7 @@ def main(spec_path: str, result_path: str) -> None:
         "num_prompt_tokens": [len(o.prompt_token_ids or []) for o in outputs],
         "pixel_sha256": [_pixel_digest(p) for p in prompts],
         "block_size": cache.block_size,
-        "spec_decode": _spec_counters(llm) if engine.get("speculative_tokens") else None,
+        "spec_decode": _spec_counters(llm) if drafts else None,
     }
     with open(result_path, "w") as f:
         json.dump(result, f)

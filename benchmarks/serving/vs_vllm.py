@@ -22,6 +22,8 @@ VLMSERVE_VLLM_VENV elsewhere) from a Python 3.11 (--python311 / VLMSERVE_VLLM_PY
     .venv/bin/python -m benchmarks.serving.vs_vllm --workload gemma3           # vs_vllm_gemma3.json
     .venv/bin/python -m benchmarks.serving.vs_vllm --serve --workload text --serve-requests 32
     .venv/bin/python -m benchmarks.serving.vs_vllm --serve --workload real --dtype bfloat16
+    .venv/bin/python -m benchmarks.serving.vs_vllm --workload real --dtype bfloat16 \
+        --speculative-tokens 4 [--vllm-speculative-tokens 0]   # n-gram drafts
 
 `--workload real` is Gemma 3 270M (the real checkpoint's bfloat16 folder) on real-text
 prompts; served (`--serve`), each request is a streamed completion of the same prompt
@@ -339,6 +341,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="offline, both engines draft up to K n-gram tokens a step (n 2-4, from the prompt "
         "and output; vLLM's ngram method, vlmserve's adaptive γ): writes *_spec{K}.json",
     )  # fmt: skip
+    p.add_argument(
+        "--vllm-speculative-tokens", type=int, default=None, metavar="K",
+        help="vLLM's drafts instead (default: --speculative-tokens; 0: vLLM without, as it "
+        "runs fastest here): writes *_spec{K}_vllm{K'}.json",
+    )  # fmt: skip
     p.add_argument("--name", default=None, help="result file name (vs_vllm / vs_vllm_quick)")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -364,6 +371,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     base += f"_{args.workload}" if args.workload in ("gemma3", "real") else ""
     base += "_bf16" if args.dtype == "bfloat16" else ""
     base += f"_spec{args.speculative_tokens}" if args.speculative_tokens else ""
+    if args.vllm_speculative_tokens is None:
+        args.vllm_speculative_tokens = args.speculative_tokens
+    elif args.vllm_speculative_tokens != args.speculative_tokens:
+        base += f"_vllm{args.vllm_speculative_tokens}"
     args.name = args.name or (base + "_quick" if args.quick else base)
     return args
 
@@ -411,6 +422,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                     args.vision_layers,
                 )
             specs[name]["engine"]["speculative_tokens"] = args.speculative_tokens
+            specs[name]["engine"]["vllm_speculative_tokens"] = args.vllm_speculative_tokens
             Path(specs[name]["path"]).write_text(json.dumps(specs[name]))
         for name in names:
             if args.serve:
@@ -425,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     result = {
         "dtype": args.dtype,
         "speculative_tokens": args.speculative_tokens,
+        "vllm_speculative_tokens": args.vllm_speculative_tokens,
         "rounds": args.rounds,
         "quick": args.quick,
         "cpus": sorted(os.sched_getaffinity(0)),
