@@ -56,6 +56,7 @@ from benchmarks.lib.vs_vllm_report import (  # noqa: F401 - agreement etc.: this
     summarize,
 )
 from benchmarks.lib.vs_vllm_serve import run_serving
+from scheduler.config import SpeculativeConfig
 
 System = Literal["vllm", "vlmserve"]
 SERVE_RATES_TEXT = [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0]  # requests/s
@@ -149,10 +150,15 @@ def last_error(log: str) -> str:
     return (named or lines or ["(empty log)"])[-1][-2000:]
 
 
+def ngram_config(tokens: int) -> SpeculativeConfig:
+    """vlmserve's drafts for --speculative-tokens: adaptive γ up to `tokens`, suffixes of 2 to
+    4 tokens (vLLM's prompt_lookup_min / _max in its worker); 0: none."""
+    return SpeculativeConfig(tokens, min_n=2, max_n=4)
+
+
 def vlmserve_worker(spec_path: str, result_path: str) -> None:
     """The vlmserve side: the engine offline_throughput measures, with vLLM's KV bytes."""
     from benchmarks.engine.offline_throughput import make_engine
-    from scheduler.config import SpeculativeConfig
     from vlmserve.inputs.processing import Request
     from vlmserve.sample.params import SamplingParams
 
@@ -184,12 +190,9 @@ def vlmserve_worker(spec_path: str, result_path: str) -> None:
 
     start = time.perf_counter()
     # The KV cache vLLM gets (VLLM_CPU_KVCACHE_SPACE), in bytes: the same memory for both.
-    # n-gram drafts (--speculative-tokens): adaptive γ up to the flag, n from 2 to 4 (vLLM's
-    # prompt_lookup_min / _max in its worker)
-    speculative = SpeculativeConfig(engine_spec.get("speculative_tokens", 0), min_n=2, max_n=4)
     engine = make_engine(
         spec["model"], sizing, engine_args, kv_bytes=engine_spec["kv_cache_gib"] << 30,
-        speculative=speculative,
+        speculative=ngram_config(engine_spec.get("speculative_tokens", 0)),
     )  # fmt: skip
     load_s = time.perf_counter() - start
     start = time.perf_counter()

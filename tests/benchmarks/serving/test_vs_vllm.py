@@ -208,6 +208,31 @@ def test_dtype_reaches_both_engines_and_names_the_result(tmp_path):
         assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
 
 
+def test_speculative_tokens_reach_both_engines_alike_and_name_the_result():
+    """--speculative-tokens K: both engines draft n-grams of the same lengths, vLLM through
+    its ngram method; --vllm-speculative-tokens sets vLLM's apart (0: none)."""
+    import importlib.util
+
+    from benchmarks.serving import vs_vllm
+
+    real = ["--workload", "real", "--dtype", "bfloat16"]
+    args = vs_vllm.parse_args([*real, "--speculative-tokens", "4"])
+    assert (args.name, args.vllm_speculative_tokens) == ("vs_vllm_real_bf16_spec4", 4)
+    args = vs_vllm.parse_args([*real, "--speculative-tokens", "4", "--vllm-speculative-tokens=0"])
+    assert (args.name, args.vllm_speculative_tokens) == ("vs_vllm_real_bf16_spec4_vllm0", 0)
+    assert vs_vllm.parse_args(real).name == "vs_vllm_real_bf16"
+    with pytest.raises(SystemExit):
+        vs_vllm.parse_args(["--serve", "--speculative-tokens", "4"])
+    spec = importlib.util.spec_from_file_location("vllm_worker", vs_vllm.VLLM_WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    ngram = worker._ngram(4)
+    assert ngram["method"] == "ngram" and ngram["num_speculative_tokens"] == 4
+    ours = vs_vllm.ngram_config(4)
+    assert (ngram["prompt_lookup_min"], ngram["prompt_lookup_max"]) == (ours.min_n, ours.max_n)
+    assert ours.num_speculative_tokens == 4 and ours.adaptive
+
+
 def test_gemma3_workload_names_its_result_and_prices_the_hybrid_kv(tmp_path):
     """--workload gemma3: vs_vllm_gemma3.json (offline only); its KV report: sliding layers
     hold their window, so at 8k context the 12-layer 5:1 shape with a 256 window holds
