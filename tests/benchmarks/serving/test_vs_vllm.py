@@ -228,7 +228,7 @@ def test_speculative_tokens_reach_both_engines_alike_and_name_the_result():
     spec.loader.exec_module(worker)
     ngram = worker._ngram(4)
     assert ngram["method"] == "ngram" and ngram["num_speculative_tokens"] == 4
-    ours = vs_vllm.ngram_config(4)
+    ours = vs_vllm.workloads.ngram_config(4)
     assert (ngram["prompt_lookup_min"], ngram["prompt_lookup_max"]) == (ours.min_n, ours.max_n)
     assert ours.num_speculative_tokens == 4 and ours.adaptive
 
