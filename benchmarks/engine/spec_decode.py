@@ -25,7 +25,8 @@ when drafts are right", not as a prediction for a trained model on real text.
     .venv/bin/python -m benchmarks.engine.spec_decode [--quick]
 
 Prints the load average before and after (the host may be shared) and writes
-benchmarks/results/spec_decode.json.
+benchmarks/results/spec_decode.json (`--dtype bfloat16`: spec_decode_bf16.json, B* then
+calibrated in bfloat16).
 """
 
 from __future__ import annotations
@@ -40,16 +41,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.lib.common import write_json
+from benchmarks.lib.common import write_result
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine.core import Engine
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
 from vlmserve.sample.verify import ridge_batch_for
+from vlmserve.worker.models.quantized import weight_bytes
 from vlmserve.worker.models.random_checkpoint import NUM_FILLER_WORDS, make_text_checkpoint
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "spec_decode.json"
 FILLER = [f"w{i}" for i in range(NUM_FILLER_WORDS)]
 
 
@@ -66,10 +67,10 @@ def open_ended_prompts(num: int, rng: random.Random) -> list[str]:
     return [" ".join(rng.choice(FILLER) for _ in range(rng.randint(16, 48))) for _ in range(num)]
 
 
-def make_engine(path: Path, spec: SpeculativeConfig, max_num_seqs: int) -> Engine:
+def make_engine(path: Path, spec: SpeculativeConfig, max_num_seqs: int, dtype: str) -> Engine:
     return Engine(
         EngineConfig(
-            ModelConfig(str(path), dtype="float32"),
+            ModelConfig(str(path), dtype=dtype),
             CacheConfig(num_blocks=1024, block_size=16),
             SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max_num_seqs),
             speculative=spec,
@@ -152,7 +153,10 @@ def main() -> None:
     # One thread: on a shared 2-core machine, multi-threaded small GEMMs stall on busy
     # cores (a 5-row matmul measured 30x slower than with one thread).
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--name", default=None, help="spec_decode (bfloat16: spec_decode_bf16)")
     args = parser.parse_args()
+    result_name = args.name or ("spec_decode_bf16" if args.dtype == "bfloat16" else "spec_decode")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -168,7 +172,7 @@ def main() -> None:
             kv_heads=2, vocab=256,
         )  # fmt: skip
         # B* for this CPU, measured once so that every engine gates on the same ridge.
-        ridge = ridge_batch_for(torch.device("cpu"), torch.float32)
+        ridge = ridge_batch_for(torch.device("cpu"), getattr(torch, args.dtype))
         specs = {
             "off": SpeculativeConfig(),
             "adaptive": SpeculativeConfig(args.gamma, ridge_batch=ridge),
@@ -177,8 +181,9 @@ def main() -> None:
             "adaptive n1": SpeculativeConfig(args.gamma, min_n=1, ridge_batch=ridge),
             "fixed γ": SpeculativeConfig(args.gamma, adaptive=False),
         }
-        engines = {name: make_engine(path, spec, max(loads)) for name, spec in specs.items()}
-        num_params = sum(p.numel() for p in engines["off"].runner.model.decoder.parameters())
+        engines = {n: make_engine(path, spec, max(loads), args.dtype) for n, spec in specs.items()}
+        # (oneDNN-packed linears hold their weights as buffers, not parameters)
+        num_params, _ = weight_bytes(engines["off"].runner.model.decoder)
         for engine in engines.values():  # warm-up: first-call allocations out of the timing
             run(engine, [" ".join(FILLER[:8])], SamplingParams(max_tokens=4, temperature=0.0), 1)
         workloads = {
@@ -204,7 +209,7 @@ def main() -> None:
             print(f"round {r + 1}/{rounds} done, load average {load_average()}")
     results = {cell: {n: summarise(rs) for n, rs in by.items()} for cell, by in runs.items()}
 
-    print(f"\nmodel: random llama, {num_params / 1e6:.1f}M parameters, float32, CPU, "
+    print(f"\nmodel: random llama, {num_params / 1e6:.1f}M parameters, {args.dtype}, CPU, "
           f"{torch.get_num_threads()} thread(s); γ_max {args.gamma}; {rounds} rounds")  # fmt: skip
     print(f"B* (ridge, measured for this CPU): {ridge:.1f} rows")
     print_table(results)
@@ -223,7 +228,7 @@ def main() -> None:
     print(f"load average after: {load_average()}; {elapsed:.0f} s")
 
     report = {
-        "command": "python -m benchmarks.engine.spec_decode" + (" --quick" if args.quick else ""),
+        "dtype": args.dtype,
         "model": {"hidden": args.hidden, "layers": args.layers, "num_params": num_params},
         "gamma_max": args.gamma,
         "ridge_batch": ridge,
@@ -239,8 +244,7 @@ def main() -> None:
         "load_average_after": load_average(),
         "elapsed_s": elapsed,
     }
-    write_json(RESULTS, report)
-    print(f"\nwrote {RESULTS}")
+    print(f"\nwrote {write_result(result_name, report)}")
 
 
 if __name__ == "__main__":
