@@ -108,6 +108,10 @@ def test_info_prints_each_calibrated_choice_and_recalibrates(llama_path, capsys,
     assert all(r["skinny"] > 0 and r["packed"] > 0 and r["plain"] > 0 for r in head["measured"])
     attention = report["choices"]["prefill_attention/float32/4x2x16"]
     assert info["attention_backend"] == ("cpu" if attention["choice"] else "cpu-sdpa")
+    # adaptive speculation's B* in the model's dtype: s_w·π/(2β), float32's 4 bytes
+    (ridge,) = report["choices"]["ridge/float32"]["measured"]
+    b_star = 4 * ridge["gemm_flops"] / (2 * ridge["copy_bytes_per_s"])
+    assert report["choices"]["ridge/float32"]["choice"] == pytest.approx(b_star)
     stamp = Path(report["cache"]).stat().st_mtime_ns
     timed = []
     time_paths = calibration.time_paths
@@ -115,6 +119,8 @@ def test_info_prints_each_calibrated_choice_and_recalibrates(llama_path, capsys,
     assert main(["info", "--model", str(llama_path)]) == 0  # cached: nothing measured
     text = capsys.readouterr().out
     assert not timed and "lm_head/float32/64x256" in text and report["cache"] in text
+    flops = f"gemm_flops={ridge['gemm_flops'] / 1e9:.0f}G"  # rates, not milliseconds
+    assert f"{flops} copy_bytes_per_s={ridge['copy_bytes_per_s'] / 1e9:.1f}G" in text
     assert main(["info", "--json", "--recalibrate", "--model", str(llama_path)]) == 0
     capsys.readouterr()
     assert len(timed) >= 6 and Path(report["cache"]).stat().st_mtime_ns > stamp
