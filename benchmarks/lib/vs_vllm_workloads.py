@@ -437,6 +437,6 @@ def ngram_config(tokens: int) -> SpeculativeConfig:
 
 
 def set_drafts(spec: dict, ours: int, vllm: int) -> None:
-    """Each engine's drafts in the spec's engine record, the spec file rewritten."""
+    """Each engine's drafts in the spec's engine record, the spec file saved again."""
     spec["engine"].update(speculative_tokens=ours, vllm_speculative_tokens=vllm)
-    Path(spec["path"]).write_text(json.dumps(spec))
+    _save(Path(spec.pop("path")).parent, spec)

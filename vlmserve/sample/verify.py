@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import calibration
+from kernels.packed_linear import dtype_name
 from scheduler.step_plan import ScheduledSeq
 from search.costmodel.cost_model import b_star
 from search.costmodel.presets import (
@@ -175,9 +176,8 @@ def ridge_batch_for(device: torch.device, dtype: torch.dtype) -> float:
         name = torch.cuda.get_device_name(device)
         preset = gpu_preset(name, "adaptive speculation needs B*: --no-adaptive-speculation")
         return b_star(get_accelerator(preset), weight)
-    name = str(dtype).removeprefix("torch.")
     return calibration.calibrated(
-        f"ridge/{name}", functools.partial(measure_cpu_ridge, dtype),
+        f"ridge/{dtype_name(dtype)}", functools.partial(measure_cpu_ridge, dtype),
         functools.partial(decide_ridge, weight),
     )  # fmt: skip
 

@@ -86,6 +86,11 @@ def test_the_key_names_the_cpu_its_flags_torch_threads_and_kernels():
     assert key["cpu"] and key["cpu"] != "unknown" or not flags
 
 
+def decide_probe(measured: list[dict]) -> int:
+    """The rule the cache tests' "probe" choice is stored under."""
+    return calibration.decide_max_rows(measured, "skinny", "onednn")
+
+
 def test_a_choice_is_measured_once_per_machine_key(cache_dir, monkeypatch):
     calls = []
 
@@ -93,15 +98,12 @@ def test_a_choice_is_measured_once_per_machine_key(cache_dir, monkeypatch):
         calls.append(1)
         return [{"rows": 1, "skinny": 1.0, "onednn": 2.0}]
 
-    def decide(m):
-        return calibration.decide_max_rows(m, "skinny", "onednn")
-
-    assert calibration.calibrated("probe", measure, decide) == 1 and len(calls) == 1
+    assert calibration.calibrated("probe", measure, decide_probe) == 1 and len(calls) == 1
     stored = json.loads(calibration.cache_path().read_text())
     assert stored["key"] == calibration.machine_key()
     assert stored["choices"]["probe"]["choice"] == 1
     monkeypatch.setattr(calibration, "_entries", {})  # a new process: read from the file
-    assert calibration.calibrated("probe", measure, decide) == 1 and len(calls) == 1
+    assert calibration.calibrated("probe", measure, decide_probe) == 1 and len(calls) == 1
     # another CPU model, other flags, another torch: another file, measured again
     real = calibration.cpu_build.cpu_features()
     for changed in (
@@ -110,16 +112,16 @@ def test_a_choice_is_measured_once_per_machine_key(cache_dir, monkeypatch):
     ):
         monkeypatch.setattr(calibration.cpu_build, "cpu_features", lambda c=changed: c)
         before = len(calls)
-        calibration.calibrated("probe", measure, decide)
+        calibration.calibrated("probe", measure, decide_probe)
         assert len(calls) == before + 1
     monkeypatch.setattr(calibration.cpu_build, "cpu_features", lambda: real)
     monkeypatch.setattr(calibration.torch, "__version__", "0.0.1-other")
     before = len(calls)
-    calibration.calibrated("probe", measure, decide)
+    calibration.calibrated("probe", measure, decide_probe)
     assert len(calls) == before + 1
     monkeypatch.setattr(calibration.cpu_build, "sources_digest", lambda: "another-kernel")
     before = len(calls)
-    calibration.calibrated("probe", measure, decide)  # the kernels changed: measured again
+    calibration.calibrated("probe", measure, decide_probe)  # the kernels changed: measured again
     assert len(calls) == before + 1
     assert len(list(cache_dir.glob("*.json"))) == 5
 
@@ -128,10 +130,7 @@ def test_an_unreadable_stored_choice_is_measured_again(cache_dir):
     store("probe", [{"rows": 1, "fast": 1.0}])  # another protocol's records
     measured = [{"rows": 2, "skinny": 1.0, "onednn": 2.0}]
 
-    def decide(m):
-        return calibration.decide_max_rows(m, "skinny", "onednn")
-
-    assert calibration.calibrated("probe", lambda: measured, decide) == 2
+    assert calibration.calibrated("probe", lambda: measured, decide_probe) == 2
 
 
 def test_recalibration_is_forced_by_the_env_var_and_by_forget(cache_dir, monkeypatch):
@@ -141,19 +140,16 @@ def test_recalibration_is_forced_by_the_env_var_and_by_forget(cache_dir, monkeyp
         calls.append(1)
         return [{"rows": 4, "skinny": 1.0, "onednn": 2.0}]
 
-    def decide(m):
-        return calibration.decide_max_rows(m, "skinny", "onednn")
-
-    calibration.calibrated("probe", measure, decide)
+    calibration.calibrated("probe", measure, decide_probe)
     monkeypatch.setattr(calibration, "_entries", {})
     monkeypatch.setenv("VLMSERVE_RECALIBRATE", "1")  # the documented name
-    calibration.calibrated("probe", measure, decide)
-    calibration.calibrated("probe", measure, decide)  # once per process
+    calibration.calibrated("probe", measure, decide_probe)
+    calibration.calibrated("probe", measure, decide_probe)  # once per process
     assert len(calls) == 2
     monkeypatch.delenv("VLMSERVE_RECALIBRATE")
     calibration.forget()
     assert not calibration.cache_path().exists()
-    calibration.calibrated("probe", measure, decide)
+    calibration.calibrated("probe", measure, decide_probe)
     assert len(calls) == 3
     assert "probe" in calibration.report()["choices"]
 
