@@ -10,11 +10,14 @@ No dequantized copy of a weight is kept. Two paths (kernels/csrc/quant_linear_cp
   a call for all the rows (the legacy blocks two a 512-bit vector on AVX-512 VNNI). The int8
   activations cost at most 9e-3 relative error (norm-wise) against the float64 matmul on
   the dequantized weight (measured in tests/kernels/quant/test_quant_linear.py, bound 2e-2);
+- with AMX tiles (bfloat16 x): 16 weight rows at a time dequantized to bfloat16 and run on
+  AMX against every row of x, float32 sums unrounded (`amx_linear`; 3.5x the GEMM below at
+  64 rows of the real file's 262k-row head on an AMX Xeon);
 - larger batches: tiles of weight rows dequantized into a scratch buffer, each multiplied
   into its output columns by the skinny bfloat16 / float32 kernel (kernels/packed_linear.py)
   up to the rows calibrated for it, by torch's GEMM (oneDNN / MKL) above them.
-The rows from which the second takes over are measured per block type, dtype and shape on
-the CPU that runs it, at first use (kernels/calibration.py), never a constant.
+The rows from which each takes over are measured per block type, dtype and shape on the
+CPU that runs it, at first use (kernels/calibration.py), never a constant.
 
 Dequantization (the embedding's rows, the tiles, the tests) is float32 bit-identical to
 `gguf.quants.dequantize` (the same float32 operations in the same order); bfloat16 is
@@ -50,12 +53,13 @@ KQUANTS = frozenset(int(t) for t in (Q.Q4_K, Q.Q6_K))
 # The instruction sets the int-dot kernel can be told to use (`isa`): the best this build
 # has, or a fallback forced (tests, benchmarks).
 ISA = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3}
-Path = Literal["auto", "int_dot", "tile"]
+Path = Literal["auto", "int_dot", "amx", "tile"]
 # Weight rows a dequantized tile holds at most (the scratch stays within ~L2 in bfloat16).
 TILE_BYTES = 1 << 20
 # Calibration: the rows the two paths are timed at, and how much of the weight (dequantized
 # bytes) is measured (kernels/packed_linear.py's ladders, the same protocol).
 LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
+AMX_LADDER = (64, 128, 256, 512, 1024, 2048)  # the AMX path against the dequant-tile GEMM
 MEASURE_BYTES = 8 << 20
 
 
@@ -73,6 +77,12 @@ def kernel_available() -> str | None:
 def _linear_op():
     """torch.ops.vlmserve_quant.linear, looked up once (each lookup costs a microsecond)."""
     return torch.ops.vlmserve_quant.linear
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether the tile path runs on AMX tiles here (bfloat16 x; `amx_bf16` CPUs)."""
+    return kernel_available() is None and bool(torch.ops.vlmserve_quant.amx_available())
 
 
 def best_isa() -> int:
@@ -173,17 +183,55 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def int_dot_max_rows(qtype: int, dtype: torch.dtype, in_features: int, out_features: int) -> int:
-    """The most rows the int-dot kernel takes for this weight in `dtype` (the dequant-tile
-    GEMM above), calibrated on this CPU at that shape; 0 where the kernel is unavailable."""
+    """The most rows the int-dot kernel takes for this weight in `dtype` (the AMX path or
+    the dequant-tile GEMM above), calibrated on this CPU at that shape; 0 where the kernel
+    is unavailable."""
     if kernel_available() is not None:
         return 0
+    return _crossover(("int_dot", _above_int_dot(dtype)), LADDER, qtype, dtype, in_features,
+                      out_features)  # fmt: skip
+
+
+def amx_max_rows(qtype: int, dtype: torch.dtype, in_features: int, out_features: int) -> int:
+    """The most rows the AMX path takes (the dequant-tile GEMM above), calibrated likewise;
+    0 where it cannot run (no AMX, float32 x)."""
+    if _above_int_dot(dtype) != "amx":
+        return 0
+    return _crossover(("amx", "tile"), AMX_LADDER, qtype, dtype, in_features, out_features)
+
+
+def _crossover(
+    paths: tuple[Path, Path], ladder: tuple[int, ...], qtype: int, dtype: torch.dtype,
+    in_features: int, out_features: int,
+) -> int:  # fmt: skip
+    """The most rows paths[0] takes before paths[1], both timed up `ladder` at this shape
+    (its first MEASURE_BYTES) until paths[0] lost twice in a row (more rows only widen it)."""
+    fast, slow = paths
     out_m = max(1, min(out_features, MEASURE_BYTES // (in_features * dtype.itemsize)))
-    name = f"quant_int_dot_max_rows/{qtype_name(qtype)}/{_dtype_name(dtype)}/{in_features}x{out_m}"
+    name = f"quant_{fast}_max_rows/{qtype_name(qtype)}/{_dtype_name(dtype)}/{in_features}x{out_m}"
+
+    def measure() -> calibration.Measured:
+        layer = QuantLinear([random_weight(qtype, out_m, in_features)])
+        gen = torch.Generator().manual_seed(1)
+        measured, losses = [], 0
+        for rows in ladder:
+            x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            run = {path: lambda x=x, path=path: layer.run(x, dtype, path) for path in paths}
+            measured.append({"rows": rows, **calibration.time_paths(run)})
+            lost = measured[-1][fast] > calibration.MARGIN * measured[-1][slow]
+            losses = losses + 1 if lost else 0
+            if losses == 2:
+                break
+        return measured
+
     return calibration.calibrated(
-        name,
-        lambda: _measure(qtype, dtype, in_features, out_m),
-        lambda m: calibration.decide_max_rows(m, "int_dot", "tile"),
+        name, measure, lambda m: calibration.decide_max_rows(m, fast, slow)
     )
+
+
+def _above_int_dot(dtype: torch.dtype) -> Path:
+    """The path that takes the rows above the int-dot kernel's."""
+    return "amx" if dtype == torch.bfloat16 and amx_available() else "tile"
 
 
 def random_weight(qtype: int, out_features: int, in_features: int, seed: int = 0) -> QuantWeight:
@@ -210,24 +258,6 @@ def random_weight(qtype: int, out_features: int, in_features: int, seed: int = 0
     return QuantWeight(torch.from_numpy(raw.copy()), int(qtype), in_features)
 
 
-def _measure(qtype: int, dtype: torch.dtype, in_features: int, out_features: int):
-    weight = random_weight(qtype, out_features, in_features)
-    layer = QuantLinear([weight])
-    gen = torch.Generator().manual_seed(1)
-    measured, losses = [], 0
-    for rows in LADDER:
-        x = torch.randn(rows, in_features, generator=gen).to(dtype)
-        seconds = calibration.time_paths({
-            "int_dot": lambda x=x: layer.run(x, dtype, "int_dot"),
-            "tile": lambda x=x: layer.run(x, dtype, "tile"),
-        })  # fmt: skip
-        measured.append({"rows": rows, **seconds})
-        losses = losses + 1 if seconds["int_dot"] > calibration.MARGIN * seconds["tile"] else 0
-        if losses == 2:  # larger batches only widen the gap
-            break
-    return measured
-
-
 class QuantLinear(nn.Module):
     """x @ W.T (+ bias) with W stored quantized: `parts` are row segments stacked along
     out (a fused q|k|v or gate|up projection, each part its own block type), all with
@@ -243,12 +273,13 @@ class QuantLinear(nn.Module):
         self.parts = _merge_same_type(parts)  # one kernel call (one x quantized) each
         self.out_features = sum(p.out_features for p in parts)
         self.bias = bias
-        self.path: Path = "auto"  # "int_dot" / "tile": forced (tests, benchmarks)
+        self.path: Path = "auto"  # "int_dot" / "amx" / "tile": forced (tests, benchmarks)
         # The Triton tile GEMM (kernels/quant_gpu.py) instead of the CPU's kernels: set
         # with the blocks on a CUDA device (models/quantized.py's `place`).
         self.triton = False
         self.isa: int | None = None  # None: the best this build has
         self._max_rows: dict[torch.dtype, list[int]] = {}  # calibrated, per dtype
+        self._amx_rows: dict[torch.dtype, list[int]] = {}
         self._isa: int | None = None
         self._biases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._plans: dict[torch.dtype, tuple[bool, list[tuple]]] = {}  # run's, per dtype
@@ -265,6 +296,14 @@ class QuantLinear(nn.Module):
                 for p in self.parts
             ]  # fmt: skip
         return self._max_rows[dtype]
+
+    def amx_rows(self, dtype: torch.dtype) -> list[int]:
+        """Per part, the most rows the AMX path takes in `dtype` (calibrated; 0: none)."""
+        if dtype not in self._amx_rows:
+            self._amx_rows[dtype] = [
+                amx_max_rows(p.qtype, dtype, p.in_features, p.out_features) for p in self.parts
+            ]
+        return self._amx_rows[dtype]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x, x.dtype, self.path)
@@ -291,6 +330,8 @@ class QuantLinear(nn.Module):
             target = out if span is None else out[:, span[0] : span[1]]
             if kernel and (path == "int_dot" or (limits is not None and num_rows <= limits[i])):
                 _linear_op()(target, rows, part.blocks, part.qtype, bias, isa)
+            elif path == "amx" or (limits is not None and num_rows <= self.amx_rows(x.dtype)[i]):
+                torch.ops.vlmserve_quant.amx_linear(target, rows, part.blocks, part.qtype, bias)
             else:
                 _tile_linear(target, rows, part, bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
@@ -341,11 +382,11 @@ class QuantLinear(nn.Module):
             return f"{types} {bits:.3g} bits/weight, Triton dequant-tile GEMM"
         if kernel_available() is not None:
             return f"{types} {bits:.2g} bits/weight, dequant-tile GEMM (no C++ kernel)"
-        limits = sorted(set(self.max_rows(torch.bfloat16)))
-        shown = "/".join(str(n) for n in limits)
+        int_dot, amx = (sorted(set(f(torch.bfloat16))) for f in (self.max_rows, self.amx_rows))
+        then = f", then AMX up to {'/'.join(map(str, amx))}" if amx_available() else ""
         return (
-            f"{types} {bits:.3g} bits/weight, int-dot up to {shown} rows (calibrated, "
-            f"bfloat16), then dequant-tile GEMM"
+            f"{types} {bits:.3g} bits/weight, int-dot up to {'/'.join(map(str, int_dot))} rows"
+            f"{then} (calibrated, bfloat16), then dequant-tile GEMM"
         )
 
 

@@ -24,6 +24,8 @@
 
 #include <immintrin.h>
 
+#include "amx.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -1058,6 +1060,226 @@ void linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks
   }
 }
 
+#if VLMSERVE_AMX
+// The tile path on AMX (`amx_linear`): per 16 weight rows, their blocks dequantized once
+// into a bfloat16 buffer [16][K] (as `dequantize` rounds them) that is the A operand as it
+// lies, x's rows the B operand (bfloat16 pairs, packed once a call), so C holds 16 weight
+// rows by 16 rows of x, float32 sums written out transposed. No copy of the weight outlives
+// its 16 rows, and the sums are never rounded to bfloat16 on the way (float32 out: the LM
+// head's logits). Tiles (amx.h's layout): C 0-3, A 4, B 5-7.
+namespace amx {
+
+constexpr int64_t kXRows = 64;  // rows of x a pass over a weight buffer (the 4 C tiles)
+
+// x [M, K] bfloat16 -> B tiles [ceil(M / 16)][K / 32][16][16] of 32-bit pairs: tile (t, s)
+// row e holds (x[16t + c][32s + 2e], x[16t + c][32s + 2e + 1]) in lane c; zeros past M.
+std::vector<uint32_t> x_tiles(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K) {
+  const int64_t steps = K / 32;
+  std::vector<uint32_t> b((M + 15) / 16 * steps * 256, 0);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t s = 0; s < steps; ++s)
+      for (int64_t e = 0; e < 16; ++e)
+        std::memcpy(&b[((r / 16 * steps + s) * 16 + e) * 16 + r % 16], x + r * xs + 32 * s + 2 * e, 4);
+  return b;
+}
+
+// C_j = the 16 weight rows at w (a row K values) times x's B tiles j = 0..XT-1; C_j to
+// buf + 256 j, [weight row][row of x].
+template <int XT>
+inline void weight_rows(const at::BFloat16* w, int64_t K, const uint32_t* xb, int64_t steps,
+                        float* buf) {
+  _tile_zero(0);
+  if constexpr (XT > 1) _tile_zero(1);
+  if constexpr (XT > 2) _tile_zero(2);
+  if constexpr (XT > 3) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, w + 32 * s, 2 * K);
+    _tile_loadd(5, xb + 256 * s, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (XT > 1) {
+      _tile_loadd(6, xb + 256 * (steps + s), 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (XT > 2) {
+      _tile_loadd(7, xb + 256 * (2 * steps + s), 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (XT > 3) {
+      _tile_loadd(5, xb + 256 * (3 * steps + s), 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, buf, 64);
+  if constexpr (XT > 1) _tile_stored(1, buf + 256, 64);
+  if constexpr (XT > 2) _tile_stored(2, buf + 512, 64);
+  if constexpr (XT > 3) _tile_stored(3, buf + 768, 64);
+}
+
+// 32 float32 values (two vectors) -> bfloat16 at out, rounded to nearest even (as
+// at::BFloat16's conversion of `dequant_block`'s values: the products are never denormal).
+inline void store_bf16(at::BFloat16* out, __m512 lo, __m512 hi) {
+  _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+
+// 32 codes (bytes, signed or unsigned), each minus `offset`, times d, as dequant_block
+// computes them (one float32 multiply).
+template <bool Signed>
+inline void codes_bf16(at::BFloat16* out, __m256i q, int32_t offset, float d) {
+  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+  const __m512i a = Signed ? _mm512_cvtepi8_epi32(q0) : _mm512_cvtepu8_epi32(q0);
+  const __m512i b = Signed ? _mm512_cvtepi8_epi32(q1) : _mm512_cvtepu8_epi32(q1);
+  const __m512i off = _mm512_set1_epi32(offset);
+  const __m512 dv = _mm512_set1_ps(d);
+  store_bf16(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a, off)), dv),
+             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(b, off)), dv));
+}
+
+// One weight row's blocks (K values) -> bfloat16, bit for bit `dequantize`'s bfloat16.
+void dequant_row_bf16(int64_t qtype, const uint8_t* src, int64_t K, at::BFloat16* out) {
+  const Layout lay = layout(qtype);
+  for (int64_t b = 0; b < K / lay.block; ++b, src += lay.bytes, out += lay.block) {
+    switch (qtype) {
+      case Q4_0: codes_bf16<false>(out, nibbles32(src + 2), 8, f16(src)); break;
+      case Q5_0: codes_bf16<false>(out, with_fifth_bits(nibbles32(src + 6), src + 2), 16, f16(src)); break;
+      case Q8_0: codes_bf16<true>(out, load32(src + 2), 0, f16(src)); break;
+      case Q4_K: {  // (d * sc) * q - dmin * m per sub-block of 32
+        const float d = f16(src), dmin = f16(src + 2);
+        uint8_t sc[8], mn[8];
+        k4_scales(src + 4, sc, mn);
+        const __m256i low = _mm256_set1_epi8(15);
+        for (int j = 0; j < 8; ++j) {
+          const __m256i q = load32(src + 16 + 32 * (j / 2));
+          const __m256i codes = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, low);
+          const __m512 ds = _mm512_set1_ps(d * static_cast<float>(sc[j]));
+          const __m512 dm = _mm512_set1_ps(dmin * static_cast<float>(mn[j]));
+          const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
+          const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
+          store_bf16(out + 32 * j, _mm512_sub_ps(_mm512_mul_ps(ds, a), dm),
+                     _mm512_sub_ps(_mm512_mul_ps(ds, c), dm));
+        }
+        break;
+      }
+      case Q6_K: {  // (d * sc) * (q - 32) per 16; values e of each half h: 32 a quarter
+        const int8_t* sc = reinterpret_cast<const int8_t*>(src + 192);
+        const float d = f16(src + 208);
+        const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+        for (int h = 0; h < 2; ++h)
+          for (int k = 0; k < 4; ++k) {
+            const __m256i lb = load32(src + 64 * h + 32 * (k % 2));
+            const __m256i lo = _mm256_and_si256(k < 2 ? lb : _mm256_srli_epi16(lb, 4), low);
+            const __m256i hb = _mm256_srli_epi16(load32(src + 128 + 32 * h), 2 * k);
+            const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hb, two), 4));
+            const int i = 128 * h + 32 * k;
+            const __m512i off = _mm512_set1_epi32(32);
+            const __m512 a = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)), off));
+            const __m512 c = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)), off));
+            store_bf16(out + i, _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[i / 16])), a),
+                       _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[i / 16 + 1])), c));
+          }
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace amx
+
+template <typename O>
+void run_amx_linear(O* out, int64_t os, const at::BFloat16* x, int64_t xs, int64_t M,
+                    const uint8_t* w, int64_t N, int64_t K, int64_t qtype, const at::BFloat16* bias) {
+  const Layout lay = layout(qtype);
+  const int64_t row_bytes = K / lay.block * lay.bytes, steps = K / 32, tiles = (N + 15) / 16;
+  const std::vector<uint32_t> xb = amx::x_tiles(x, xs, M, K);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    vlmserve_amx::configure();
+    std::vector<at::BFloat16> a(16 * K);  // the 16 weight rows, bfloat16
+    alignas(64) float buf[4 * 256];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = 16 * t, cols = std::min<int64_t>(16, N - n0);
+      for (int64_t c = 0; c < 16; ++c) {
+        at::BFloat16* row = a.data() + c * K;
+        if (c >= cols) {
+          std::fill(row, row + K, at::BFloat16(0.f));
+          continue;
+        }
+        amx::dequant_row_bf16(qtype, w + (n0 + c) * row_bytes, K, row);
+      }
+      const __mmask16 lanes = static_cast<__mmask16>((1u << cols) - 1);
+      __m512 bias_v = _mm512_setzero_ps();
+      if (bias) {
+        alignas(64) float b[16] = {};
+        for (int64_t c = 0; c < cols; ++c) b[c] = static_cast<float>(bias[n0 + c]);
+        bias_v = _mm512_load_ps(b);
+      }
+      for (int64_t r0 = 0; r0 < M; r0 += amx::kXRows) {
+        const int64_t rows = std::min(amx::kXRows, M - r0);
+        const uint32_t* xr = xb.data() + r0 / 16 * steps * 256;
+        switch ((rows + 15) / 16) {
+          case 1: amx::weight_rows<1>(a.data(), K, xr, steps, buf); break;
+          case 2: amx::weight_rows<2>(a.data(), K, xr, steps, buf); break;
+          case 3: amx::weight_rows<3>(a.data(), K, xr, steps, buf); break;
+          default: amx::weight_rows<4>(a.data(), K, xr, steps, buf); break;
+        }
+        const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_setr_epi32(
+            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));  // [weight row][row of x]
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 sums = _mm512_add_ps(
+              _mm512_i32gather_ps(column, buf + (r / 16) * 256 + r % 16, 4), bias_v);
+          if constexpr (std::is_same_v<O, float>)
+            _mm512_mask_storeu_ps(out + (r0 + r) * os + n0, lanes, sums);
+          else
+            _mm256_mask_storeu_epi16(out + (r0 + r) * os + n0, lanes,
+                                     reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sums)));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Whether this build runs the tile path on AMX tiles (`amx_linear`), and Linux allows it.
+bool amx_available() {
+#if VLMSERVE_AMX
+  return vlmserve_amx::enabled();
+#else
+  return false;
+#endif
+}
+
+// out [M, N] (float32, or bfloat16 like x) = x [M, K] bfloat16 @ W^T (+ bias), W's blocks
+// dequantized 16 rows at a time onto AMX tiles.
+void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks,
+                int64_t qtype, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_available(), "quantized amx_linear: no AMX tiles in this build or process");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "quantized amx_linear: bfloat16 x [rows, width] with dense rows");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 &&
+                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
+              "quantized amx_linear: out float32 or bfloat16 [rows, out] with dense rows");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks: contiguous uint8 [out, bytes]");
+  const Layout lay = layout(qtype);
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  TORCH_CHECK(K % lay.block == 0 && K % 32 == 0 && blocks.size(1) == K / lay.block * lay.bytes,
+              "blocks do not hold rows of ", K, " values");
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [rows, out]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16,
+                "bias: [out] bfloat16");
+  if (M == 0 || N == 0) return;
+#if VLMSERVE_AMX
+  const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  if (out.scalar_type() == at::kFloat)
+    run_amx_linear(out.data_ptr<float>(), out.stride(0), x.data_ptr<at::BFloat16>(), x.stride(0),
+                   M, w, N, K, qtype, b);
+  else
+    run_amx_linear(out.data_ptr<at::BFloat16>(), out.stride(0), x.data_ptr<at::BFloat16>(),
+                   x.stride(0), M, w, N, K, qtype, b);
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vlmserve_quant, m) {
@@ -1065,9 +1287,12 @@ TORCH_LIBRARY(vlmserve_quant, m) {
   m.def("has_isa(int isa) -> bool", &has_isa);
   m.def("dequantize(Tensor(a!) out, Tensor blocks, int qtype, Tensor? rows) -> ()");
   m.def("linear(Tensor(a!) out, Tensor x, Tensor blocks, int qtype, Tensor? bias, int isa) -> ()");
+  m.def("amx_available() -> bool", &amx_available);
+  m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor blocks, int qtype, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve_quant, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("linear", &linear);
+  m.impl("amx_linear", &amx_linear);
 }

@@ -192,6 +192,45 @@ def test_auto_path_follows_the_calibrated_rows():
     assert not torch.equal(forced["int_dot"][0], forced["tile"][0])  # the check can tell
 
 
+def test_auto_path_takes_amx_between_the_two_crossovers():
+    if not ql.amx_available():
+        pytest.skip("no AMX tiles here")
+    layer = QuantLinear([weight(Q.Q5_0, 40, 1024)])
+    layer._max_rows[torch.bfloat16], layer._amx_rows[torch.bfloat16] = [2], [3]
+    xs = {rows: torch.randn(rows, 1024).to(torch.bfloat16) for rows in (2, 3, 4)}
+    forced = {}
+    for path in ("int_dot", "amx", "tile"):
+        layer.path = path
+        forced[path] = {rows: layer.forward_float(x) for rows, x in xs.items()}
+    layer.path = "auto"
+    for rows, path in ((2, "int_dot"), (3, "amx"), (4, "tile")):
+        assert torch.equal(layer.forward_float(xs[rows]), forced[path][rows]), (rows, path)
+    for rows in (3, 4):  # the check can tell (float32 sums, added in other orders)
+        assert not torch.equal(forced["amx"][rows], forced["tile"][rows])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_amx_path_is_the_bfloat16_weights_matmul(qtype):
+    """AMX (bfloat16 x): the weight dequantized to bfloat16 as `dequantize` rounds it, float32
+    sums (float32 out: the bias added, never rounded; bfloat16 out: that rounded); 23 weight
+    rows (a part-filled tile of 16), 70 rows of x (a second pass, a part-filled tile), a
+    strided output (a part of a fused layer)."""
+    if not ql.amx_available():
+        pytest.skip("no AMX tiles here")
+    w, other = weight(qtype, 23, 512, seed=5), weight(Q.Q8_0, 8, 512, seed=6)
+    bias = (torch.randn(31) * 10).to(torch.bfloat16)
+    layer = QuantLinear([w, other], bias)
+    layer.path = "amx"
+    for rows in (1, 17, 70):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        x = x.to(torch.bfloat16)
+        full = torch.cat([p.dequantize(dtype=torch.bfloat16) for p in (w, other)]).double()
+        ref = x.double() @ full.T + bias.double()
+        out = layer.forward_float(x)
+        assert rel_error(out, ref) < 1e-6  # measured: at most 1.6e-7
+        assert torch.equal(layer(x), out.to(torch.bfloat16))
+
+
 def test_describe_names_types_bits_and_crossover(monkeypatch):
     monkeypatch.setattr(ql, "int_dot_max_rows", lambda *args: 16)
     layer = QuantLinear([weight(Q.Q5_0, 8, 256), weight(Q.Q8_0, 8, 256)])

@@ -144,6 +144,7 @@ def calibrate(decoder: nn.Module, dtype: torch.dtype) -> None:
     for module in decoder.modules():
         if isinstance(module, QuantLinear):
             module.max_rows(dtype)
+            module.amx_rows(dtype)
 
 
 def _groups_fit(weight: torch.Tensor, name: str) -> bool:
