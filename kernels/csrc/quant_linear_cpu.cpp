@@ -1202,6 +1202,9 @@ void run_amx_linear(O* out, int64_t os, const at::BFloat16* x, int64_t xs, int64
           std::fill(row, row + K, at::BFloat16(0.f));
           continue;
         }
+        if (n0 + 16 + c < N)  // the next tile's row, while this one's is decoded
+          for (int64_t l = 0; l < row_bytes; l += 64)
+            __builtin_prefetch(w + (n0 + 16 + c) * row_bytes + l, 0, 3);
         amx::dequant_row_bf16(qtype, w + (n0 + c) * row_bytes, K, row);
       }
       const __mmask16 lanes = static_cast<__mmask16>((1u << cols) - 1);
