@@ -1083,36 +1083,12 @@ std::vector<uint32_t> x_tiles(const at::BFloat16* x, int64_t xs, int64_t M, int6
   return b;
 }
 
-// C_j = the 16 weight rows at w (a row K values) times x's B tiles j = 0..XT-1; C_j to
-// buf + 256 j, [weight row][row of x].
+// C_j = the 16 weight rows at w (a row K values; A, shared) times x's B tiles j =
+// 0..XT-1; C_j to buf + 256 j, [weight row][row of x].
 template <int XT>
 inline void weight_rows(const at::BFloat16* w, int64_t K, const uint32_t* xb, int64_t steps,
                         float* buf) {
-  _tile_zero(0);
-  if constexpr (XT > 1) _tile_zero(1);
-  if constexpr (XT > 2) _tile_zero(2);
-  if constexpr (XT > 3) _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(4, w + 32 * s, 2 * K);
-    _tile_loadd(5, xb + 256 * s, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (XT > 1) {
-      _tile_loadd(6, xb + 256 * (steps + s), 64);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-    if constexpr (XT > 2) {
-      _tile_loadd(7, xb + 256 * (2 * steps + s), 64);
-      _tile_dpbf16ps(2, 4, 7);
-    }
-    if constexpr (XT > 3) {
-      _tile_loadd(5, xb + 256 * (3 * steps + s), 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-  }
-  _tile_stored(0, buf, 64);
-  if constexpr (XT > 1) _tile_stored(1, buf + 256, 64);
-  if constexpr (XT > 2) _tile_stored(2, buf + 512, 64);
-  if constexpr (XT > 3) _tile_stored(3, buf + 768, 64);
+  vlmserve_amx::tile_pass<XT, true>(w, 64, 2 * K, xb, steps, buf);
 }
 
 // 32 float32 values (two vectors) -> bfloat16 at out, rounded to nearest even (as

@@ -286,35 +286,11 @@ namespace amx {
 using vlmserve_amx::configure;
 using vlmserve_amx::enabled;
 
-// C_r += A(r, s) B(n, s) over the K steps for RT row tiles; C_r stored to buf[r].
+// C_r += A(r, s) B(n, s) over the K steps for RT row tiles (x's A tiles at a, the column
+// tile's B at b, shared); C_r stored to buf[r].
 template <int RT>
 inline void column_tile(const uint16_t* a, const uint16_t* b, int64_t steps, float* buf) {
-  _tile_zero(0);
-  if constexpr (RT > 1) _tile_zero(1);
-  if constexpr (RT > 2) _tile_zero(2);
-  if constexpr (RT > 3) _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s) {
-    _mm_prefetch(reinterpret_cast<const char*>(b + 512 * (s + 16)), _MM_HINT_T0);
-    _tile_loadd(4, b + 512 * s, 64);
-    _tile_loadd(5, a + 512 * s, 64);
-    _tile_dpbf16ps(0, 5, 4);
-    if constexpr (RT > 1) {
-      _tile_loadd(6, a + 512 * (steps + s), 64);
-      _tile_dpbf16ps(1, 6, 4);
-    }
-    if constexpr (RT > 2) {
-      _tile_loadd(7, a + 512 * (2 * steps + s), 64);
-      _tile_dpbf16ps(2, 7, 4);
-    }
-    if constexpr (RT > 3) {
-      _tile_loadd(5, a + 512 * (3 * steps + s), 64);
-      _tile_dpbf16ps(3, 5, 4);
-    }
-  }
-  _tile_stored(0, buf, 64);
-  if constexpr (RT > 1) _tile_stored(1, buf + 256, 64);
-  if constexpr (RT > 2) _tile_stored(2, buf + 512, 64);
-  if constexpr (RT > 3) _tile_stored(3, buf + 768, 64);
+  vlmserve_amx::tile_pass<RT, false>(b, 1024, 64, a, steps, buf);
 }
 
 }  // namespace amx
