@@ -405,15 +405,15 @@ def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
 def _tile_linear(
     out: torch.Tensor, x: torch.Tensor, part: QuantWeight, bias: torch.Tensor | None
 ) -> None:
-    """out = x @ part.T + bias, a tile of weight rows dequantized at a time into a scratch
-    buffer, each multiplied by the engine's skinny kernel up to the rows calibrated for it
-    at the tile's shape (tile in x's dtype; float32 out: the float32 sums as they are),
-    above them by torch's GEMM (tile in out's dtype: float32 out is never rounded)."""
+    """out = x @ part.T + bias, a tile of weight rows dequantized at a time (in x's dtype)
+    into a scratch buffer, each multiplied by the engine's skinny kernel up to the rows
+    calibrated for it at the tile's shape (float32 out: the float32 sums as they are), above
+    them by torch's GEMM (bfloat16 x and float32 out: its bfloat16 output widened, as the
+    bfloat16 engine's LM head on oneDNN gives it; a float32 GEMM on float32 tiles ran the
+    real file's head at 64 rows in 2x the time on an AMX Xeon)."""
     tile_rows = min(part.out_features, max(16, TILE_BYTES // (part.in_features * 2)))
     skinny = x.shape[0] <= skinny_max_rows(x.dtype, part.in_features, tile_rows)
-    dtype = x.dtype if skinny else out.dtype
-    xs = x if x.dtype == dtype else x.to(dtype)
-    scratch = torch.empty(tile_rows, part.in_features, dtype=dtype)
+    scratch = torch.empty(tile_rows, part.in_features, dtype=x.dtype)
     native = kernel_available() is None
     for start in range(0, part.out_features, tile_rows):
         end = min(part.out_features, start + tile_rows)
@@ -421,12 +421,12 @@ def _tile_linear(
             weight = scratch[: end - start]
             torch.ops.vlmserve_quant.dequantize(weight, part.blocks[start:end], part.qtype, None)
         else:
-            weight = dequantize_reference(part.blocks[start:end], part.qtype).to(dtype)
-        b = None if bias is None else bias[start:end].to(dtype)
+            weight = dequantize_reference(part.blocks[start:end], part.qtype).to(x.dtype)
+        b = None if bias is None else bias[start:end].to(x.dtype)
         if skinny:
-            out[:, start:end] = skinny_linear(xs, weight, b, out.dtype)
+            out[:, start:end] = skinny_linear(x, weight, b, out.dtype)
         else:
-            out[:, start:end] = F.linear(xs, weight, b)
+            out[:, start:end] = F.linear(x, weight, b)
 
 
 class QuantEmbedding(nn.Module):

@@ -33,6 +33,14 @@
 #include <type_traits>
 #include <vector>
 
+// AVX-512 with its bfloat16 conversions: a row decodes straight to bfloat16 (AMX CPUs have
+// them all, as do Zen 4 and 5).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__)
+#define VLMSERVE_DEQUANT_BF16 1
+#else
+#define VLMSERVE_DEQUANT_BF16 0
+#endif
+
 namespace {
 
 enum QType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
@@ -138,19 +146,31 @@ void dequant_block(int64_t qtype, const uint8_t* b, float* y) {
   }
 }
 
+// A row's K values from its blocks, as dequant_block computes them (vectorized with AVX2),
+// and float32 -> bfloat16 as at::BFloat16 rounds (to nearest even; a NaN to 0x7FC0).
+void dequant_row(int64_t qtype, const uint8_t* src, int64_t K, float* y);
+void round_bf16(const float* y, int64_t n, at::BFloat16* out);
+#if VLMSERVE_DEQUANT_BF16
+void dequant_row_bf16(int64_t qtype, const uint8_t* src, int64_t K, at::BFloat16* out);
+#endif
+
 template <typename T>
 void dequant_rows(T* out, const uint8_t* blocks, int64_t row_bytes, const int64_t* index,
                   int64_t count, int64_t K, int64_t qtype) {
-  const Layout lay = layout(qtype);
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(K);
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* src = blocks + (index ? index[r] : r) * row_bytes;
-      float* y = std::is_same_v<T, float> ? reinterpret_cast<float*>(out + r * K) : row.data();
-      for (int64_t b = 0; b < K / lay.block; ++b)
-        dequant_block(qtype, src + b * lay.bytes, y + b * lay.block);
-      if constexpr (!std::is_same_v<T, float>)
-        for (int64_t k = 0; k < K; ++k) out[r * K + k] = T(row[k]);  // round to nearest even
+      if constexpr (std::is_same_v<T, float>) {
+        dequant_row(qtype, src, K, out + r * K);
+      } else {
+#if VLMSERVE_DEQUANT_BF16
+        dequant_row_bf16(qtype, src, K, out + r * K);
+#else
+        dequant_row(qtype, src, K, row.data());
+        round_bf16(row.data(), K, out + r * K);
+#endif
+      }
     }
   });
 }
@@ -917,6 +937,119 @@ void dot_row_isa(int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq
 }
 #endif
 
+#if defined(__AVX2__)
+// A row's blocks decoded 32 codes at a time (AVX2): sink(at, q, offset, s0, s1, m, is_signed)
+// is handed the values at..at+31 as codes q (bytes), each (s * float(q - offset)) - m with
+// s = s0 for the first 16 and s1 for the last, which are dequant_block's float32 operations
+// (its Q8_0's q * d and Q4_0's d * (q - 8) alike: a product is commutative, x - 0 is x).
+template <class Sink>
+inline void decode_row(int64_t qtype, const uint8_t* src, int64_t K, Sink&& sink) {
+  const Layout lay = layout(qtype);
+  const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
+  for (int64_t b = 0, at = 0; b < K / lay.block; ++b, src += lay.bytes, at += lay.block) {
+    switch (qtype) {
+      case Q4_0: sink(at, nibbles32(src + 2), 8, f16(src), f16(src), 0.f, false); break;
+      case Q5_0:
+        sink(at, with_fifth_bits(nibbles32(src + 6), src + 2), 16, f16(src), f16(src), 0.f, false);
+        break;
+      case Q8_0: sink(at, load32(src + 2), 0, f16(src), f16(src), 0.f, true); break;
+      case Q4_K: {  // (d * sc) * q - dmin * m per sub-block of 32
+        const float d = f16(src), dmin = f16(src + 2);
+        uint8_t sc[8], mn[8];
+        k4_scales(src + 4, sc, mn);
+        for (int j = 0; j < 8; ++j) {
+          const __m256i q = load32(src + 16 + 32 * (j / 2));
+          const float ds = d * static_cast<float>(sc[j]);
+          sink(at + 32 * j, _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, low), 0, ds, ds,
+               dmin * static_cast<float>(mn[j]), false);
+        }
+        break;
+      }
+      case Q6_K: {  // (d * sc) * (q - 32) per 16; the values of half h, 32 a quarter k
+        const int8_t* sc = reinterpret_cast<const int8_t*>(src + 192);
+        const float d = f16(src + 208);
+        for (int h = 0; h < 2; ++h)
+          for (int k = 0; k < 4; ++k) {
+            const __m256i lb = load32(src + 64 * h + 32 * (k % 2));
+            const __m256i lo = _mm256_and_si256(k < 2 ? lb : _mm256_srli_epi16(lb, 4), low);
+            const __m256i hb = _mm256_srli_epi16(load32(src + 128 + 32 * h), 2 * k);
+            const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hb, two), 4));
+            const int i = 128 * h + 32 * k;
+            sink(at + i, q, 32, d * static_cast<float>(sc[i / 16]),
+                 d * static_cast<float>(sc[i / 16 + 1]), 0.f, false);
+          }
+        break;
+      }
+      default: TORCH_CHECK(false, "unsupported block type ", qtype);
+    }
+  }
+}
+
+// 8 codes (the low 8 bytes of c) minus `offset`, as float32.
+inline __m256 codes8(__m128i c, int32_t offset, bool is_signed) {
+  const __m256i v = is_signed ? _mm256_cvtepi8_epi32(c) : _mm256_cvtepu8_epi32(c);
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(v, _mm256_set1_epi32(offset)));
+}
+
+// 8 floats -> their bfloat16 bits in 32-bit lanes (at::BFloat16's rounding).
+inline __m256i bf16_bits(const float* p) {
+  const __m256 x = _mm256_loadu_ps(p);
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(_mm256_srli_epi32(_mm256_add_epi32(u, bias), 16),
+                            _mm256_set1_epi32(0x7FC0), nan);
+}
+#endif
+
+void dequant_row(int64_t qtype, const uint8_t* src, int64_t K, float* y) {
+#if defined(__AVX2__)
+  decode_row(qtype, src, K, [y](int64_t at, __m256i q, int32_t offset, float s0, float s1, float m,
+                                bool is_signed) {
+    const __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+    for (int i = 0; i < 4; ++i) {
+      const __m256 v = codes8(i % 2 ? _mm_srli_si128(half[i / 2], 8) : half[i / 2], offset, is_signed);
+      _mm256_storeu_ps(y + at + 8 * i, _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(i < 2 ? s0 : s1), v),
+                                                     _mm256_set1_ps(m)));
+    }
+  });
+#else
+  const Layout lay = layout(qtype);
+  for (int64_t b = 0; b < K / lay.block; ++b) dequant_block(qtype, src + b * lay.bytes, y + b * lay.block);
+#endif
+}
+
+void round_bf16(const float* y, int64_t n, at::BFloat16* out) {
+  int64_t k = 0;
+#if defined(__AVX2__)
+  for (; k + 16 <= n; k += 16)  // packus interleaves the 128-bit lanes; the permute restores them
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(bf16_bits(y + k), bf16_bits(y + k + 8)), 0xD8));
+#endif
+  for (; k < n; ++k) out[k] = at::BFloat16(y[k]);  // round to nearest even
+}
+
+#if VLMSERVE_DEQUANT_BF16
+// One weight row's blocks (K values) -> bfloat16 in one pass: round_bf16 of dequant_row's
+// values bit for bit (VCVTNE2PS2BF16 rounds to nearest even, as at::BFloat16 does; it
+// would flush a denormal, which no block's product is, and keep a NaN's payload, which
+// round_bf16 makes 0x7FC0).
+void dequant_row_bf16(int64_t qtype, const uint8_t* src, int64_t K, at::BFloat16* out) {
+  decode_row(qtype, src, K, [out](int64_t at, __m256i q, int32_t offset, float s0, float s1,
+                                  float m, bool is_signed) {
+    const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+    const __m512i off = _mm512_set1_epi32(offset);
+    const __m512i a = is_signed ? _mm512_cvtepi8_epi32(q0) : _mm512_cvtepu8_epi32(q0);
+    const __m512i b = is_signed ? _mm512_cvtepi8_epi32(q1) : _mm512_cvtepu8_epi32(q1);
+    const __m512 mv = _mm512_set1_ps(m);
+    const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s0), _mm512_cvtepi32_ps(_mm512_sub_epi32(a, off))), mv);
+    const __m512 hi = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s1), _mm512_cvtepi32_ps(_mm512_sub_epi32(b, off))), mv);
+    _mm512_storeu_si512(out + at, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  });
+}
+#endif
+
 // Rows [m0, m0 + rows) of xq against one weight row w (K values), with instruction set isa.
 inline void dot_row(int64_t isa, int64_t qtype, const uint8_t* w, int64_t K, const QuantRows& xq,
                     int64_t m0, int64_t rows, float* sums) {
@@ -1091,73 +1224,6 @@ inline void weight_rows(const at::BFloat16* w, int64_t K, const uint32_t* xb, in
   vlmserve_amx::tile_pass<XT, true>(w, 64, 2 * K, xb, steps, buf);
 }
 
-// 32 float32 values (two vectors) -> bfloat16 at out, rounded to nearest even (as
-// at::BFloat16's conversion of `dequant_block`'s values: the products are never denormal).
-inline void store_bf16(at::BFloat16* out, __m512 lo, __m512 hi) {
-  _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-}
-
-// 32 codes (bytes, signed or unsigned), each minus `offset`, times d, as dequant_block
-// computes them (one float32 multiply).
-template <bool Signed>
-inline void codes_bf16(at::BFloat16* out, __m256i q, int32_t offset, float d) {
-  const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-  const __m512i a = Signed ? _mm512_cvtepi8_epi32(q0) : _mm512_cvtepu8_epi32(q0);
-  const __m512i b = Signed ? _mm512_cvtepi8_epi32(q1) : _mm512_cvtepu8_epi32(q1);
-  const __m512i off = _mm512_set1_epi32(offset);
-  const __m512 dv = _mm512_set1_ps(d);
-  store_bf16(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a, off)), dv),
-             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(b, off)), dv));
-}
-
-// One weight row's blocks (K values) -> bfloat16, bit for bit `dequantize`'s bfloat16.
-void dequant_row_bf16(int64_t qtype, const uint8_t* src, int64_t K, at::BFloat16* out) {
-  const Layout lay = layout(qtype);
-  for (int64_t b = 0; b < K / lay.block; ++b, src += lay.bytes, out += lay.block) {
-    switch (qtype) {
-      case Q4_0: codes_bf16<false>(out, nibbles32(src + 2), 8, f16(src)); break;
-      case Q5_0: codes_bf16<false>(out, with_fifth_bits(nibbles32(src + 6), src + 2), 16, f16(src)); break;
-      case Q8_0: codes_bf16<true>(out, load32(src + 2), 0, f16(src)); break;
-      case Q4_K: {  // (d * sc) * q - dmin * m per sub-block of 32
-        const float d = f16(src), dmin = f16(src + 2);
-        uint8_t sc[8], mn[8];
-        k4_scales(src + 4, sc, mn);
-        const __m256i low = _mm256_set1_epi8(15);
-        for (int j = 0; j < 8; ++j) {
-          const __m256i q = load32(src + 16 + 32 * (j / 2));
-          const __m256i codes = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, low);
-          const __m512 ds = _mm512_set1_ps(d * static_cast<float>(sc[j]));
-          const __m512 dm = _mm512_set1_ps(dmin * static_cast<float>(mn[j]));
-          const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
-          const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
-          store_bf16(out + 32 * j, _mm512_sub_ps(_mm512_mul_ps(ds, a), dm),
-                     _mm512_sub_ps(_mm512_mul_ps(ds, c), dm));
-        }
-        break;
-      }
-      case Q6_K: {  // (d * sc) * (q - 32) per 16; values e of each half h: 32 a quarter
-        const int8_t* sc = reinterpret_cast<const int8_t*>(src + 192);
-        const float d = f16(src + 208);
-        const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3);
-        for (int h = 0; h < 2; ++h)
-          for (int k = 0; k < 4; ++k) {
-            const __m256i lb = load32(src + 64 * h + 32 * (k % 2));
-            const __m256i lo = _mm256_and_si256(k < 2 ? lb : _mm256_srli_epi16(lb, 4), low);
-            const __m256i hb = _mm256_srli_epi16(load32(src + 128 + 32 * h), 2 * k);
-            const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(hb, two), 4));
-            const int i = 128 * h + 32 * k;
-            const __m512i off = _mm512_set1_epi32(32);
-            const __m512 a = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(q)), off));
-            const __m512 c = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(q, 1)), off));
-            store_bf16(out + i, _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[i / 16])), a),
-                       _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[i / 16 + 1])), c));
-          }
-        break;
-      }
-    }
-  }
-}
-
 }  // namespace amx
 
 template <typename O>
@@ -1181,7 +1247,7 @@ void run_amx_linear(O* out, int64_t os, const at::BFloat16* x, int64_t xs, int64
         if (n0 + 16 + c < N)  // the next tile's row, while this one's is decoded
           for (int64_t l = 0; l < row_bytes; l += 64)
             __builtin_prefetch(w + (n0 + 16 + c) * row_bytes + l, 0, 3);
-        amx::dequant_row_bf16(qtype, w + (n0 + c) * row_bytes, K, row);
+        dequant_row_bf16(qtype, w + (n0 + c) * row_bytes, K, row);
       }
       const __mmask16 lanes = static_cast<__mmask16>((1u << cols) - 1);
       __m512 bias_v = _mm512_setzero_ps();
