@@ -2,7 +2,7 @@
 (Q4_0, Q5_0, Q8_0) and K-quants (Q4_K, Q6_K), and our `--quantization int8` (weight-only
 int8 with a scale per 32 weights, in the Q8_0 block layout, so the same kernels run it).
 
-No dequantized copy of a weight is kept. Two paths (kernels/csrc/quant_linear_cpu.cpp):
+No dequantized copy of a weight is kept. Three paths (kernels/csrc/quant_linear_cpu.cpp):
 - small batches (decode: a few rows), as llama.cpp does it: each activation row quantized
   to int8 once a call (per 32 for the legacy blocks, per 256 with per-16 sums for the
   K-quants), then integer dot products per weight block (AVX-512 VNNI / AVX-VNNI
