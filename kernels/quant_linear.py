@@ -3,26 +3,18 @@
 int8 with a scale per 32 weights, in the Q8_0 block layout, so the same kernels run it).
 
 No dequantized copy of a weight is kept. Three paths (kernels/csrc/quant_linear_cpu.cpp):
-- small batches (decode: a few rows), as llama.cpp does it: each activation row quantized
-  to int8 once a call (per 32 for the legacy blocks, per 256 with per-16 sums for the
-  K-quants), then integer dot products per weight block (AVX-512 VNNI / AVX-VNNI
-  `dpbusd`, AVX2 `maddubs`, or scalar), float32 across blocks; each weight block read once
-  a call for all the rows (the legacy blocks two a 512-bit vector on AVX-512 VNNI). The int8
-  activations cost at most 9e-3 relative error (norm-wise) against the float64 matmul on
-  the dequantized weight (measured in tests/kernels/quant/test_quant_linear.py, bound 2e-2);
-- with AMX tiles (bfloat16 x): 16 weight rows at a time dequantized to bfloat16 and run on
-  AMX against every row of x, float32 sums unrounded (`amx_linear`; 3.5x the GEMM below at
-  64 rows of the real file's 262k-row head on an AMX Xeon);
-- larger batches: tiles of weight rows dequantized into a scratch buffer, each multiplied
-  into its output columns by the skinny bfloat16 / float32 kernel (kernels/packed_linear.py)
-  up to the rows calibrated for it, by torch's GEMM (oneDNN / MKL) above them.
-The rows from which each takes over are measured per block type, dtype and shape on the
-CPU that runs it, at first use (kernels/calibration.py), never a constant.
-
-Dequantization (the embedding's rows, the tiles, the tests) is float32 bit-identical to
-`gguf.quants.dequantize` (the same float32 operations in the same order); bfloat16 is
-that float32 rounded. Without a C++ compiler both paths fall back to `gguf`'s numpy
-decoders and torch's GEMM (slow, correct).
+- a few rows (decode), as llama.cpp does it: each row of x quantized to int8 once a call
+  (per 32 values, or 256 with per-16 sums for the K-quants), integer dot products per
+  weight block (`dpbusd` on VNNI CPUs, AVX2 `maddubs`, or scalar), float32 across blocks;
+  at most 9e-3 relative error against the float64 matmul (tests: bound 2e-2);
+- with AMX tiles (bfloat16 x): 16 weight rows at a time dequantized to bfloat16 and run
+  against every row of x, float32 sums unrounded (`amx_linear`; `amx_argmax` for greedy);
+- more rows: tiles of weight rows dequantized into a scratch buffer, each multiplied by the
+  skinny kernel (kernels/packed_linear.py) up to its calibrated rows, oneDNN / MKL above.
+Where each takes over is measured per block type, dtype and shape on the CPU that runs
+it, at first use (kernels/calibration.py), never a constant. Dequantization is float32
+bit-identical to `gguf.quants.dequantize`; bfloat16 is that rounded. Without a C++
+compiler: `gguf`'s numpy decoders and torch's GEMM (slow, correct).
 """
 
 from __future__ import annotations
@@ -85,6 +77,7 @@ def amx_available() -> bool:
     return kernel_available() is None and bool(torch.ops.vlmserve_quant.amx_available())
 
 
+@functools.cache
 def best_isa() -> int:
     """The int-dot instruction set the built kernel uses by default (an `ISA` value)."""
     return int(torch.ops.vlmserve_quant.best_isa()) if kernel_available() is None else 0
@@ -280,7 +273,6 @@ class QuantLinear(nn.Module):
         self.isa: int | None = None  # None: the best this build has
         self._max_rows: dict[torch.dtype, list[int]] = {}  # calibrated, per dtype
         self._amx_rows: dict[torch.dtype, list[int]] = {}
-        self._isa: int | None = None
         self._biases: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._plans: dict[torch.dtype, tuple[bool, list[tuple]]] = {}  # run's, per dtype
         ends = np.cumsum([p.out_features for p in self.parts]).tolist()
@@ -309,8 +301,22 @@ class QuantLinear(nn.Module):
         return self.run(x, x.dtype, self.path)
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
-        """As forward, float32 out, never rounded to bfloat16 (the LM head's logits)."""
+        """As forward, float32 out (the LM head's logits)."""
         return self.run(x, torch.float32, self.path)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """torch.argmax of forward_float(x) over its last dim straight from the AMX path's
+        sums (no logits written) where forward_float takes that path, else None."""
+        rows, part = x.reshape(-1, self.in_features), self.parts[0]
+        n, dtype = rows.shape[0], x.dtype
+        if self.triton or self.bias is not None or len(self.parts) > 1 or dtype != torch.bfloat16:
+            return None
+        auto = self.path == "auto" and self.max_rows(dtype)[0] < n <= self.amx_rows(dtype)[0]
+        if not (auto or self.path == "amx") or not amx_available():
+            return None
+        out = torch.empty(n, dtype=torch.long)
+        torch.ops.vlmserve_quant.amx_argmax(out, rows.contiguous(), part.blocks, part.qtype)
+        return out.view(x.shape[:-1])
 
     def run(self, x: torch.Tensor, out_dtype: torch.dtype, path: Path = "auto") -> torch.Tensor:
         """x @ W.T + bias in `out_dtype` by `path` ("auto": as calibrated)."""
@@ -324,7 +330,7 @@ class QuantLinear(nn.Module):
             rows = rows.contiguous()
         num_rows = rows.shape[0]
         out = torch.empty(num_rows, self.out_features, dtype=out_dtype)
-        isa = self._best_isa() if self.isa is None else self.isa
+        isa = best_isa() if self.isa is None else self.isa
         limits = self.max_rows(x.dtype) if path == "auto" and kernel else None
         for i, (part, bias, span) in enumerate(plan):
             target = out if span is None else out[:, span[0] : span[1]]
@@ -357,11 +363,6 @@ class QuantLinear(nn.Module):
         for i, (part, start, end) in enumerate(self._spans):
             gguf_linear(rows, part.blocks, part.qtype, self._bias(i, x.dtype), out[:, start:end])
         return out.view(*x.shape[:-1], self.out_features)
-
-    def _best_isa(self) -> int:
-        if self._isa is None:
-            self._isa = best_isa()
-        return self._isa
 
     def _bias(self, part: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Part `part`'s bias in `dtype` (made once)."""

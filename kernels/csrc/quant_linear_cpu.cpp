@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <mutex>
 #include <vector>
 
 // AVX-512 with its bfloat16 conversions: a row decodes straight to bfloat16 (AMX CPUs have
@@ -1226,16 +1227,23 @@ inline void weight_rows(const at::BFloat16* w, int64_t K, const uint32_t* xb, in
 
 }  // namespace amx
 
-template <typename O>
-void run_amx_linear(O* out, int64_t os, const at::BFloat16* x, int64_t xs, int64_t M,
-                    const uint8_t* w, int64_t N, int64_t K, int64_t qtype, const at::BFloat16* bias) {
+// The AMX path's loop: every tile of 16 weight rows (a thread's share in increasing order)
+// against every row of x; sink(r, n0, lanes, sums) takes row r's float32 sums (+ bias) for
+// weight rows n0.. (`lanes` of them). Each thread makes its sink with make_sink() and calls
+// its finish() after its last tile.
+template <class MakeSink>
+void amx_tiles(const at::BFloat16* x, int64_t xs, int64_t M, const uint8_t* w, int64_t N,
+               int64_t K, int64_t qtype, const at::BFloat16* bias, MakeSink&& make_sink) {
   const Layout lay = layout(qtype);
   const int64_t row_bytes = K / lay.block * lay.bytes, steps = K / 32, tiles = (N + 15) / 16;
   const std::vector<uint32_t> xb = amx::x_tiles(x, xs, M, K);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     vlmserve_amx::configure();
+    auto sink = make_sink();
     std::vector<at::BFloat16> a(16 * K);  // the 16 weight rows, bfloat16
     alignas(64) float buf[4 * 256];
+    const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_setr_epi32(
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));  // [weight row][row of x]
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = 16 * t, cols = std::min<int64_t>(16, N - n0);
       for (int64_t c = 0; c < 16; ++c) {
@@ -1265,22 +1273,67 @@ void run_amx_linear(O* out, int64_t os, const at::BFloat16* x, int64_t xs, int64
           case 3: amx::weight_rows<3>(a.data(), K, xr, steps, buf); break;
           default: amx::weight_rows<4>(a.data(), K, xr, steps, buf); break;
         }
-        const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_setr_epi32(
-            0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));  // [weight row][row of x]
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512 sums = _mm512_add_ps(
-              _mm512_i32gather_ps(column, buf + (r / 16) * 256 + r % 16, 4), bias_v);
-          if constexpr (std::is_same_v<O, float>)
-            _mm512_mask_storeu_ps(out + (r0 + r) * os + n0, lanes, sums);
-          else
-            _mm256_mask_storeu_epi16(out + (r0 + r) * os + n0, lanes,
-                                     reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sums)));
-        }
+        for (int64_t r = 0; r < rows; ++r)
+          sink(r0 + r, n0, lanes,
+               _mm512_add_ps(_mm512_i32gather_ps(column, buf + (r / 16) * 256 + r % 16, 4), bias_v));
       }
     }
+    sink.finish();
     _tile_release();
   });
 }
+
+template <typename O>
+struct StoreSums {  // amx_linear: the sums into out's rows
+  O* out;
+  int64_t os;
+  void operator()(int64_t r, int64_t n0, __mmask16 lanes, __m512 sums) const {
+    if constexpr (std::is_same_v<O, float>)
+      _mm512_mask_storeu_ps(out + r * os + n0, lanes, sums);
+    else
+      _mm256_mask_storeu_epi16(out + r * os + n0, lanes, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sums)));
+  }
+  void finish() const {}
+};
+
+// amx_argmax: per row of x, 16 lanes of (first maximum, its weight row) over the thread's
+// tiles (a lane meets its columns in increasing order: a later equal value does not win, a
+// NaN wins over numbers, the first NaN stays), then the lanes and the threads merged by
+// torch.argmax's rule (a NaN first, then the largest, the smallest index among equals).
+struct ArgmaxSums {
+  int64_t* out;
+  float* best_value;  // [M], shared by the threads (under `mutex`)
+  std::mutex* mutex;
+  std::vector<__m512> value;
+  std::vector<__m512i> index;  // -1: none yet
+  void operator()(int64_t r, int64_t n0, __mmask16 lanes, __m512 sums) {
+    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(n0)),
+                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __mmask16 held_nan = _mm512_cmp_ps_mask(value[r], value[r], _CMP_UNORD_Q);
+    const __mmask16 fresh = _mm512_cmpeq_epi32_mask(index[r], _mm512_set1_epi32(-1));
+    const __mmask16 beats = _mm512_cmp_ps_mask(sums, value[r], _CMP_GT_OQ) |
+                            _mm512_cmp_ps_mask(sums, sums, _CMP_UNORD_Q);
+    const __mmask16 take = lanes & (fresh | (beats & ~held_nan));
+    value[r] = _mm512_mask_mov_ps(value[r], take, sums);
+    index[r] = _mm512_mask_mov_epi32(index[r], take, at);
+  }
+  void finish() {
+    const std::lock_guard<std::mutex> lock(*mutex);
+    alignas(64) float v[16];
+    alignas(64) int32_t i[16];
+    for (size_t r = 0; r < value.size(); ++r) {
+      _mm512_store_ps(v, value[r]);
+      _mm512_store_si512(i, index[r]);
+      for (int l = 0; l < 16; ++l) {
+        if (i[l] < 0) continue;
+        const bool nan = v[l] != v[l], held = out[r] >= 0, held_nan = held && best_value[r] != best_value[r];
+        const bool wins = !held || (nan ? !held_nan || i[l] < out[r]
+                                        : !held_nan && (v[l] > best_value[r] || (v[l] == best_value[r] && i[l] < out[r])));
+        if (wins) out[r] = i[l], best_value[r] = v[l];
+      }
+    }
+  }
+};
 #endif
 
 // Whether this build runs the tile path on AMX tiles (`amx_linear`), and Linux allows it.
@@ -1316,12 +1369,42 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& bl
 #if VLMSERVE_AMX
   const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
   const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   if (out.scalar_type() == at::kFloat)
-    run_amx_linear(out.data_ptr<float>(), out.stride(0), x.data_ptr<at::BFloat16>(), x.stride(0),
-                   M, w, N, K, qtype, b);
+    amx_tiles(xp, x.stride(0), M, w, N, K, qtype, b, [&] { return StoreSums<float>{out.data_ptr<float>(), out.stride(0)}; });
   else
-    run_amx_linear(out.data_ptr<at::BFloat16>(), out.stride(0), x.data_ptr<at::BFloat16>(),
-                   x.stride(0), M, w, N, K, qtype, b);
+    amx_tiles(xp, x.stride(0), M, w, N, K, qtype, b, [&] {
+      return StoreSums<at::BFloat16>{out.data_ptr<at::BFloat16>(), out.stride(0)};
+    });
+#endif
+}
+
+// out [M] int64: torch.argmax over N of amx_linear's float32 sums (x [M, K] bfloat16 @ W^T),
+// no sums written anywhere: greedy decoding's tokens straight from a quantized LM head.
+void amx_argmax(const at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(amx_available(), "quantized amx_argmax: no AMX tiles in this build or process");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "quantized amx_argmax: bfloat16 x [rows, width] with dense rows");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks: contiguous uint8 [out, bytes]");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == x.size(0),
+              "quantized amx_argmax: out int64 [rows]");
+  const Layout lay = layout(qtype);
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  TORCH_CHECK(K % lay.block == 0 && K % 32 == 0 && blocks.size(1) == K / lay.block * lay.bytes,
+              "blocks do not hold rows of ", K, " values");
+  TORCH_CHECK(N > 0 && N < (int64_t{1} << 31), "quantized amx_argmax: 1 to 2^31 - 1 weight rows");
+  int64_t* o = out.data_ptr<int64_t>();
+  std::fill(o, o + M, int64_t{-1});
+  if (M == 0) return;
+#if VLMSERVE_AMX
+  std::vector<float> best(M);
+  std::mutex mutex;
+  amx_tiles(x.data_ptr<at::BFloat16>(), x.stride(0), M, blocks.data_ptr<uint8_t>(), N, K, qtype,
+            nullptr, [&] {
+              return ArgmaxSums{o, best.data(), &mutex, std::vector<__m512>(M, _mm512_setzero_ps()),
+                                std::vector<__m512i>(M, _mm512_set1_epi32(-1))};
+            });
 #endif
 }
 
@@ -1334,10 +1417,12 @@ TORCH_LIBRARY(vlmserve_quant, m) {
   m.def("linear(Tensor(a!) out, Tensor x, Tensor blocks, int qtype, Tensor? bias, int isa) -> ()");
   m.def("amx_available() -> bool", &amx_available);
   m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor blocks, int qtype, Tensor? bias) -> ()");
+  m.def("amx_argmax(Tensor(a!) out, Tensor x, Tensor blocks, int qtype) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve_quant, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("linear", &linear);
   m.impl("amx_linear", &amx_linear);
+  m.impl("amx_argmax", &amx_argmax);
 }

@@ -231,6 +231,31 @@ def test_amx_path_is_the_bfloat16_weights_matmul(qtype):
         assert torch.equal(layer(x), out.to(torch.bfloat16))
 
 
+def test_amx_argmax_is_torch_argmax_of_the_amx_sums():
+    """Greedy tokens straight from the AMX path: torch.argmax's pick (the first of equal
+    maxima, the first NaN) over 2 threads' tiles, rows of x in 2 passes; tied rows: weight
+    row 30 a copy of 5, and 3 of 40 (later, larger columns in other threads' tiles); a NaN
+    scale in row 33 (in a second weight)."""
+    if not ql.amx_available():
+        pytest.skip("no AMX tiles here")
+    w = weight(Q.Q8_0, 600, 512, seed=8)
+    w.blocks[30], w.blocks[40] = w.blocks[5], w.blocks[3]
+    nan = QuantWeight(w.blocks.clone(), w.qtype, 512)
+    nan.blocks[33, :2] = torch.tensor([0xFF, 0x7F], dtype=torch.uint8)  # float16 NaN
+    for weights in (w, nan):
+        layer = QuantLinear([weights])
+        layer.path = "amx"
+        for rows in (1, 17, 70):
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+            x = x.to(torch.bfloat16)
+            x[0] = 0  # every sum 0 (NaN in the NaN row): the first column, or the NaN's
+            ids = layer.argmax(x)
+            assert torch.equal(ids, torch.argmax(layer.forward_float(x), dim=-1))
+        assert ids[0] == (33 if weights is nan else 0)
+    layer.path = "int_dot"
+    assert layer.argmax(x) is None  # not the AMX path: the caller takes the logits
+
+
 def test_describe_names_types_bits_and_crossover(monkeypatch):
     monkeypatch.setattr(ql, "int_dot_max_rows", lambda *args: 16)
     layer = QuantLinear([weight(Q.Q5_0, 8, 256), weight(Q.Q8_0, 8, 256)])

@@ -189,7 +189,8 @@ class Decoder(nn.Module):
         # compute_logits (the first maximum; a NaN first). Straight from the head where it
         # was calibrated to (no logits written: 67 MB a step at 64 rows of a 262k
         # vocabulary), never through a softcap (its float32 tanh can tie what the sums did not).
-        if isinstance(self.lm_head, LogitsHead) and self.cfg.final_logit_softcapping is None:
+        heads = (LogitsHead, QuantLinear)
+        if isinstance(self.lm_head, heads) and self.cfg.final_logit_softcapping is None:
             ids = self.lm_head.argmax(hidden)
             if ids is not None:
                 return ids
