@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace vlmserve_amx {
 
@@ -85,6 +86,50 @@ inline void tile_pass(const void* shared_ptr, int64_t step_bytes, int64_t stride
   if constexpr (T > 2) _tile_stored(2, buf + 512, 64);
   if constexpr (T > 3) _tile_stored(3, buf + 768, 64);
 }
+
+// A candidate for a row's argmax: torch.argmax's order (a NaN above every number, the
+// first NaN or the first maximum wins).
+struct Best {
+  float value;
+  int64_t index;
+  bool beats(const Best& o) const {
+    const bool nan = value != value, other_nan = o.value != o.value;
+    if (nan || other_nan) return nan && (!other_nan || index < o.index);
+    return value > o.value || (value == o.value && index < o.index);
+  }
+};
+
+// Greedy tokens from tiles of sums, one thread's share: per row of x, 16 lanes of (first
+// maximum, its column) over the columns the thread meets in increasing order (a later
+// equal value does not win, a NaN wins over numbers, the first NaN stays; columns below
+// 2^31). merge_into folds them into best[row] (index -1: none yet) in torch.argmax's
+// order, under the caller's lock.
+struct LaneArgmax {
+  std::vector<float> value;
+  std::vector<int32_t> column;  // -1: none yet
+  explicit LaneArgmax(int64_t rows) : value(rows * 16, 0.0f), column(rows * 16, -1) {}
+
+  // Row r's sums v of columns first..first+15 (`valid` of them).
+  void update(int64_t r, int64_t first, __mmask16 valid, __m512 v) {
+    float* kv = value.data() + 16 * r;
+    int32_t* kc = column.data() + 16 * r;
+    const __m512 kept = _mm512_loadu_ps(kv);
+    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first)),
+                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __mmask16 fresh = _mm512_cmp_epi32_mask(_mm512_loadu_si512(kc), _mm512_set1_epi32(-1), _MM_CMPINT_EQ);
+    const __mmask16 take = valid & (fresh | _mm512_cmp_ps_mask(v, kept, _CMP_GT_OQ) |
+                                     (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & ~_mm512_cmp_ps_mask(kept, kept, _CMP_UNORD_Q)));
+    _mm512_storeu_ps(kv, _mm512_mask_mov_ps(kept, take, v));
+    _mm512_storeu_si512(kc, _mm512_mask_mov_epi32(_mm512_loadu_si512(kc), take, at));
+  }
+
+  void merge_into(Best* best) const {
+    for (size_t i = 0; i < column.size(); ++i) {
+      const Best c{value[i], column[i]};
+      if (c.index >= 0 && (best[i / 16].index < 0 || c.beats(best[i / 16]))) best[i / 16] = c;
+    }
+  }
+};
 
 }  // namespace vlmserve_amx
 #else

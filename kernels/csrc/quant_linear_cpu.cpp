@@ -27,11 +27,12 @@
 #include "amx.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 // AVX-512 with its bfloat16 conversions: a row decodes straight to bfloat16 (AMX CPUs have
@@ -159,7 +160,7 @@ template <typename T>
 void dequant_rows(T* out, const uint8_t* blocks, int64_t row_bytes, const int64_t* index,
                   int64_t count, int64_t K, int64_t qtype) {
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(K);
+    std::vector<float> row(std::is_same_v<T, float> || VLMSERVE_DEQUANT_BF16 ? 0 : K);  // round_bf16's
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* src = blocks + (index ? index[r] : r) * row_bytes;
       if constexpr (std::is_same_v<T, float>) {
@@ -1296,42 +1297,14 @@ struct StoreSums {  // amx_linear: the sums into out's rows
   void finish() const {}
 };
 
-// amx_argmax: per row of x, 16 lanes of (first maximum, its weight row) over the thread's
-// tiles (a lane meets its columns in increasing order: a later equal value does not win, a
-// NaN wins over numbers, the first NaN stays), then the lanes and the threads merged by
-// torch.argmax's rule (a NaN first, then the largest, the smallest index among equals).
-struct ArgmaxSums {
-  int64_t* out;
-  float* best_value;  // [M], shared by the threads (under `mutex`)
+struct ArgmaxSums {  // amx_argmax: per thread, amx.h's lanes, merged at the end
+  vlmserve_amx::LaneArgmax lanes;
+  vlmserve_amx::Best* best;  // [M], shared by the threads (under `mutex`)
   std::mutex* mutex;
-  std::vector<__m512> value;
-  std::vector<__m512i> index;  // -1: none yet
-  void operator()(int64_t r, int64_t n0, __mmask16 lanes, __m512 sums) {
-    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(n0)),
-                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __mmask16 held_nan = _mm512_cmp_ps_mask(value[r], value[r], _CMP_UNORD_Q);
-    const __mmask16 fresh = _mm512_cmpeq_epi32_mask(index[r], _mm512_set1_epi32(-1));
-    const __mmask16 beats = _mm512_cmp_ps_mask(sums, value[r], _CMP_GT_OQ) |
-                            _mm512_cmp_ps_mask(sums, sums, _CMP_UNORD_Q);
-    const __mmask16 take = lanes & (fresh | (beats & ~held_nan));
-    value[r] = _mm512_mask_mov_ps(value[r], take, sums);
-    index[r] = _mm512_mask_mov_epi32(index[r], take, at);
-  }
+  void operator()(int64_t r, int64_t n0, __mmask16 valid, __m512 sums) { lanes.update(r, n0, valid, sums); }
   void finish() {
     const std::lock_guard<std::mutex> lock(*mutex);
-    alignas(64) float v[16];
-    alignas(64) int32_t i[16];
-    for (size_t r = 0; r < value.size(); ++r) {
-      _mm512_store_ps(v, value[r]);
-      _mm512_store_si512(i, index[r]);
-      for (int l = 0; l < 16; ++l) {
-        if (i[l] < 0) continue;
-        const bool nan = v[l] != v[l], held = out[r] >= 0, held_nan = held && best_value[r] != best_value[r];
-        const bool wins = !held || (nan ? !held_nan || i[l] < out[r]
-                                        : !held_nan && (v[l] > best_value[r] || (v[l] == best_value[r] && i[l] < out[r])));
-        if (wins) out[r] = i[l], best_value[r] = v[l];
-      }
-    }
+    lanes.merge_into(best);
   }
 };
 #endif
@@ -1345,22 +1318,31 @@ bool amx_available() {
 #endif
 }
 
+// The AMX ops' operands checked: bfloat16 x [M, K] with dense rows, W's blocks [N, bytes]
+// holding rows of K values (a multiple of 32); {M, K, N}.
+std::array<int64_t, 3> amx_operands(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
+                                    const char* name) {
+  TORCH_CHECK(amx_available(), "quantized ", name, ": no AMX tiles in this build or process");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "quantized ", name, ": bfloat16 x [rows, width] with dense rows");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks: contiguous uint8 [out, bytes]");
+  const Layout lay = layout(qtype);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % lay.block == 0 && K % 32 == 0 && blocks.size(1) == K / lay.block * lay.bytes,
+              "blocks do not hold rows of ", K, " values");
+  return {x.size(0), K, blocks.size(0)};
+}
+
 // out [M, N] (float32, or bfloat16 like x) = x [M, K] bfloat16 @ W^T (+ bias), W's blocks
 // dequantized 16 rows at a time onto AMX tiles.
 void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks,
                 int64_t qtype, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_available(), "quantized amx_linear: no AMX tiles in this build or process");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
-              "quantized amx_linear: bfloat16 x [rows, width] with dense rows");
+  const std::array<int64_t, 3> shape = amx_operands(x, blocks, qtype, "amx_linear");
+  const int64_t M = shape[0], K = shape[1], N = shape[2];
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
               "quantized amx_linear: out float32 or bfloat16 [rows, out] with dense rows");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "blocks: contiguous uint8 [out, bytes]");
-  const Layout lay = layout(qtype);
-  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  TORCH_CHECK(K % lay.block == 0 && K % 32 == 0 && blocks.size(1) == K / lay.block * lay.bytes,
-              "blocks do not hold rows of ", K, " values");
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out: [rows, out]");
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kBFloat16,
@@ -1382,29 +1364,19 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& bl
 // out [M] int64: torch.argmax over N of amx_linear's float32 sums (x [M, K] bfloat16 @ W^T),
 // no sums written anywhere: greedy decoding's tokens straight from a quantized LM head.
 void amx_argmax(const at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
-  TORCH_CHECK(amx_available(), "quantized amx_argmax: no AMX tiles in this build or process");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
-              "quantized amx_argmax: bfloat16 x [rows, width] with dense rows");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "blocks: contiguous uint8 [out, bytes]");
-  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == x.size(0),
+  const std::array<int64_t, 3> shape = amx_operands(x, blocks, qtype, "amx_argmax");
+  const int64_t M = shape[0], K = shape[1], N = shape[2];
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == M,
               "quantized amx_argmax: out int64 [rows]");
-  const Layout lay = layout(qtype);
-  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  TORCH_CHECK(K % lay.block == 0 && K % 32 == 0 && blocks.size(1) == K / lay.block * lay.bytes,
-              "blocks do not hold rows of ", K, " values");
   TORCH_CHECK(N > 0 && N < (int64_t{1} << 31), "quantized amx_argmax: 1 to 2^31 - 1 weight rows");
-  int64_t* o = out.data_ptr<int64_t>();
-  std::fill(o, o + M, int64_t{-1});
   if (M == 0) return;
 #if VLMSERVE_AMX
-  std::vector<float> best(M);
+  std::vector<vlmserve_amx::Best> best(M, vlmserve_amx::Best{0.0f, -1});
   std::mutex mutex;
   amx_tiles(x.data_ptr<at::BFloat16>(), x.stride(0), M, blocks.data_ptr<uint8_t>(), N, K, qtype,
-            nullptr, [&] {
-              return ArgmaxSums{o, best.data(), &mutex, std::vector<__m512>(M, _mm512_setzero_ps()),
-                                std::vector<__m512i>(M, _mm512_set1_epi32(-1))};
-            });
+            nullptr, [&] { return ArgmaxSums{vlmserve_amx::LaneArgmax(M), best.data(), &mutex}; });
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) o[r] = best[r].index;
 #endif
 }
 

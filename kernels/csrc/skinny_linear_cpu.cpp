@@ -393,18 +393,6 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
                });
 }
 
-// A candidate for a row's argmax: torch.argmax's order (a NaN above every number, the
-// first NaN or the first maximum wins).
-struct Best {
-  float value;
-  int64_t index;
-  bool beats(const Best& o) const {
-    const bool nan = value != value, other_nan = o.value != o.value;
-    if (nan || other_nan) return nan && (!other_nan || index < o.index);
-    return value > o.value || (value == o.value && index < o.index);
-  }
-};
-
 // out [M] int64: argmax over N of x [M, K] @ weight^T (amx_linear's float32 sums, the same
 // pick as torch.argmax of amx_linear's output) without writing the [M, N] sums anywhere:
 // greedy decoding's token ids straight from the LM head. Each thread keeps, per row and
@@ -417,46 +405,18 @@ void amx_argmax(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
                   out.size(0) == M && tiles > 0,
               "amx_argmax: out contiguous int64 [M], a weight of at least 16 rows");
   const auto* b = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const std::vector<uint16_t> a = pack_rows(x);
-  std::vector<Best> best(M, Best{0.0f, -1});
+  std::vector<vlmserve_amx::Best> best(M, vlmserve_amx::Best{0.0f, -1});
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    // Per row, 16 lanes of (first maximum, its column); N < 2^31 (amx_pack's [N / 16]).
-    std::vector<float> value(M * 16, 0.0f);
-    std::vector<int32_t> column(M * 16, -1);
-    bool any = false;
+    vlmserve_amx::LaneArgmax mine(M);  // N < 2^31 (amx_pack's [N / 16])
     column_tiles(a.data(), M, b, steps, tiles,
                  [&](int64_t r0, int64_t rows, int64_t n, const float* buf) {
-      const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(int32_t(16 * n)), lanes);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* kv = value.data() + 16 * (r0 + r);
-        int32_t* kc = column.data() + 16 * (r0 + r);
-        const __m512 v = _mm512_load_ps(buf + 16 * r), kept = _mm512_loadu_ps(kv);
-        const __mmask16 first = _mm512_cmp_epi32_mask(_mm512_loadu_si512(kc),
-                                                       _mm512_set1_epi32(-1), _MM_CMPINT_EQ);
-        const __mmask16 take =
-            first | _mm512_cmp_ps_mask(v, kept, _CMP_GT_OQ) |
-            (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & ~_mm512_cmp_ps_mask(kept, kept, _CMP_UNORD_Q));
-        _mm512_storeu_ps(kv, _mm512_mask_mov_ps(kept, take, v));
-        _mm512_storeu_si512(kc, _mm512_mask_mov_epi32(_mm512_loadu_si512(kc), take, at));
-      }
-      any = true;
-    });
-    if (any) {
-      std::vector<Best> mine(M);
-      for (int64_t r = 0; r < M; ++r) {
-        Best top{value[16 * r], column[16 * r]};
-        for (int l = 1; l < 16; ++l) {
-          const Best c{value[16 * r + l], column[16 * r + l]};
-          if (c.beats(top)) top = c;
-        }
-        mine[r] = top;
-      }
+                   for (int64_t r = 0; r < rows; ++r)
+                     mine.update(r0 + r, 16 * n, 0xFFFF, _mm512_load_ps(buf + 16 * r));
+                 });
 #pragma omp critical(vlmserve_amx_argmax)
-      for (int64_t r = 0; r < M; ++r)
-        if (best[r].index < 0 || mine[r].beats(best[r])) best[r] = mine[r];
-    }
+    mine.merge_into(best.data());
   }
   int64_t* o = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < M; ++r) o[r] = best[r].index;
