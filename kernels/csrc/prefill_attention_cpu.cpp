@@ -62,6 +62,8 @@ constexpr int64_t kTargetRows = 96;  // query rows per item, a multiple of both 
 // (measured on one AMX Xeon: 256 / 64 against 64-256 / 32-96).
 constexpr int64_t kAmxKeys = 256;
 constexpr int64_t kAmxRows = 64;
+// The scores' row stride: not a multiple of 1 KB, whose tile stores ran slower.
+constexpr int64_t kAmxLds = kAmxKeys + 16;
 
 // st[j][r0 + L v + lane] = sum_d keys[j][d] * qt[d][r0 + L v + lane] for JB keys, NV vectors.
 template <int JB, int NV>
@@ -217,12 +219,14 @@ struct Item {
 
 // Per-thread buffers, reused across items.
 struct Scratch {
-  std::vector<float> qt, st, o, m, l, correction, ktile, vtile;
+  vec::LineVector<float> st, o;  // the AMX path's tile operands: on cache lines
+  std::vector<float> qt, m, l, correction, ktile, vtile;
   std::vector<int32_t> positions, neg_lows;
   std::vector<const float*> keys, vals, shifted;
   std::vector<uint32_t> qp, pp, vp;  // bfloat16 pairs (the dot-product path)
   std::vector<const uint16_t*> key_bits, val_bits;
-  std::vector<uint16_t> zero_row, pb, kb;  // the AMX path's P [rows][keys], gathered keys
+  std::vector<uint16_t> zero_row;
+  vec::LineVector<uint16_t> pb, qa;  // the AMX path's P [rows][keys], query rows [rows][dim]
 };
 
 // The keys one item's rows see, [lo, hi] per row (w.positions = hi, w.neg_lows = -lo;
@@ -512,37 +516,40 @@ void attend_item_dot(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
 #if VLMSERVE_AMX
 // The AMX path (Intel's tile matrix units, `amx_bf16`): both products of attend_item_dot
 // on 16 x 16 float32 tiles, TDPBF16PS taking 16 x 32 bfloat16 A tiles and B tiles of
-// bfloat16 pairs. The scores come out key-major (S^T = K Q^T: A the cache's key rows as
-// they lie, B the query pairs qp), so the online softmax is attend_item_dot's; P is turned
-// row-major in 16 x 16 float transposes for O += P V (A = P, B = the value pairs vp).
+// bfloat16 pairs. The scores come out row-major (S = Q K^T: A the query rows as they lie,
+// B the keys packed as pairs of head dims, `pack_operands`), so the online softmax runs
+// along each row and writes P in bfloat16 straight as the A operand of O += P V (B the
+// value pairs). An item's rows go through each step of keys 32 at a time: their scores,
+// softmax and P V while the step's K and V tiles stay in cache.
 // Tiles (amx.h's layout): C 0-3, A 4-5, B 6-7.
 namespace amx {
 using vlmserve_amx::configure;
 using vlmserve_amx::enabled;
 
-// st[16 t + j][16 u + r] = key row (16 t + j) . query row (16 u + r) for NK key tiles
-// (`keys[t]`: 16 rows `key_bytes` apart) and NR row tiles of qp (ldq pairs a row).
-template <int NK, int NR>
-inline void scores(const uint16_t* const* keys, int64_t key_bytes, const uint32_t* qp,
-                   int64_t ldq, float* st, int64_t dim) {
+// st[16 u + r][16 t + n] = query row (16 u + r) . key (16 t + n) for NR row tiles of qa
+// (rows `dim` bfloat16 apart) and NK key tiles of kp (per key tile, dim / 32 blocks of
+// 1 KB: [pair of dims][key] as bfloat16 pairs); st rows `lds` floats apart.
+template <int NR, int NK>
+inline void scores(const uint16_t* qa, int64_t dim, const uint32_t* kp, float* st, int64_t lds) {
+  const int64_t steps = dim / 32;
   _tile_zero(0);
   if constexpr (NR > 1) _tile_zero(1);
   if constexpr (NK > 1) _tile_zero(2);
   if constexpr (NK > 1 && NR > 1) _tile_zero(3);
-  for (int64_t d = 0; d < dim; d += 32) {
-    _tile_loadd(4, keys[0] + d, key_bytes);
-    if constexpr (NK > 1) _tile_loadd(5, keys[1] + d, key_bytes);
-    _tile_loadd(6, qp + d / 2 * ldq, ldq * 4);
-    if constexpr (NR > 1) _tile_loadd(7, qp + d / 2 * ldq + 16, ldq * 4);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, qa + 32 * s, dim * 2);
+    if constexpr (NR > 1) _tile_loadd(5, qa + 16 * dim + 32 * s, dim * 2);
+    _tile_loadd(6, kp + 256 * s, 64);
+    if constexpr (NK > 1) _tile_loadd(7, kp + 256 * (steps + s), 64);
     _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NR > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (NK > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NR > 1) _tile_dpbf16ps(1, 5, 6);
+    if constexpr (NK > 1) _tile_dpbf16ps(2, 4, 7);
     if constexpr (NK > 1 && NR > 1) _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, st, ldq * 4);
-  if constexpr (NR > 1) _tile_stored(1, st + 16, ldq * 4);
-  if constexpr (NK > 1) _tile_stored(2, st + 16 * ldq, ldq * 4);
-  if constexpr (NK > 1 && NR > 1) _tile_stored(3, st + 16 * ldq + 16, ldq * 4);
+  _tile_stored(0, st, lds * 4);
+  if constexpr (NR > 1) _tile_stored(1, st + 16 * lds, lds * 4);
+  if constexpr (NK > 1) _tile_stored(2, st + 16, lds * 4);
+  if constexpr (NK > 1 && NR > 1) _tile_stored(3, st + 16 * lds + 16, lds * 4);
 }
 
 // o[16 u + r][16 v + d] += sum_j p[16 u + r][j] v[j][16 v + d] over `steps` x 32 keys, for
@@ -570,7 +577,7 @@ inline void values(const uint16_t* p, int64_t ldp, const uint32_t* vp, int64_t l
   if constexpr (NR > 1 && ND > 1) _tile_stored(3, o + 16 * ldo + 16, ldo * 4);
 }
 
-// r[i][j] <- r[j][i] for a 16 x 16 float block.
+// r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit lanes (the bits moved as they are).
 inline void transpose16(__m512 r[16]) {
   __m512 t[16];
   for (int i = 0; i < 16; i += 2) {
@@ -595,37 +602,108 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
-// p[r][j] = st[j][r] rounded to bfloat16, for keys j < 32 * pairs32 (zero past `count`):
-// st is [keys][rows], p is [rows][ldp].
-inline void transpose_probs(const float* st, int64_t rows, int64_t count, int64_t blocks32,
-                            uint16_t* p, int64_t ldp) {
-  for (int64_t u = 0; u < rows; u += 16) {
-    for (int64_t g = 0; g < blocks32; ++g) {
-      __m512 lo[16], hi[16];
-      for (int j = 0; j < 16; ++j) {
-        const int64_t k0 = 32 * g + j, k1 = k0 + 16;
-        lo[j] = k0 < count ? _mm512_loadu_ps(st + k0 * rows + u) : _mm512_setzero_ps();
-        hi[j] = k1 < count ? _mm512_loadu_ps(st + k1 * rows + u) : _mm512_setzero_ps();
-      }
-      transpose16(lo);
-      transpose16(hi);
-      for (int r = 0; r < 16; ++r)
-        _mm512_storeu_si512(p + (u + r) * ldp + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(hi[r], lo[r]));
+// Lanes j of the 16 keys from `at` with a <= at + j < b.
+inline __mmask16 key_mask(int64_t a, int64_t b, int64_t at) {
+  const int64_t lo = std::clamp<int64_t>(a - at, 0, 16), hi = std::clamp<int64_t>(b - at, 0, 16);
+  return static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+
+// 2^x to a relative 3e-6 (a degree-4 fit on [-1/2, 1/2]): the probabilities are rounded
+// to bfloat16 (2^-9) for P V, so exp2_neg_ps's float32 accuracy is not needed here.
+inline __m512 exp2_coarse(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(9.570101276e-3f), f, _mm512_set1_ps(5.591785908e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402474433e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931217909e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999992847e-1f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Lane r = the maximum (Max) or the sum of v[r]'s lanes.
+template <bool Max>
+inline __m512 reduce16(__m512 v[16]) {
+  transpose16(v);
+  for (int n = 8; n > 0; n /= 2)
+    for (int i = 0; i < n; ++i) v[i] = Max ? _mm512_max_ps(v[i], v[i + n]) : _mm512_add_ps(v[i], v[i + n]);
+  return v[0];
+}
+
+// The online softmax of 16 rows over a step's scores (row r's at st + r * lds, base-2
+// units once times `scale`), keys [a[r], b[r]) of row r visible: row r of p (ldp apart)
+// = 2^(scale s - its new max) in bfloat16 for 32 * steps keys (zero where not visible),
+// and the rows' m, l and o (dim floats a row) advanced. A row with no visible key (a >= b)
+// keeps m, l and o and gets a zero row of P.
+inline void softmax_rows(const float* st, int64_t lds, const int64_t* a, const int64_t* b,
+                         int64_t steps, float scale, float* m, float* l, uint16_t* p,
+                         int64_t ldp, float* o, int64_t dim) {
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) {
+    const float* s = st + r * lds;
+    __m512 m0 = _mm512_set1_ps(kNegInf), m1 = m0;
+    int64_t j = a[r] / 16 * 16;
+    for (; j + 32 <= b[r]; j += 32) {
+      m0 = _mm512_mask_max_ps(m0, key_mask(a[r], b[r], j), m0, _mm512_loadu_ps(s + j));
+      m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
     }
+    for (; j < b[r]; j += 16)
+      m1 = _mm512_mask_max_ps(m1, key_mask(a[r], b[r], j), m1, _mm512_loadu_ps(s + j));
+    acc[r] = _mm512_max_ps(m0, m1);
+  }
+  const __m512 old_max = _mm512_loadu_ps(m);
+  const __m512 new_max = _mm512_max_ps(old_max, _mm512_mul_ps(reduce16<true>(acc), _mm512_set1_ps(scale)));
+  alignas(64) float nm[16];
+  _mm512_store_ps(nm, new_max);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < 16; ++r) {
+    const float* s = st + r * lds;
+    uint16_t* pr = p + r * ldp;
+    auto store = [&](int64_t j, __m512 e) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+    };
+    const int64_t lo = a[r] < b[r] ? a[r] / 16 * 16 : 0, hi = a[r] < b[r] ? (b[r] + 15) / 16 * 16 : 0;
+    const __m512 mr = _mm512_set1_ps(nm[r]);
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+    for (int64_t j = 0; j < lo; j += 16) store(j, _mm512_setzero_ps());
+    for (int64_t j = lo; j < hi; j += 16) {
+      __m512 e = exp2_coarse(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), sc, mr));
+      if (j < a[r] || j + 16 > b[r]) e = _mm512_maskz_mov_ps(key_mask(a[r], b[r], j), e);
+      if (j & 16) s1 = _mm512_add_ps(s1, e);
+      else s0 = _mm512_add_ps(s0, e);
+      store(j, e);
+    }
+    for (int64_t j = hi; j < 32 * steps; j += 16) store(j, _mm512_setzero_ps());
+    acc[r] = _mm512_add_ps(s0, s1);
+  }
+  // Before a row's first visible key m = -inf: its factor is 0 and multiplies zeros; a row
+  // without a visible key has new max = old max (or both -inf: factor 0, l and o zeros).
+  const __m512 c = vec::exp2_neg_ps(_mm512_sub_ps(old_max, new_max));
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), c, reduce16<false>(acc)));
+  _mm512_storeu_ps(m, new_max);
+  alignas(64) float cs[16];
+  _mm512_store_ps(cs, c);
+  for (int r = 0; r < 16; ++r) {
+    if (cs[r] == 1.f) continue;
+    const __m512 cv = _mm512_set1_ps(cs[r]);
+    float* orow = o + r * dim;
+    for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), cv));
   }
 }
 
 }  // namespace amx
 
-
-// Every sequence's values for one KV head as pairs of consecutive keys (vp[k][d]: keys
-// base + 2k and base + 2k + 1 at dim d), packed once a call and read by all of the
-// sequence's items; zero pairs up to a multiple of 32 keys. `pairs` points into a buffer
-// the calling thread keeps for its next call (one per layer and step: every pair is
-// written, so it is neither allocated nor cleared again).
-struct ValuePairs {
-  const uint32_t* pairs;
-  std::vector<int64_t> offset, base;  // per (seq, kv head): where its pairs start; per seq
+// Every sequence's keys and values for one KV head, packed once a call as the AMX operands
+// and read by all of the sequence's items, from its first visible key rounded down to 32
+// (`base`) to a multiple of 32 keys past its last (zeros outside the keys its rows may see:
+// their blocks may be freed):
+// - keys: per tile of 16 keys, per 32 head dims, a 1 KB block [pair of dims][key];
+// - values: pairs of consecutive keys, [k][d] keys base + 2k and base + 2k + 1 at dim d.
+// Both point into buffers the calling thread keeps for its next call (one per layer and
+// step: every element is written, so they are neither allocated nor cleared again).
+struct Packed {
+  const uint32_t *keys, *values;
+  std::vector<int64_t> offset, base;  // per (seq, kv head): where its operands start; per seq
 };
 
 // The first key any row of the sequence may see (its first query's window start).
@@ -635,110 +713,126 @@ int64_t first_key(const Problem<scalar_t, cache_t>& pb, int64_t seq) {
   return pb.window > 0 ? std::max<int64_t>(0, first_pos - pb.window + 1) : 0;
 }
 
-ValuePairs pack_values(const Problem<at::BFloat16, at::BFloat16>& pb, int64_t num_seqs,
-                       int64_t kv_heads) {
-  ValuePairs vp;
+Packed pack_operands(const Problem<at::BFloat16, at::BFloat16>& pb, int64_t num_seqs,
+                     int64_t kv_heads) {
+  Packed packed;
   const int64_t dim = pb.dim;
   int64_t total = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    vp.base.push_back(first_key(pb, s) / 32 * 32);
-    const int64_t keys = (pb.clens[s] - vp.base[s] + 31) / 32 * 32;
-    for (int64_t h = 0; h < kv_heads; ++h) vp.offset.push_back(total), total += keys / 2 * dim;
+    packed.base.push_back(first_key(pb, s) / 32 * 32);
+    const int64_t keys = (pb.clens[s] - packed.base[s] + 31) / 32 * 32;
+    for (int64_t h = 0; h < kv_heads; ++h) packed.offset.push_back(total), total += keys / 2 * dim;
   }
-  static thread_local std::vector<uint32_t> buffer;
-  if (static_cast<int64_t>(buffer.size()) < total) buffer.resize(total);
-  uint32_t* pairs = buffer.data();
-  vp.pairs = pairs;
+  static thread_local vec::LineVector<uint32_t> key_buffer, value_buffer;
+  for (auto* buffer : {&key_buffer, &value_buffer})
+    if (static_cast<int64_t>(buffer->size()) < total) buffer->resize(total);
+  uint32_t *keys = key_buffer.data(), *values = value_buffer.data();  // thread_local: this thread's
+  packed.keys = keys;
+  packed.values = values;
+  const auto* k_base = reinterpret_cast<const uint16_t*>(pb.k_base);
   const auto* v_base = reinterpret_cast<const uint16_t*>(pb.v_base);
   const std::vector<uint16_t> zero(dim, 0);
   const int64_t tasks = num_seqs * kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t n = 0; n < tasks; ++n) {
-    const int64_t s = n / kv_heads, h = n % kv_heads, base = vp.base[s], ctx = pb.clens[s];
-    const int64_t lo = first_key(pb, s);  // keys before it: zeros (their blocks may be freed)
-    const uint16_t* v_head = v_base + h * pb.num_slots * dim;
+    const int64_t s = n / kv_heads, h = n % kv_heads, base = packed.base[s], ctx = pb.clens[s];
+    const int64_t lo = first_key(pb, s);
     const int32_t* table = pb.tables + s * pb.max_blocks;
-    uint32_t* out = pairs + vp.offset[n];
-    const int64_t npairs = (ctx - base + 31) / 32 * 16;
-    for (int64_t k = 0; k < npairs; ++k) {
-      const int64_t j0 = base + 2 * k, j1 = j0 + 1;
-      const uint16_t* v0 = j0 >= lo && j0 < ctx ? v_head + slot_of(pb, table, j0) * dim : zero.data();
-      const uint16_t* v1 = j1 >= lo && j1 < ctx ? v_head + slot_of(pb, table, j1) * dim : zero.data();
+    auto row = [&](const uint16_t* head, int64_t j) {
+      return j >= lo && j < ctx ? head + slot_of(pb, table, j) * dim : zero.data();
+    };
+    const uint16_t* k_head = k_base + h * pb.num_slots * dim;
+    const uint16_t* v_head = v_base + h * pb.num_slots * dim;
+    uint32_t* kp = keys + packed.offset[n];
+    uint32_t* vp = values + packed.offset[n];
+    const int64_t tiles = (ctx - base + 31) / 32 * 2;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uint16_t* rows[16];
+      for (int j = 0; j < 16; ++j) rows[j] = row(k_head, base + 16 * t + j);
+      for (int64_t d = 0; d < dim; d += 32) {
+        __m512 r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(rows[j] + d);
+        amx::transpose16(r);
+        for (int e = 0; e < 16; ++e) _mm512_storeu_ps(kp + 16 * e, r[e]);
+        kp += 256;
+      }
+    }
+    for (int64_t k = 0; k < tiles * 8; ++k) {
+      const uint16_t* v0 = row(v_head, base + 2 * k);
+      const uint16_t* v1 = row(v_head, base + 2 * k + 1);
       for (int64_t d = 0; d < dim; d += kLanes)
-        bf::store(out + k * dim + d, bf::interleave(v0 + d, v1 + d));
+        bf::store(vp + k * dim + d, bf::interleave(v0 + d, v1 + d));
     }
   }
-  return vp;
+  return packed;
 }
 
 // attend_item_dot on AMX tiles (bfloat16 q and cache, head dim a multiple of 32): the same
-// arithmetic (bfloat16 products, float32 sums, P rounded to bfloat16), the same softmax.
-// Key tiles start at multiples of 32 and are read in place from the cache where its
-// blocks hold whole tiles (block size a multiple of 16), else gathered.
+// arithmetic (bfloat16 products, float32 sums, P rounded to bfloat16) and softmax, the
+// rows' maxima and sums kept per row.
 void attend_item_amx(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& item,
-                     const ValuePairs& values, int64_t kv_heads, Scratch& w) {
+                     const Packed& packed, int64_t kv_heads, Scratch& w) {
   const int64_t dim = pb.dim, group = pb.group;
   const int64_t rows_used = item.num_queries * group;
-  const int64_t vecs = (rows_used + kLanes - 1) / kLanes, rows = kLanes * vecs;
+  const int64_t rows = (rows_used + 15) / 16 * 16;
   w.o.assign(rows * dim, 0.f);
-  w.st.resize(kAmxKeys * rows);
-  w.pb.resize(rows * kAmxKeys);
+  w.st.resize(32 * kAmxLds);
+  w.pb.resize(32 * kAmxKeys);
   w.m.assign(rows, kNegInf);
   w.l.assign(rows, 0.f);
-  w.correction.resize(rows);
   const Bounds b = row_bounds(pb, item, rows, rows_used, w);
-  pack_query_pairs(pb, item, rows, rows_used, w);
-  const auto* k_head = reinterpret_cast<const uint16_t*>(pb.k_base) + item.kv_head * pb.num_slots * dim;
-  const int32_t* table = pb.tables + item.seq * pb.max_blocks;
-  const int64_t base = values.base[item.seq];
-  const uint32_t* vpairs = values.pairs + values.offset[item.seq * kv_heads + item.kv_head];
-  const bool in_place = pb.block_size % 16 == 0;
-  if (!in_place) w.kb.assign(kAmxKeys * dim, 0);
+  // The query rows as they lie (bfloat16 [rows][dim], padding rows zero).
+  w.qa.assign(rows * dim, 0);
+  const int64_t first_token = pb.starts[item.seq] + item.first_query;
+  for (int64_t r = 0; r < rows_used; ++r) {
+    const int64_t head = item.kv_head * group + r % group;
+    std::memcpy(w.qa.data() + r * dim, pb.q + (first_token + r / group) * pb.q_stride + head * dim,
+                2 * dim);
+  }
+  const int64_t base = packed.base[item.seq];
+  const int64_t at = packed.offset[item.seq * kv_heads + item.kv_head];
+  const uint32_t* kpairs = packed.keys + at;
+  const uint32_t* vpairs = packed.values + at;
   amx::configure();
-  bool started = false;
   for (int64_t first = std::max(base, b.min_lo / 32 * 32); first <= b.max_hi; first += kAmxKeys) {
     const int64_t count = std::min(kAmxKeys, b.max_hi + 1 - first);
-    const int64_t key_tiles = (count + 15) / 16;
-    const uint16_t* keys[kAmxKeys / 16];
-    for (int64_t t = 0; t < key_tiles; ++t) {
-      if (in_place) {
-        keys[t] = k_head + slot_of(pb, table, first + 16 * t) * dim;
-        continue;
-      }
-      keys[t] = w.kb.data() + 16 * t * dim;
-      for (int64_t j = 16 * t; j < std::min<int64_t>(count, 16 * t + 16); ++j)
-        std::memcpy(w.kb.data() + j * dim, k_head + slot_of(pb, table, first + j) * dim, 2 * dim);
-    }
-    for (int64_t t = 0; t < key_tiles; t += 2) {
-      for (int64_t u = 0; u < rows; u += 32) {
-        float* st = w.st.data() + 16 * t * rows + u;
-        const uint32_t* qp = w.qp.data() + u;
-        const bool two_keys = t + 1 < key_tiles, two_rows = u + 16 < rows;
-        if (two_keys && two_rows) amx::scores<2, 2>(keys + t, 2 * dim, qp, rows, st, dim);
-        else if (two_keys) amx::scores<2, 1>(keys + t, 2 * dim, qp, rows, st, dim);
-        else if (two_rows) amx::scores<1, 2>(keys + t, 2 * dim, qp, rows, st, dim);
-        else amx::scores<1, 1>(keys + t, 2 * dim, qp, rows, st, dim);
-      }
-    }
-    softmax_step(w, b, first, count, vecs, pb.scale2);
-    const int64_t steps = (count + 31) / 32;
-    amx::transpose_probs(w.st.data(), rows, count, steps, w.pb.data(), kAmxKeys);
-    if (started) {  // o *= correction, row by row, where a row's maximum moved
-      for (int64_t r = 0; r < rows; ++r) {
-        if (w.correction[r] == 1.f) continue;
-        const vfloat c = vec::set1(w.correction[r]);
-        float* o = w.o.data() + r * dim;
-        for (int64_t d = 0; d < dim; d += kLanes) vec::store(o + d, vec::mul(vec::load(o + d), c));
-      }
-    }
-    started = true;
+    const uint32_t* kp = kpairs + (first - base) * dim / 2;
     const uint32_t* vp = vpairs + (first - base) / 2 * dim;
     for (int64_t u = 0; u < rows; u += 32) {
+      const int64_t slab = std::min<int64_t>(32, rows - u);
+      // The keys of this step the slab's rows see: [a_min, seen).
+      int64_t seen = 0, a_min = count;
+      for (int64_t r = u; r < u + slab; ++r) {
+        seen = std::max<int64_t>(seen, std::min<int64_t>(count, w.positions[r] + 1 - first));
+        a_min = std::min<int64_t>(a_min, std::max<int64_t>(0, -w.neg_lows[r] - first));
+      }
+      if (a_min >= seen) continue;
+      const int64_t key_tiles = (seen + 15) / 16, steps = (seen + 31) / 32;
+      const uint16_t* qa = w.qa.data() + u * dim;
+      for (int64_t t = 0; t < key_tiles; t += 2) {
+        const uint32_t* k = kp + t * 8 * dim;
+        float* st = w.st.data() + 16 * t;
+        const bool two_keys = t + 1 < key_tiles;
+        if (slab > 16 && two_keys) amx::scores<2, 2>(qa, dim, k, st, kAmxLds);
+        else if (slab > 16) amx::scores<2, 1>(qa, dim, k, st, kAmxLds);
+        else if (two_keys) amx::scores<1, 2>(qa, dim, k, st, kAmxLds);
+        else amx::scores<1, 1>(qa, dim, k, st, kAmxLds);
+      }
+      for (int64_t g = 0; g < slab; g += 16) {
+        int64_t a[16], e[16];
+        for (int r = 0; r < 16; ++r) {
+          const int64_t row = u + g + r;
+          a[r] = std::max<int64_t>(0, -w.neg_lows[row] - first);
+          e[r] = std::min<int64_t>(seen, w.positions[row] + 1 - first);
+        }
+        amx::softmax_rows(w.st.data() + g * kAmxLds, kAmxLds, a, e, steps, pb.scale2,
+                          w.m.data() + u + g, w.l.data() + u + g, w.pb.data() + g * kAmxKeys,
+                          kAmxKeys, w.o.data() + (u + g) * dim, dim);
+      }
       for (int64_t d = 0; d < dim; d += 32) {
-        const uint16_t* p = w.pb.data() + u * kAmxKeys;
         float* o = w.o.data() + u * dim + d;
-        if (u + 16 < rows) amx::values<2, 2>(p, kAmxKeys, vp + d, dim, steps, o, dim);
-        else amx::values<1, 2>(p, kAmxKeys, vp + d, dim, steps, o, dim);
+        if (slab > 16) amx::values<2, 2>(w.pb.data(), kAmxKeys, vp + d, dim, steps, o, dim);
+        else amx::values<1, 2>(w.pb.data(), kAmxKeys, vp + d, dim, steps, o, dim);
       }
     }
   }
@@ -802,13 +896,13 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
 #if VLMSERVE_AMX
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>) {
     if (use_amx(pb)) {
-      const ValuePairs values = pack_values(pb, query_starts.size(0), kv_heads);
+      const Packed packed = pack_operands(pb, query_starts.size(0), kv_heads);
 #pragma omp parallel num_threads(at::get_num_threads())
       {
         Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t n = 0; n < num_items; ++n)
-          attend_item_amx(pb, items[n], values, kv_heads, scratch);
+          attend_item_amx(pb, items[n], packed, kv_heads, scratch);
       }
       return;
     }

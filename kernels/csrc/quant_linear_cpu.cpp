@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <array>
@@ -1208,9 +1209,9 @@ constexpr int64_t kXRows = 64;  // rows of x a pass over a weight buffer (the 4 
 
 // x [M, K] bfloat16 -> B tiles [ceil(M / 16)][K / 32][16][16] of 32-bit pairs: tile (t, s)
 // row e holds (x[16t + c][32s + 2e], x[16t + c][32s + 2e + 1]) in lane c; zeros past M.
-std::vector<uint32_t> x_tiles(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K) {
+vlmserve_vec::LineVector<uint32_t> x_tiles(const at::BFloat16* x, int64_t xs, int64_t M, int64_t K) {
   const int64_t steps = K / 32;
-  std::vector<uint32_t> b((M + 15) / 16 * steps * 256, 0);
+  vlmserve_vec::LineVector<uint32_t> b((M + 15) / 16 * steps * 256, 0);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t s = 0; s < steps; ++s)
       for (int64_t e = 0; e < 16; ++e)
@@ -1237,11 +1238,11 @@ void amx_tiles(const at::BFloat16* x, int64_t xs, int64_t M, const uint8_t* w, i
                int64_t K, int64_t qtype, const at::BFloat16* bias, MakeSink&& make_sink) {
   const Layout lay = layout(qtype);
   const int64_t row_bytes = K / lay.block * lay.bytes, steps = K / 32, tiles = (N + 15) / 16;
-  const std::vector<uint32_t> xb = amx::x_tiles(x, xs, M, K);
+  const auto xb = amx::x_tiles(x, xs, M, K);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     vlmserve_amx::configure();
     auto sink = make_sink();
-    std::vector<at::BFloat16> a(16 * K);  // the 16 weight rows, bfloat16
+    vlmserve_vec::LineVector<at::BFloat16> a(16 * K);  // the 16 weight rows, bfloat16
     alignas(64) float buf[4 * 256];
     const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_setr_epi32(
         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));  // [weight row][row of x]

@@ -319,10 +319,10 @@ at::Tensor amx_pack(const at::Tensor& weight) {
 }
 
 // x's rows as A tiles [rows / 16][steps][16][32] (rounded up, zero rows past them).
-std::vector<uint16_t> pack_rows(const at::Tensor& x) {
+vlmserve_vec::LineVector<uint16_t> pack_rows(const at::Tensor& x) {
   const int64_t rows = x.size(0), steps = x.size(1) / 32, rt = (rows + 15) / 16;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  std::vector<uint16_t> a(rt * steps * 512, 0);
+  vlmserve_vec::LineVector<uint16_t> a(rt * steps * 512, 0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t s = 0; s < steps; ++s)
       std::memcpy(a.data() + ((r / 16 * steps + s) * 16 + r % 16) * 32,
@@ -384,7 +384,7 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
               "amx_linear: out contiguous float32 [M, N]");
   const auto* b = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* o = out.data_ptr<float>();
-  const std::vector<uint16_t> a = pack_rows(x);
+  const auto a = pack_rows(x);
 #pragma omp parallel num_threads(at::get_num_threads())
   column_tiles(a.data(), M, b, steps, tiles,
                [&](int64_t r0, int64_t rows, int64_t n, const float* buf) {
@@ -405,7 +405,7 @@ void amx_argmax(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
                   out.size(0) == M && tiles > 0,
               "amx_argmax: out contiguous int64 [M], a weight of at least 16 rows");
   const auto* b = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const std::vector<uint16_t> a = pack_rows(x);
+  const auto a = pack_rows(x);
   std::vector<vlmserve_amx::Best> best(M, vlmserve_amx::Best{0.0f, -1});
 #pragma omp parallel num_threads(at::get_num_threads())
   {
