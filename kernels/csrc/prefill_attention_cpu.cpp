@@ -59,7 +59,8 @@ constexpr int64_t kTargetRows = 96;  // query rows per item, a multiple of both 
 // The AMX path's: keys a step (the scores of this many keys go through the softmax
 // together, and each P V pass keeps its output tiles in registers over all of them: o goes
 // through the tiles once a step, so a longer step moves less of it) and query rows an item
-// (measured on one AMX Xeon: 256 / 64 against 64-256 / 32-96).
+// (measured on one AMX Xeon: 256 / 64 against 64-256 / 32-96; after the row-major rewrite
+// 128-512 / 32-128 were all within noise of them).
 constexpr int64_t kAmxKeys = 256;
 constexpr int64_t kAmxRows = 64;
 // The scores' row stride: not a multiple of 1 KB, whose tile stores ran slower.
@@ -725,7 +726,8 @@ Packed pack_operands(const Problem<at::BFloat16, at::BFloat16>& pb, int64_t num_
   static thread_local vec::LineVector<uint32_t> key_buffer, value_buffer;
   for (auto* buffer : {&key_buffer, &value_buffer})
     if (static_cast<int64_t>(buffer->size()) < total) buffer->resize(total);
-  uint32_t *keys = key_buffer.data(), *values = value_buffer.data();  // thread_local: this thread's
+  // The calling thread's buffers, taken here: the loop's threads have buffers of their own.
+  uint32_t *keys = key_buffer.data(), *values = value_buffer.data();
   packed.keys = keys;
   packed.values = values;
   const auto* k_base = reinterpret_cast<const uint16_t*>(pb.k_base);
@@ -767,8 +769,8 @@ Packed pack_operands(const Problem<at::BFloat16, at::BFloat16>& pb, int64_t num_
 }
 
 // attend_item_dot on AMX tiles (bfloat16 q and cache, head dim a multiple of 32): the same
-// arithmetic (bfloat16 products, float32 sums, P rounded to bfloat16) and softmax, the
-// rows' maxima and sums kept per row.
+// arithmetic (bfloat16 products, float32 sums, P rounded to bfloat16) and online softmax,
+// P's exponentials from exp2_coarse.
 void attend_item_amx(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& item,
                      const Packed& packed, int64_t kv_heads, Scratch& w) {
   const int64_t dim = pb.dim, group = pb.group;
@@ -799,11 +801,12 @@ void attend_item_amx(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
     const uint32_t* vp = vpairs + (first - base) / 2 * dim;
     for (int64_t u = 0; u < rows; u += 32) {
       const int64_t slab = std::min<int64_t>(32, rows - u);
-      // The keys of this step the slab's rows see: [a_min, seen).
-      int64_t seen = 0, a_min = count;
-      for (int64_t r = u; r < u + slab; ++r) {
-        seen = std::max<int64_t>(seen, std::min<int64_t>(count, w.positions[r] + 1 - first));
-        a_min = std::min<int64_t>(a_min, std::max<int64_t>(0, -w.neg_lows[r] - first));
+      // Row r sees this step's keys [a[r], e[r]); the slab's rows [a_min, seen).
+      int64_t a[32], e[32], seen = 0, a_min = count;
+      for (int64_t r = 0; r < slab; ++r) {
+        a[r] = std::max<int64_t>(0, -w.neg_lows[u + r] - first);
+        e[r] = std::min<int64_t>(count, w.positions[u + r] + 1 - first);
+        seen = std::max(seen, e[r]), a_min = std::min(a_min, a[r]);
       }
       if (a_min >= seen) continue;
       const int64_t key_tiles = (seen + 15) / 16, steps = (seen + 31) / 32;
@@ -818,13 +821,7 @@ void attend_item_amx(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
         else amx::scores<1, 1>(qa, dim, k, st, kAmxLds);
       }
       for (int64_t g = 0; g < slab; g += 16) {
-        int64_t a[16], e[16];
-        for (int r = 0; r < 16; ++r) {
-          const int64_t row = u + g + r;
-          a[r] = std::max<int64_t>(0, -w.neg_lows[row] - first);
-          e[r] = std::min<int64_t>(seen, w.positions[row] + 1 - first);
-        }
-        amx::softmax_rows(w.st.data() + g * kAmxLds, kAmxLds, a, e, steps, pb.scale2,
+        amx::softmax_rows(w.st.data() + g * kAmxLds, kAmxLds, a + g, e + g, steps, pb.scale2,
                           w.m.data() + u + g, w.l.data() + u + g, w.pb.data() + g * kAmxKeys,
                           kAmxKeys, w.o.data() + (u + g) * dim, dim);
       }
