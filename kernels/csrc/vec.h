@@ -32,6 +32,8 @@ struct LineAllocator {
   void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
   template <typename U>
   bool operator==(const LineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }  // C++17 asks for both
 };
 template <typename T>
 using LineVector = std::vector<T, LineAllocator<T>>;
