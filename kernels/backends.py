@@ -70,7 +70,7 @@ def select_backend(
     return TorchPagedAttention()
 
 
-def choose_prefill_path(
+def choose_attention_paths(
     backend: AttentionBackend,
     preferred: str | None,
     dtype: torch.dtype,
@@ -80,9 +80,14 @@ def choose_prefill_path(
 ) -> None:
     """Under "auto", once the model's head shape is known: a CPU backend's prefills go to
     the C++ prefill kernel or to torch's SDPA, whichever was faster on this CPU in `dtype`
-    at this head shape (kernels/calibration.py). A backend asked for by name is kept."""
+    at this head shape (kernels/calibration.py). A backend asked for by name is kept.
+    Either way a CPU backend's decodes take the decode kernel's AMX path where that was
+    faster here (`decode_amx_wins`)."""
+    if not isinstance(backend, cpu_attention.CpuPagedAttention):
+        return
+    backend.decode_amx = cpu_attention.decode_amx_wins(dtype, num_heads, num_kv_heads, head_dim)
     if preferred not in (None, "auto"):
         return
-    if isinstance(backend, cpu_attention.CpuPagedAttention) and backend.prefill_kernel:
+    if backend.prefill_kernel:
         if not cpu_attention.prefill_kernel_wins(dtype, num_heads, num_kv_heads, head_dim):
             backend.use_sdpa_for_prefills()

@@ -26,6 +26,11 @@ Which of the two runs prefills is measured on the CPU that runs them
 kernel ran at 4.5-6.1x torch's SDPA on a Zen 5 (AVX-512 BF16 dot products) and at
 0.36-0.60x on an AMX Xeon, where SDPA's bfloat16 GEMMs run on AMX tiles.
 
+Decodes in bfloat16 on a CPU with AMX may take the decode kernel's AMX path (both
+products on tiles, `decode_amx_wins`, also calibrated): at Gemma 3 270M's shape it does the
+arithmetic in ~85 cycles a key against ~120, though from memory both wait on the same
+bytes (kernels/csrc/paged_amx.h).
+
 Sliding windows and bidirectional spans (Gemma 3): both kernels take the window (keys
 before it are never read, whole blocks before it never touched); the prefill kernel also
 takes each token's key end (`key_ends`: the end of its image span, else its position + 1),
@@ -127,6 +132,55 @@ def _measure_prefill(
             paths[name] = lambda b=backend, x=inputs: b.forward(*x)
         measured.append({"cached": cached, "tokens": new, **calibration.time_paths(paths)})
     return measured
+
+
+# The decode case decode_amx_wins times: sequences of this many keys, every sequence's
+# block table on the same blocks (cache-resident: the arithmetic, which is what differs;
+# from memory both paths wait on the same bytes).
+DECODE_CASE = (16, 512)
+
+
+def decode_amx_wins(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether decodes and verifications run faster on the decode kernel's AMX path
+    (kernels/csrc/paged_amx.h: both products on tiles) than on its vector path on this
+    CPU, at this head shape (calibrated once per CPU; False where the path cannot run:
+    not bfloat16, no AMX, head dims not a multiple of 32, more than 16 query heads a KV
+    head)."""
+    group = max(1, num_heads // num_kv_heads)
+    if dtype != torch.bfloat16 or head_dim % 32 or group > 16:
+        return False
+    if available() is not None or not amx_available():
+        return False
+    kv_heads = min(num_kv_heads, MAX_MEASURED_KV_HEADS)
+    name = f"decode_attention_amx/{kv_heads * group}x{kv_heads}x{head_dim}"
+    return calibration.calibrated(
+        name,
+        lambda: _measure_decode(kv_heads * group, kv_heads, head_dim),
+        lambda m: calibration.decide_faster(m, "amx", "vector"),
+    )
+
+
+def _measure_decode(heads: int, kv_heads: int, head_dim: int) -> calibration.Measured:
+    """Seconds of one layer's decode attention of DECODE_CASE through each path."""
+    gen = torch.Generator().manual_seed(0)
+    seqs, ctx = DECODE_CASE
+    block = 16
+    blocks = -(-ctx // block)
+    cache = torch.randn(2, kv_heads, blocks * block, head_dim, generator=gen).to(torch.bfloat16)
+    q = torch.randn(seqs, heads, head_dim, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    tables = torch.arange(blocks, dtype=torch.int32).repeat(seqs, 1)
+    starts = torch.arange(seqs, dtype=torch.int32)
+    lens = torch.ones(seqs, dtype=torch.int32)
+    ctxs = torch.full((seqs,), ctx, dtype=torch.int32)
+
+    def path(amx: bool):
+        return lambda: torch.ops.vlmserve.paged_attention(
+            out, q, cache, tables, starts, lens, ctxs, block, head_dim**-0.5, 0, amx
+        )
+
+    paths = {"amx": path(True), "vector": path(False)}
+    return [{"sequences": seqs, "context": ctx, **calibration.time_paths(paths)}]
 
 
 def tile_kernel_wins(dtype: torch.dtype, num_heads: int, head_dim: int, num_patches: int) -> bool:
@@ -242,6 +296,7 @@ class CpuPagedAttention(TorchPagedAttention):
             raise ValueError(f"the CPU prefill attention kernel did not build: {why}")
         self.prefill_kernel = prefill_kernel
         self.name = "cpu" if prefill_kernel else "cpu-sdpa"
+        self.decode_amx = False  # decodes on the kernel's AMX path (`decode_amx_wins`)
 
     def use_sdpa_for_prefills(self) -> None:
         """Prefills through torch's SDPA from the next step's metadata on ("cpu-sdpa")."""
@@ -310,7 +365,7 @@ class CpuPagedAttention(TorchPagedAttention):
             p = metadata.paged
             torch.ops.vlmserve.paged_attention(
                 out, q, kv_cache, p.block_tables, p.query_starts, p.query_lens,
-                p.context_lens, p.block_size, scale, metadata.window,
+                p.context_lens, p.block_size, scale, metadata.window, self.decode_amx,
             )  # fmt: skip
         if metadata.prefill is not None:
             p = metadata.prefill

@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "paged_amx.h"
 #include "paged_inputs.h"
 #include "vec.h"
 
@@ -282,12 +283,28 @@ void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t*
   }
 }
 
+#if VLMSERVE_PAGED_AMX
+using AmxScratch = vlmserve_paged_amx::Scratch;
+inline bool amx_enabled() { return vlmserve_amx::enabled(); }
+#else
+struct AmxScratch {};
+inline bool amx_enabled() { return false; }
+#endif
+
+// A thread's buffers for its items.
+struct ThreadScratch {
+  std::vector<float> qs, p, correction, kbuf, vbuf;  // the vector path's
+  std::vector<int64_t> q_at, last, lo;
+  AmxScratch amx;
+  explicit ThreadScratch(int64_t block_elems) : kbuf(block_elems), vbuf(block_elems) {}
+};
+
 // scalar_t: q's and out's dtype; cache_t: the cache's.
 template <typename scalar_t, typename cache_t>
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
             const at::Tensor& block_tables, const at::Tensor& query_starts,
             const at::Tensor& query_lens, const at::Tensor& context_lens, int64_t block_size,
-            double scale, int64_t window) {
+            double scale, int64_t window, bool amx) {
   const int64_t num_seqs = query_starts.size(0);
   const int64_t num_heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = kv_cache.size(1), num_slots = kv_cache.size(2);
@@ -317,22 +334,70 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
 
   // Query rows of an item (scaled, float32), each row's last visible position and first
   // position inside its window.
-  auto rows_of = [&](int64_t item, std::vector<float>& qs, std::vector<int64_t>& last,
-                     std::vector<int64_t>& lo) {
+  // Where each query row of an item sits in q, its last visible position and the first
+  // inside its window.
+  auto bounds_of = [&](int64_t item, std::vector<int64_t>& q_at, std::vector<int64_t>& last,
+                       std::vector<int64_t>& lo) {
     const int64_t seq = item / kv_heads, h = item % kv_heads;
     const int64_t q_len = qlens[seq], ctx = clens[seq], start = starts[seq];
     const int64_t rows = q_len * group;
-    qs.resize(rows * dim);
+    q_at.resize(rows);
     last.resize(rows);
     lo.resize(rows);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r / group, head = h * group + r % group;
-      const scalar_t* src = q_ptr + (start + i) * q_stride + head * dim;
-      for (int64_t d = 0; d < dim; ++d) qs[r * dim + d] = static_cast<float>(src[d]) * fscale;
+      q_at[r] = (start + i) * q_stride + head * dim;
       last[r] = ctx - q_len + i;
       lo[r] = window > 0 ? std::max<int64_t>(0, last[r] - window + 1) : 0;
     }
     return rows;
+  };
+  // The same, and the query rows scaled in float32 (the vector path's).
+  auto rows_of = [&](int64_t item, std::vector<float>& qs, std::vector<int64_t>& q_at,
+                     std::vector<int64_t>& last, std::vector<int64_t>& lo) {
+    const int64_t rows = bounds_of(item, q_at, last, lo);
+    qs.resize(rows * dim);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < dim; ++d)
+        qs[r * dim + d] = static_cast<float>(q_ptr[q_at[r] + d]) * fscale;
+    return rows;
+  };
+  // An item runs on AMX tiles where asked (calibrated: kernels/cpu_attention.py) and it
+  // can: bfloat16 q and cache, head dims a multiple of 32, blocks of 16k tokens, <= 16 rows.
+  constexpr bool kBf16 =
+      std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>;
+  const bool amx_shape = VLMSERVE_PAGED_AMX && kBf16 && amx && dim % 32 == 0 &&
+                         block_size % 16 == 0 && amx_enabled();
+  auto on_amx = [&](int64_t item) { return amx_shape && qlens[item / kv_heads] * group <= 16; };
+  // One item's share [begin, end) of blocks on AMX tiles: acc, m, l as attend_one leaves them.
+  auto attend_amx = [&](int64_t item, float* acc, float* m, float* l, int64_t begin,
+                        int64_t end, std::vector<int64_t>& q_at, std::vector<int64_t>& last,
+                        std::vector<int64_t>& lo, AmxScratch& w) {
+#if VLMSERVE_PAGED_AMX
+    if constexpr (kBf16) {
+      const int64_t seq = item / kv_heads, h = item % kv_heads;
+      const int64_t rows = bounds_of(item, q_at, last, lo);
+      const auto* k_head = reinterpret_cast<const uint16_t*>(k_base + h * num_slots * dim);
+      const auto* v_head = reinterpret_cast<const uint16_t*>(v_base + h * num_slots * dim);
+      vlmserve_paged_amx::attend(reinterpret_cast<const uint16_t*>(q_ptr), q_at.data(), rows,
+                                 dim, last.data(), lo.data(), clens[seq], block_size,
+                                 tables + seq * max_blocks, k_head, v_head, fscale, begin,
+                                 end, acc, m, l, w);
+    }
+#endif
+  };
+  // One item's share [begin, end) of blocks: acc (zeros), m (-inf) and l (0) advanced.
+  auto run_item = [&](int64_t item, float* acc, float* m, float* l, int64_t begin, int64_t end,
+                      ThreadScratch& w) {
+    if (on_amx(item)) return attend_amx(item, acc, m, l, begin, end, w.q_at, w.last, w.lo, w.amx);
+    const int64_t seq = item / kv_heads, h = item % kv_heads;
+    const int64_t rows = rows_of(item, w.qs, w.q_at, w.last, w.lo);
+    w.p.resize(rows * block_size);
+    w.correction.resize(rows);
+    attend_one<cache_t>(w.qs.data(), acc, w.last.data(), w.lo.data(), rows, dim, clens[seq],
+                        block_size, tables + seq * max_blocks, k_base + h * num_slots * dim,
+                        v_base + h * num_slots * dim, w.kbuf.data(), w.vbuf.data(), w.p.data(),
+                        m, l, w.correction.data(), begin, end);
   };
   auto write_rows = [&](int64_t item, int64_t rows, const float* acc, const float* l) {
     const int64_t seq = item / kv_heads, h = item % kv_heads, start = starts[seq];
@@ -372,25 +437,16 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
         ls(shares * total_rows, 0.f);
 #pragma omp parallel num_threads(threads)
     {
-      std::vector<float> qs, p, correction;
-      std::vector<float> kbuf(block_size * dim), vbuf(block_size * dim);
-      std::vector<int64_t> last, lo;
+      ThreadScratch w(block_size * dim);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < num_items * shares; ++task) {
         const int64_t item = task / shares, share = task % shares;
-        const int64_t rows = rows_of(item, qs, last, lo);
-        p.resize(rows * block_size);
-        correction.resize(rows);
         const auto [b0, b1] = block_range(item);
         const int64_t begin = b0 + (b1 - b0) * share / shares;
         const int64_t end = b0 + (b1 - b0) * (share + 1) / shares;
         const int64_t row0 = share * total_rows + offset[item];
-        const int64_t seq = item / kv_heads, h = item % kv_heads;
-        attend_one<cache_t>(qs.data(), accs.data() + row0 * dim, last.data(), lo.data(), rows,
-                            dim, clens[seq], block_size, tables + seq * max_blocks,
-                            k_base + h * num_slots * dim, v_base + h * num_slots * dim,
-                            kbuf.data(), vbuf.data(), p.data(), ms.data() + row0,
-                            ls.data() + row0, correction.data(), begin, end);
+        run_item(item, accs.data() + row0 * dim, ms.data() + row0, ls.data() + row0, begin, end,
+                 w);
       }
     }
     // Merge: each share's sum and accumulator rescaled to the rows' overall max.
@@ -416,23 +472,17 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
 
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> qs, acc, m, l, p, correction;
-    std::vector<float> kbuf(block_size * dim), vbuf(block_size * dim);
-    std::vector<int64_t> last, lo;
+    ThreadScratch w(block_size * dim);
+    std::vector<float> acc, m, l;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t n = 0; n < num_items; ++n) {
-      const int64_t item = order[n], seq = item / kv_heads, h = item % kv_heads;
-      const int64_t rows = rows_of(item, qs, last, lo);
+      const int64_t item = order[n];
+      const int64_t rows = qlens[item / kv_heads] * group;
       acc.assign(rows * dim, 0.f);
       m.assign(rows, kNegInf);
       l.assign(rows, 0.f);
-      p.resize(rows * block_size);
-      correction.resize(rows);
       const auto [b0, b1] = block_range(item);
-      attend_one<cache_t>(qs.data(), acc.data(), last.data(), lo.data(), rows, dim, clens[seq],
-                          block_size, tables + seq * max_blocks, k_base + h * num_slots * dim,
-                          v_base + h * num_slots * dim, kbuf.data(), vbuf.data(), p.data(),
-                          m.data(), l.data(), correction.data(), b0, b1);
+      run_item(item, acc.data(), m.data(), l.data(), b0, b1, w);
       write_rows(item, rows, acc.data(), l.data());
     }
   }
@@ -441,12 +491,12 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, const at::Tensor& context_lens,
-                     int64_t block_size, double scale, int64_t window) {
+                     int64_t block_size, double scale, int64_t window, bool amx) {
   vlmserve_paged::check_inputs(out, q, kv_cache, block_tables, query_starts, query_lens,
                                context_lens);
   vlmserve_paged::dispatch_dtypes(q, kv_cache, [&](auto q_t, auto cache_t) {
     attend<decltype(q_t), decltype(cache_t)>(out, q, kv_cache, block_tables, query_starts,
-                                             query_lens, context_lens, block_size, scale, window);
+                                             query_lens, context_lens, block_size, scale, window, amx);
   });
 }
 
@@ -456,7 +506,7 @@ TORCH_LIBRARY(vlmserve, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor query_starts, Tensor query_lens, Tensor context_lens, int block_size, "
-      "float scale, int window=0) -> ()");
+      "float scale, int window=0, bool amx=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve, CPU, m) { m.impl("paged_attention", &paged_attention); }

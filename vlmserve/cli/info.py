@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.backends import choose_prefill_path, select_backend
+from kernels.backends import choose_attention_paths, select_backend
+from kernels.cpu_attention import CpuPagedAttention
 from kernels.cpu_build import cpu_flags, native_bf16
 from kernels.fused_ops import op_backends
 from vlmserve.config import checkpoint_dtype, choose_dtype, default_device
@@ -29,7 +30,8 @@ def amx_kernels() -> str:
     from kernels.packed_linear import amx_head_available
 
     kernels = [name for name, ok in (
-        ("prefill attention (bfloat16, head dims a multiple of 32)", amx_available()),
+        ("prefill and decode attention (bfloat16, head dims a multiple of 32)",
+         amx_available()),
         ("LM head GEMM (bfloat16: float32 logits, or greedy argmaxes)",
          amx_head_available(torch.bfloat16, 32, 16)),
     ) if ok]  # fmt: skip
@@ -162,6 +164,7 @@ def calibrate(shapes: dict[str, int], dtype: torch.dtype) -> dict[str, object]:
         head = lm_head.head_choice(dtype, hidden, shapes["vocab_size"])
         lm_head.greedy_rows(dtype, hidden, shapes["vocab_size"], head)
     cpu_attention.prefill_kernel_wins(dtype, heads, kv_heads, head_dim)
+    cpu_attention.decode_amx_wins(dtype, heads, kv_heads, head_dim)
     ridge_batch_for(torch.device("cpu"), dtype)
     report = calibration.report(asked_only=True)
     return {**report, "seconds_now": round(time.perf_counter() - start, 2)}
@@ -249,8 +252,8 @@ def collect(
         shapes = model_shapes(model_path)
         calibrated = calibrate(shapes, choice.dtype)
         if model_path is not None:  # the prefill path this model would take here
-            choose_prefill_path(backend, None, choice.dtype, shapes["num_heads"],
-                                shapes["num_kv_heads"], shapes["head_dim"])  # fmt: skip
+            choose_attention_paths(backend, None, choice.dtype, shapes["num_heads"],
+                                   shapes["num_kv_heads"], shapes["head_dim"])  # fmt: skip
     attention = backend.name
     info: dict[str, object] = {
         "python": platform.python_version(),
@@ -263,6 +266,11 @@ def collect(
         + ("" if model_path is not None else "; a 16-bit checkpoint, no --model given")
         + ")",
         "attention_backend": attention,
+        **(
+            {"decode_attention": "amx tiles" if backend.decode_amx else "vector"}
+            if isinstance(backend, CpuPagedAttention)
+            else {}
+        ),
         "ops": op_backends(torch.device(device), attention, dtype=choice.dtype),
         "threads": torch.get_num_threads(),
         "model_families": ", ".join(SUPPORTED_FAMILIES)
@@ -306,7 +314,7 @@ def render_calibration(report: dict) -> list[str]:
 
 def _cell(key: str, value: float) -> str:
     """One measurement: a count, a rate (the ridge's), else seconds a call shown in ms."""
-    if key in ("rows", "cached", "tokens"):
+    if key in ("rows", "cached", "tokens", "sequences", "context"):
         return f"{key}={value}"
     if key.endswith("_flops"):
         return f"{key}={value / 1e9:.0f}G"

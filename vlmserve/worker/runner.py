@@ -22,7 +22,7 @@ from encoders.cache import EncoderCache
 from encoders.errors import RequestError
 from encoders.stage import EncoderStage, ImageWork
 from kernels.attention import AttentionBatch
-from kernels.backends import choose_prefill_path, select_backend
+from kernels.backends import choose_attention_paths, select_backend
 from kernels.lm_head import logits_head
 from kernels.malloc_tuning import keep_freed_memory
 from kernels.packed_linear import pack_linears
@@ -128,7 +128,7 @@ class ModelRunner:
         self.max_model_len = min(config.model.max_model_len or context, context)
         # CPU kernel choices measured on this CPU at the model's shapes (kernels/calibration)
         cfg = self.model.decoder.cfg
-        choose_prefill_path(self.backend, config.model.attention_backend, self.dtype,
+        choose_attention_paths(self.backend, config.model.attention_backend, self.dtype,
                             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # fmt: skip
         if config.model.pack_weights and self.device.type == "cpu":
             decoder = self.model.decoder

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kernels import calibration, cpu_attention, packed_linear
-from kernels.backends import choose_prefill_path, select_backend
+from kernels.backends import choose_attention_paths, select_backend
 from tests.kernels.choices.calibration_cache import BF16, count_paths, needs_onednn, store
 
 
@@ -190,11 +190,27 @@ def test_the_backend_takes_the_prefill_path_that_won(monkeypatch):
     for wins, name in ((True, "cpu"), (False, "cpu-sdpa")):
         monkeypatch.setattr(cpu_attention, "prefill_kernel_wins", lambda *a, w=wins: w)
         backend = select_backend(cpu, None, torch.float32)
-        choose_prefill_path(backend, None, torch.float32, 4, 1, 256)
+        choose_attention_paths(backend, None, torch.float32, 4, 1, 256)
         assert backend.name == name and backend.prefill_kernel == wins
     backend = select_backend(cpu, "cpu", torch.float32)  # asked for by name: kept
-    choose_prefill_path(backend, "cpu", torch.float32, 4, 1, 256)
+    choose_attention_paths(backend, "cpu", torch.float32, 4, 1, 256)
     assert backend.name == "cpu"
+
+
+def test_the_backend_decodes_on_the_path_that_won(monkeypatch):
+    """decode_amx_wins decides, asked-for backends included; it is False without AMX or
+    in float32 whatever was measured."""
+    if cpu_attention.available() or cpu_attention.prefill_available():
+        pytest.skip("the CPU attention kernels did not build here")
+    cpu = torch.device("cpu")
+    assert not cpu_attention.decode_amx_wins(torch.float32, 4, 1, 256)
+    assert not cpu_attention.decode_amx_wins(torch.bfloat16, 4, 1, 72)  # not a multiple of 32
+    for wins in (True, False):
+        monkeypatch.setattr(cpu_attention, "decode_amx_wins", lambda *a, w=wins: w)
+        for preferred in (None, "cpu"):
+            backend = select_backend(cpu, preferred, torch.bfloat16)
+            choose_attention_paths(backend, preferred, torch.bfloat16, 4, 1, 256)
+            assert backend.decode_amx == wins
 
 
 @pytest.mark.slow
