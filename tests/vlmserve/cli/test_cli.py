@@ -70,7 +70,7 @@ def test_info_reports_versions_pil_device_and_backend():
         from kernels.cpu_build import cpu_flags
 
         has_amx = "amx_bf16" in cpu_flags() and amx_available()
-        assert info["amx"].startswith("prefill attention") == has_amx, info["amx"]
+        assert info["amx"].startswith("prefill and decode attention") == has_amx, info["amx"]
 
 
 def test_info_names_the_dtype_a_model_would_run_in(llama_path, capsys):
@@ -108,6 +108,7 @@ def test_info_prints_each_calibrated_choice_and_recalibrates(llama_path, capsys,
     assert all(r["skinny"] > 0 and r["packed"] > 0 and r["plain"] > 0 for r in head["measured"])
     attention = report["choices"]["prefill_attention/float32/4x2x16"]
     assert info["attention_backend"] == ("cpu" if attention["choice"] else "cpu-sdpa")
+    assert info["decode_attention"] == "vector"  # the AMX path is bfloat16's alone
     # adaptive speculation's B* in the model's dtype: s_w·π/(2β), float32's 4 bytes
     (ridge,) = report["choices"]["ridge/float32"]["measured"]
     b_star = 4 * ridge["gemm_flops"] / (2 * ridge["copy_bytes_per_s"])
