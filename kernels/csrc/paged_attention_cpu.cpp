@@ -15,6 +15,8 @@
 // (a hybrid KV pool may have reused them). With fewer items than threads (a decode of one
 // sequence with one KV head: Gemma 3 270M's batch 1) each item's blocks are split into
 // shares, each with its own running max and sum, merged at the end (flash-decoding).
+// In bfloat16 on a CPU with AMX an item of at most 16 rows may run on tiles instead
+// (paged_amx.h; `amx`, as calibrated in kernels/cpu_attention.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -366,31 +368,26 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
   // can: bfloat16 q and cache, head dims a multiple of 32, blocks of 16k tokens, <= 16 rows.
   constexpr bool kBf16 =
       std::is_same_v<scalar_t, at::BFloat16> && std::is_same_v<cache_t, at::BFloat16>;
-  const bool amx_shape = VLMSERVE_PAGED_AMX && kBf16 && amx && dim % 32 == 0 &&
-                         block_size % 16 == 0 && amx_enabled();
-  auto on_amx = [&](int64_t item) { return amx_shape && qlens[item / kv_heads] * group <= 16; };
-  // One item's share [begin, end) of blocks on AMX tiles: acc, m, l as attend_one leaves them.
-  auto attend_amx = [&](int64_t item, float* acc, float* m, float* l, int64_t begin,
-                        int64_t end, std::vector<int64_t>& q_at, std::vector<int64_t>& last,
-                        std::vector<int64_t>& lo, AmxScratch& w) {
-#if VLMSERVE_PAGED_AMX
-    if constexpr (kBf16) {
-      const int64_t seq = item / kv_heads, h = item % kv_heads;
-      const int64_t rows = bounds_of(item, q_at, last, lo);
-      const auto* k_head = reinterpret_cast<const uint16_t*>(k_base + h * num_slots * dim);
-      const auto* v_head = reinterpret_cast<const uint16_t*>(v_base + h * num_slots * dim);
-      vlmserve_paged_amx::attend(reinterpret_cast<const uint16_t*>(q_ptr), q_at.data(), rows,
-                                 dim, last.data(), lo.data(), clens[seq], block_size,
-                                 tables + seq * max_blocks, k_head, v_head, fscale, begin,
-                                 end, acc, m, l, w);
-    }
-#endif
-  };
+  const bool amx_shape =
+      kBf16 && amx && dim % 32 == 0 && block_size % 16 == 0 && amx_enabled();
   // One item's share [begin, end) of blocks: acc (zeros), m (-inf) and l (0) advanced.
   auto run_item = [&](int64_t item, float* acc, float* m, float* l, int64_t begin, int64_t end,
                       ThreadScratch& w) {
-    if (on_amx(item)) return attend_amx(item, acc, m, l, begin, end, w.q_at, w.last, w.lo, w.amx);
     const int64_t seq = item / kv_heads, h = item % kv_heads;
+#if VLMSERVE_PAGED_AMX
+    if constexpr (kBf16) {
+      if (amx_shape && qlens[seq] * group <= 16) {
+        const int64_t rows = bounds_of(item, w.q_at, w.last, w.lo);
+        const auto* k_head = reinterpret_cast<const uint16_t*>(k_base + h * num_slots * dim);
+        const auto* v_head = reinterpret_cast<const uint16_t*>(v_base + h * num_slots * dim);
+        vlmserve_paged_amx::attend(reinterpret_cast<const uint16_t*>(q_ptr), w.q_at.data(),
+                                   rows, dim, w.last.data(), w.lo.data(), clens[seq],
+                                   block_size, tables + seq * max_blocks, k_head, v_head,
+                                   fscale, begin, end, acc, m, l, w.amx);
+        return;
+      }
+    }
+#endif
     const int64_t rows = rows_of(item, w.qs, w.q_at, w.last, w.lo);
     w.p.resize(rows * block_size);
     w.correction.resize(rows);
