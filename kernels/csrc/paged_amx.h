@@ -242,6 +242,7 @@ inline void attend(const uint16_t* q, const int64_t* q_rows, int64_t rows, int64
       _tile_stored(7, w.o.data() + d, dim * 4);
     }
   }
+  _tile_release();  // no tile state for the OS to save while this thread runs vector code
   alignas(64) float mx[16], sm[16];
   _mm512_store_ps(mx, run_max);
   _mm512_store_ps(sm, run_sum);
