@@ -45,42 +45,6 @@ inline void configure(int rows) {
   _tile_loadconfig(&c);
 }
 
-// 2^x to a relative 7.5e-5 (prefill_attention_cpu.cpp's exp2_coarse: P is rounded to
-// bfloat16 anyway).
-inline __m512 exp2_coarse(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(5.517166480e-2f), f, _mm512_set1_ps(2.426111251e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.932609677e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999280572e-1f));
-  return _mm512_scalef_ps(y, n);
-}
-
-// r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit lanes.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
-  }
-}
-
 // A thread's buffers: the queries' B tiles, a step's scores, P's rows and value pairs, O.
 struct Scratch {
   vlmserve_vec::LineVector<uint32_t> qb, vp;
@@ -207,18 +171,21 @@ inline void attend(const uint16_t* q, const int64_t* q_rows, int64_t rows, int64
                            ~_mm512_cmp_ps_mask(new_max, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
     const __m512 shift = _mm512_maskz_mov_ps(seen, new_max);
     __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
-    __m512i pairs[16];
+    __m512 pairs[16];
+    auto prob = [&](int j) {  // 2^(s - max), 0 where not visible
+      return _mm512_maskz_mov_ps(in[j], vlmserve_amx::exp2_coarse(_mm512_sub_ps(s[j], shift)));
+    };
     for (int i = 0; i < 16; ++i) {
-      const __m512 e0 = _mm512_maskz_mov_ps(in[2 * i], exp2_coarse(_mm512_sub_ps(s[2 * i], shift)));
-      const __m512 e1 =
-          _mm512_maskz_mov_ps(in[2 * i + 1], exp2_coarse(_mm512_sub_ps(s[2 * i + 1], shift)));
+      const __m512 e0 = prob(2 * i), e1 = prob(2 * i + 1);
       sum0 = _mm512_add_ps(sum0, e0);
       sum1 = _mm512_add_ps(sum1, e1);
       // lane r: (e0[r], e1[r]) in bfloat16
-      pairs[i] = _mm512_permutexvar_epi16(pair_index, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      pairs[i] = _mm512_castsi512_ps(
+          _mm512_permutexvar_epi16(pair_index, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
     }
-    transpose16(pairs);  // pairs[r]: row r's 16 pairs of keys, P's row in A's layout
-    for (int64_t r = 0; r < rows; ++r) _mm512_store_si512(w.pa.data() + 32 * r, pairs[r]);
+    vlmserve_amx::transpose16(pairs);  // pairs[r]: row r's 16 pairs of keys, P's A row
+    for (int64_t r = 0; r < rows; ++r)
+      _mm512_store_ps(reinterpret_cast<float*>(w.pa.data() + 32 * r), pairs[r]);
     // Rescale: 2^(old max - new max), 0 on the first keys (old -inf), 1 while unseen.
     const __m512 factor = _mm512_mask_blend_ps(
         seen, _mm512_set1_ps(1.f), vlmserve_vec::exp2_neg_ps(_mm512_sub_ps(run_max, shift)));

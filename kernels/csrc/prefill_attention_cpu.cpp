@@ -526,6 +526,8 @@ void attend_item_dot(const Problem<at::BFloat16, at::BFloat16>& pb, const Item& 
 namespace amx {
 using vlmserve_amx::configure;
 using vlmserve_amx::enabled;
+using vlmserve_amx::exp2_coarse;
+using vlmserve_amx::transpose16;
 
 // st[16 u + r][16 t + n] = query row (16 u + r) . key (16 t + n) for NR row tiles of qa
 // (rows `dim` bfloat16 apart) and NK key tiles of kp (per key tile, dim / 32 blocks of
@@ -578,47 +580,10 @@ inline void values(const uint16_t* p, int64_t ldp, const uint32_t* vp, int64_t l
   if constexpr (NR > 1 && ND > 1) _tile_stored(3, o + 16 * ldo + 16, ldo * 4);
 }
 
-// r[i][j] <- r[j][i] for a 16 x 16 block of 32-bit lanes (the bits moved as they are).
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-  }
-}
-
 // Lanes j of the 16 keys from `at` with a <= at + j < b.
 inline __mmask16 key_mask(int64_t a, int64_t b, int64_t at) {
   const int64_t lo = std::clamp<int64_t>(a - at, 0, 16), hi = std::clamp<int64_t>(b - at, 0, 16);
   return static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
-}
-
-// 2^x to a relative 7.5e-5 (a degree-3 fit on [-1/2, 1/2]; vscalefps flushes x far below
-// -126 to 0): the probabilities are rounded to bfloat16 (2^-9) for P V, so exp2_neg_ps's
-// float32 accuracy is not needed here (this one took 15% less of the softmax's time).
-inline __m512 exp2_coarse(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(5.517166480e-2f), f, _mm512_set1_ps(2.426111251e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.932609677e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999280572e-1f));
-  return _mm512_scalef_ps(y, n);
 }
 
 // Lane r = the maximum (Max) or the sum of v[r]'s lanes.
