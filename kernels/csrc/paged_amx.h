@@ -2,7 +2,7 @@
 // (sequence, kv head) of at most 16 query rows, bfloat16 q and cache, head dim a multiple
 // of 32, blocks a multiple of 16 tokens. The vector path spends ~120 cycles a key at
 // Gemma 3 270M's shape (4 rows, head dim 256) on float32 FMAs over widened keys and
-// values; here both products run on tiles, and neither K nor V is copied as it lies:
+// values; here both products run on tiles, K read in place and V copied once as pairs:
 //
 // - scores transposed, S^T = K Q^T: A is 16 keys of a block read in place from the cache
 //   (rows head_dim apart), B the rows' queries packed once an item as pairs of head dims;
@@ -52,7 +52,7 @@ struct Scratch {
   vlmserve_vec::LineVector<uint16_t> pa;
 };
 
-// One item: `rows` (<= 16) query rows at q (row r at q + r * q_stride, bfloat16 bits, not
+// One item: `rows` (<= 16) query rows of q (row r at q + q_rows[r], bfloat16 bits, not
 // scaled), row r seeing positions [lo[r], last[r]]; K and V of the kv head at k_head /
 // v_head (slot-major, `dim` bfloat16 a slot), the sequence's blocks in `table`. Only
 // positions [block_begin * block_size, min(ctx, block_end * block_size)). On return acc
