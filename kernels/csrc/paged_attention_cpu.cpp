@@ -334,8 +334,6 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
                    [&](int64_t a, int64_t b) { return work(a) > work(b); });
   const float fscale = static_cast<float>(scale);
 
-  // Query rows of an item (scaled, float32), each row's last visible position and first
-  // position inside its window.
   // Where each query row of an item sits in q, its last visible position and the first
   // inside its window.
   auto bounds_of = [&](int64_t item, std::vector<int64_t>& q_at, std::vector<int64_t>& last,
