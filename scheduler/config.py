@@ -234,13 +234,21 @@ class SchedulerConfig:
             raise ValueError(f"lump_prefill_tokens_per_step={cap} must be >= 1 (or None)")
 
 
+DEFAULT_DRAFTS = 4  # γ_max when num_speculative_tokens is left at None
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """n-gram speculative decoding (article §15). Off unless num_speculative_tokens > 0."""
+    """n-gram speculative decoding (article §15): on by default, with adaptive γ."""
 
-    # Off unless asked for: benchmarks/engine/spec_decode.py did not show adaptive γ never slower
-    # than off at every load (docs/engine.md, "Speculation").
-    num_speculative_tokens: int = 0  # γ_max: drafts per sequence per step; 0 = off
+    # γ_max: drafts per sequence per step; 0 = off. None (the default): DEFAULT_DRAFTS, or off
+    # where async scheduling was asked for (drafts need the step before's tokens); the
+    # engine resolves it (vlmserve/sample/verify.py: resolve_speculation). On by default
+    # because it is gated: adaptive γ drafts only below the ridge B* (calibrated for the CPU
+    # in the engine's dtype) and for sequences whose drafts are accepted, so it drafts
+    # nothing where it cannot pay; benchmarks/engine/spec_decode.py found it never slower
+    # than off beyond noise at 1-64 requests (docs/engine.md, "Speculation").
+    num_speculative_tokens: int | None = None
     # Suffix lengths the n-gram proposer tries, longest first.
     min_n: int = 2
     max_n: int = 4
@@ -260,7 +268,7 @@ class SpeculativeConfig:
     probe_interval: int = 16
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens < 0:
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 0")
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"need 1 <= min_n={self.min_n} <= max_n={self.max_n}")
@@ -277,4 +285,4 @@ class SpeculativeConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.num_speculative_tokens > 0
+        return self.num_speculative_tokens != 0  # None: on unless async scheduling

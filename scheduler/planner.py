@@ -435,6 +435,8 @@ class Scheduler(WaitingAdmission):
 
     def _drafts(self, seq: Sequence, max_drafts: int) -> tuple[int, ...]:
         assert self.proposer is not None and self.spec_policy is not None
+        if not seq.may_draft:
+            return ()
         limit = self._max_num_tokens.get(seq.request_id)
         if limit is not None:  # this step emits up to drafts + 1 tokens: never overshoot
             max_drafts = min(max_drafts, limit - seq.num_tokens - 1)

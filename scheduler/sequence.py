@@ -65,6 +65,9 @@ class Sequence:
     num_pending_tokens: int = 0
     # False: never start from prefix-cache hits (prompt logprobs need every position run).
     use_prefix_cache: bool = True
+    # False: never given n-gram drafts (the engine's choice for a seeded sampled request
+    # under adaptive speculation, whose drafts would make its tokens depend on the load).
+    may_draft: bool = True
     # [start, end) position ranges that attend to each other in full (scheduler/spans.py):
     # a chunk never ends inside one. Empty: causal everywhere.
     spans: tuple[tuple[int, int], ...] = ()

@@ -194,7 +194,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # off
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # adaptive
     encoder: EncoderConfig = field(default_factory=EncoderConfig)  # preprocessing, cache
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP 1
     structured: StructuredConfig = field(default_factory=StructuredConfig)  # grammars

@@ -174,7 +174,7 @@ def main() -> None:
         # B* for this CPU, measured once so that every engine gates on the same ridge.
         ridge = ridge_batch_for(torch.device("cpu"), getattr(torch, args.dtype))
         specs = {
-            "off": SpeculativeConfig(),
+            "off": SpeculativeConfig(num_speculative_tokens=0),
             "adaptive": SpeculativeConfig(args.gamma, ridge_batch=ridge),
             # The most eager proposer (--speculative-ngram-min 1): open-ended text then gets
             # drafts, mostly wrong, which the policy has to switch off.

@@ -144,8 +144,10 @@ def server_command(system: str, spec: dict, args: argparse.Namespace, port: int)
     else:
         bytes_per_block = BLOCK_SIZE * spec["kv_bytes_per_token"]
         kv = ["--num-kv-blocks", str(engine["kv_cache_gib"] * 2**30 // bytes_per_block)]
+    drafts = args.speculative_tokens  # None: the engine's default
+    spec_flags = [] if drafts is None else ["--speculative-tokens", str(drafts)]
     return [sys.executable, "-m", "vlmserve.cli", "serve", "--model", spec["model"], *common,
-            *kv, "--served-model-name", "bench"]  # fmt: skip
+            *kv, *spec_flags, "--served-model-name", "bench"]  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from PIL import Image, ImageDraw
 from benchmarks.engine.offline_throughput import parse_args as offline_args
 from benchmarks.engine.offline_throughput import workload as offline_workload
 from encoders.tiling.anyres import anyres_layout
-from scheduler.config import SpeculativeConfig
+from scheduler.config import DEFAULT_DRAFTS, SpeculativeConfig
 from vlmserve.worker.models.random_checkpoint import (
     WORDS,
     make_gemma3_checkpoint,
@@ -419,24 +419,26 @@ def _save(root: Path, spec: dict) -> dict:
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--speculative-tokens", type=int, default=0, metavar="K",
-        help="offline, both engines draft up to K n-gram tokens a step (n 2-4, from the prompt "
-        "and output; vLLM's ngram method, vlmserve's adaptive γ): writes *_spec{K}.json",
+        "--speculative-tokens", type=int, default=None, metavar="K",
+        help="vlmserve drafts up to K n-gram tokens a step with adaptive γ (n 2-4, from the "
+        "prompt and output; 0: none; default: its own default, adaptive γ up to "
+        f"{DEFAULT_DRAFTS}): writes *_spec{{K}}.json",
     )  # fmt: skip
     p.add_argument(
-        "--vllm-speculative-tokens", type=int, default=None, metavar="K",
-        help="vLLM's drafts instead (default: --speculative-tokens; 0: vLLM without, as it "
-        "runs fastest here): writes *_spec{K}_vllm{K'}.json",
+        "--vllm-speculative-tokens", type=int, default=0, metavar="K",
+        help="offline, vLLM drafts up to K (its ngram method, n 2-4; default 0: none, its own "
+        "default and its fastest here): writes *_vllm{K}.json",
     )  # fmt: skip
 
 
-def ngram_config(tokens: int) -> SpeculativeConfig:
-    """vlmserve's drafts for --speculative-tokens: adaptive γ up to `tokens`, suffixes of 2 to
-    4 tokens (vLLM's prompt_lookup_min / _max in its worker); 0: none."""
+def ngram_config(tokens: int | None) -> SpeculativeConfig:
+    """vlmserve's drafts for --speculative-tokens: adaptive γ up to `tokens` (None: the
+    engine's default), suffixes of 2 to 4 tokens (vLLM's prompt_lookup_min / _max in its
+    worker); 0: none."""
     return SpeculativeConfig(tokens, min_n=2, max_n=4)
 
 
-def set_drafts(spec: dict, ours: int, vllm: int) -> None:
+def set_drafts(spec: dict, ours: int | None, vllm: int) -> None:
     """Each engine's drafts in the spec's engine record, the spec file saved again."""
     spec["engine"].update(speculative_tokens=ours, vllm_speculative_tokens=vllm)
     _save(Path(spec.pop("path")).parent, spec)

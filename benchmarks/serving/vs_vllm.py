@@ -23,7 +23,7 @@ VLMSERVE_VLLM_VENV elsewhere) from a Python 3.11 (--python311 / VLMSERVE_VLLM_PY
     .venv/bin/python -m benchmarks.serving.vs_vllm --serve --workload text --serve-requests 32
     .venv/bin/python -m benchmarks.serving.vs_vllm --serve --workload real --dtype bfloat16
     .venv/bin/python -m benchmarks.serving.vs_vllm --workload real --dtype bfloat16 \
-        --speculative-tokens 4 [--vllm-speculative-tokens 0]   # n-gram drafts
+        --speculative-tokens 0 [--vllm-speculative-tokens 4]   # n-gram drafts off / vLLM's on
 
 `--workload real` is Gemma 3 270M (the real checkpoint's bfloat16 folder) on real-text
 prompts; served (`--serve`), each request is a streamed completion of the same prompt
@@ -186,7 +186,7 @@ def vlmserve_worker(spec_path: str, result_path: str) -> None:
     # The KV cache vLLM gets (VLLM_CPU_KVCACHE_SPACE), in bytes: the same memory for both.
     engine = make_engine(
         spec["model"], sizing, engine_args, kv_bytes=engine_spec["kv_cache_gib"] << 30,
-        speculative=workloads.ngram_config(engine_spec.get("speculative_tokens", 0)),
+        speculative=workloads.ngram_config(engine_spec.get("speculative_tokens")),
     )  # fmt: skip
     load_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -353,16 +353,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--serve-repeats {args.serve_repeats} must be >= 1")
     if args.serve and args.workload == "gemma3":
         p.error("--workload gemma3 is offline only (the serving part: text, image, real)")
-    if args.speculative_tokens and args.serve:
-        p.error("--speculative-tokens is offline only")
+    if args.vllm_speculative_tokens and args.serve:
+        p.error("--vllm-speculative-tokens is offline only")
     base = "vs_vllm_serve" if args.serve else "vs_vllm"
     base += f"_{args.workload}" if args.workload in ("gemma3", "real") else ""
     base += "_bf16" if args.dtype == "bfloat16" else ""
-    base += f"_spec{args.speculative_tokens}" if args.speculative_tokens else ""
-    if args.vllm_speculative_tokens is None:
-        args.vllm_speculative_tokens = args.speculative_tokens
-    elif args.vllm_speculative_tokens != args.speculative_tokens:
-        base += f"_vllm{args.vllm_speculative_tokens}"
+    base += "" if args.speculative_tokens is None else f"_spec{args.speculative_tokens}"
+    base += f"_vllm{args.vllm_speculative_tokens}" if args.vllm_speculative_tokens else ""
     args.name = args.name or (base + "_quick" if args.quick else base)
     return args
 

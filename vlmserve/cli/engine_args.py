@@ -14,7 +14,13 @@ import dataclasses
 
 from encoders.config import EncoderConfig
 from kernels.backends import BACKENDS
-from scheduler.config import CacheConfig, SchedulerConfig, SloConfig, SpeculativeConfig
+from scheduler.config import (
+    DEFAULT_DRAFTS,
+    CacheConfig,
+    SchedulerConfig,
+    SloConfig,
+    SpeculativeConfig,
+)
 from vlmserve.cli.arg_types import device, int_at_least, positive_float, ttft_targets
 from vlmserve.cli.precision_args import add_dtype_arg, add_kv_cache_dtype_arg, add_warmup_arg
 from vlmserve.config import QUANTIZATION_CHOICES, EngineConfig, ModelConfig, ParallelConfig
@@ -249,9 +255,9 @@ def _add_speculative_args(group: argparse._ArgumentGroup) -> None:
         default=spec.num_speculative_tokens,
         metavar="N",
         help="draft up to N tokens per sequence per step from the sequence's own n-grams, "
-        f"verified losslessly (default: {spec.num_speculative_tokens}, 0 = off); γ adapts to "
-        "the load and to each "
-        "sequence's acceptance unless --no-adaptive-speculation",
+        f"verified losslessly (default: {DEFAULT_DRAFTS}, or 0 with --async-scheduling; "
+        "0 = off); γ adapts to the load (none past the ridge B*) and to each sequence's "
+        "acceptance unless --no-adaptive-speculation",
     )
     group.add_argument(
         "--no-adaptive-speculation",

@@ -19,7 +19,6 @@ exception escaping `step` is a bug in the engine's own bookkeeping.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -59,7 +58,7 @@ from vlmserve.engine.warmup import warm_up
 from vlmserve.inputs.processing import Request, check_prompt_chars, eos_token_ids
 from vlmserve.inputs.prompt_processor import make_prompt_processor
 from vlmserve.sample.params import SamplingParams
-from vlmserve.sample.verify import ridge_batch_for
+from vlmserve.sample.verify import resolve_speculation
 from vlmserve.worker.parallel.executor import make_runner
 
 log = logging.getLogger(__name__)
@@ -80,10 +79,8 @@ class Engine:
         self._detok_tokenizer = self.tokenizer
         self._detok_decoder = direct_decoder(self._detok_tokenizer)  # the same text, faster
         self.max_model_len = self.runner.max_model_len  # the flag, capped by the context
-        speculative = config.speculative
-        if speculative.enabled and speculative.adaptive and speculative.ridge_batch is None:
-            ridge = ridge_batch_for(self.runner.device, self.runner.dtype)
-            speculative = dataclasses.replace(speculative, ridge_batch=ridge)
+        speculative = resolve_speculation(config, self.runner.device, self.runner.dtype)
+        self._adaptive_spec = speculative.enabled and speculative.adaptive
         cache = self.runner.encoder_cache  # pool images: content_hash is the cache key
         # A TPOT target: the scheduler prices steps with a fit of this engine's own steps.
         self.step_cost = OnlineStepCost() if config.scheduler.slo.tpot_s is not None else None
@@ -100,7 +97,7 @@ class Engine:
         self.times = StepTimes()
         # Async scheduling, unless speculating: drafts are proposed from the tokens the
         # step before emitted, so a speculating engine waits for them.
-        self.async_scheduling = config.scheduler.async_scheduling and not config.speculative.enabled
+        self.async_scheduling = config.scheduler.async_scheduling and not speculative.enabled
         self._forward = ForwardThread(self.runner, self.times) if self.async_scheduling else None
         self._in_flight: InFlightStep | None = None
         vocab = model.decoder.cfg.vocab_size  # structured outputs: made on the first one
@@ -154,6 +151,8 @@ class Engine:
         seq = Sequence(request_id, list(prompt.token_ids), prompt.images)
         # Prompt logprobs need every prompt position computed: no prefix-cache hits.
         seq.use_prefix_cache = params.prompt_logprobs is None
+        # A seeded sampled request's tokens must not depend on the load, which adaptive γ follows.
+        seq.may_draft = not (self._adaptive_spec and params.seed is not None and not params.greedy)
         if self.runner.model.bidirectional_images:
             seq.spans = image_spans(prompt.images)
         output = RequestOutput(

@@ -17,13 +17,16 @@ keeps the drafts up to the first rejection. A request's tokens do not depend on 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import calibration
 from kernels.packed_linear import dtype_name
+from scheduler.config import DEFAULT_DRAFTS, SpeculativeConfig
 from scheduler.step_plan import ScheduledSeq
 from search.costmodel.cost_model import b_star
 from search.costmodel.presets import (
@@ -38,7 +41,10 @@ from vlmserve.sample.params import SamplerState
 from vlmserve.sample.sampler import GroupResult, RowGroup, sample_rows
 
 if TYPE_CHECKING:  # imports xgrammar: only once a constrained request arrives
+    from vlmserve.config import EngineConfig
     from vlmserve.sample.masks import FillJob
+
+log = logging.getLogger(__name__)
 
 
 def verify_greedy(targets: list[int], drafts: tuple[int, ...]) -> list[int]:
@@ -167,6 +173,26 @@ def greedy_plan(
 RIDGE_GEMM = 2048
 
 
+def resolve_speculation(
+    engine: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> SpeculativeConfig:
+    """The engine's speculation as it runs: γ_max settled (the default's is DEFAULT_DRAFTS,
+    or off under async scheduling) and B* filled in for adaptive γ (`ridge_batch_for`), or
+    off on a GPU no accelerator preset matches (no B*: a warning names the fixed-γ way)."""
+    config = engine.speculative
+    if config.num_speculative_tokens is None:
+        gamma = 0 if engine.scheduler.async_scheduling else DEFAULT_DRAFTS
+        config = dataclasses.replace(config, num_speculative_tokens=gamma)
+    if not (config.enabled and config.adaptive and config.ridge_batch is None):
+        return config
+    try:
+        ridge = ridge_batch_for(device, dtype)
+    except ValueError as e:
+        log.warning("speculation off: %s", e)
+        return dataclasses.replace(config, num_speculative_tokens=0)
+    return dataclasses.replace(config, ridge_batch=ridge)
+
+
 def ridge_batch_for(device: torch.device, dtype: torch.dtype) -> float:
     """B* = s_w·π/(2β) (article §11) for the engine's device and weight dtype: a datasheet
     preset for a GPU (one no preset matches is refused), this CPU calibrated in `dtype`
@@ -174,7 +200,7 @@ def ridge_batch_for(device: torch.device, dtype: torch.dtype) -> float:
     weight = Precision(str(dtype), torch.finfo(dtype).bits / 8, "bf16")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        preset = gpu_preset(name, "adaptive speculation needs B*: --no-adaptive-speculation")
+        preset = gpu_preset(name, "--no-adaptive-speculation drafts a fixed γ without it")
         return b_star(get_accelerator(preset), weight)
     return calibration.calibrated(
         f"ridge/{dtype_name(dtype)}", functools.partial(measure_cpu_ridge, dtype),

@@ -18,6 +18,7 @@ from benchmarks.lib.vs_vllm_serve import (
     median_point,
     pass_order,
     process_cpu_s,
+    server_command,
 )  # fmt: skip
 from benchmarks.serving.vs_vllm import agreement, last_error, matched_prefix, round_order, summarize
 
@@ -202,27 +203,39 @@ def test_dtype_reaches_both_engines_and_names_the_result(tmp_path):
         "workload": "text",
         "kv_bytes_per_token": half,
     }
-    ns = argparse.Namespace(vllm_python="python")
+    ns = argparse.Namespace(vllm_python="python", speculative_tokens=None)
     for system in ("vllm", "vlmserve"):
         cmd = vs_vllm_serve.server_command(system, spec, ns, 1234)
         assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
 
 
-def test_speculative_tokens_reach_both_engines_alike_and_name_the_result():
-    """--speculative-tokens K: both engines draft n-grams of the same lengths, vLLM through
-    its ngram method; --vllm-speculative-tokens sets vLLM's apart (0: none)."""
+def test_speculative_tokens_reach_each_engine_and_name_the_result():
+    """Each engine as shipped by default (vlmserve's adaptive γ, vLLM without drafts);
+    --speculative-tokens K sets ours (0: none), --vllm-speculative-tokens K vLLM's, both
+    drafting n-grams of the same lengths, vLLM through its ngram method (offline only)."""
     import importlib.util
 
     from benchmarks.serving import vs_vllm
 
     real = ["--workload", "real", "--dtype", "bfloat16"]
-    args = vs_vllm.parse_args([*real, "--speculative-tokens", "4"])
-    assert (args.name, args.vllm_speculative_tokens) == ("vs_vllm_real_bf16_spec4", 4)
-    args = vs_vllm.parse_args([*real, "--speculative-tokens", "4", "--vllm-speculative-tokens=0"])
-    assert (args.name, args.vllm_speculative_tokens) == ("vs_vllm_real_bf16_spec4_vllm0", 0)
-    assert vs_vllm.parse_args(real).name == "vs_vllm_real_bf16"
+    args = vs_vllm.parse_args(real)
+    assert (args.name, args.speculative_tokens, args.vllm_speculative_tokens) == (
+        "vs_vllm_real_bf16",
+        None,
+        0,
+    )
+    assert vs_vllm.workloads.ngram_config(None).num_speculative_tokens is None  # the default
+    args = vs_vllm.parse_args([*real, "--speculative-tokens", "0"])
+    assert (args.name, args.speculative_tokens) == ("vs_vllm_real_bf16_spec0", 0)
+    args = vs_vllm.parse_args([*real, "--speculative-tokens", "4", "--vllm-speculative-tokens=4"])
+    assert (args.name, args.vllm_speculative_tokens) == ("vs_vllm_real_bf16_spec4_vllm4", 4)
     with pytest.raises(SystemExit):
-        vs_vllm.parse_args(["--serve", "--speculative-tokens", "4"])
+        vs_vllm.parse_args(["--serve", "--vllm-speculative-tokens", "4"])
+    serve = vs_vllm.parse_args(["--serve", "--speculative-tokens", "0"])
+    spec = {"workload": "real", "model": "m", "engine": {"dtype": "bfloat16", "max_num_seqs": 64,
+            "max_num_batched_tokens": 2048, "max_model_len": 4096, "kv_cache_gib": 1}}  # fmt: skip
+    cmd = server_command("vlmserve", spec, serve, 1234)
+    assert cmd[cmd.index("--speculative-tokens") + 1] == "0"
     spec = importlib.util.spec_from_file_location("vllm_worker", vs_vllm.VLLM_WORKER)
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
@@ -288,7 +301,7 @@ def test_real_serving_gives_vlmserve_vllms_kv_bytes_and_is_allowed(tmp_path):
     engine = {"dtype": "bfloat16", "max_num_seqs": 256, "max_num_batched_tokens": 2048,
               "max_model_len": 2048, "kv_cache_gib": 2}  # fmt: skip
     spec = {"engine": engine, "model": str(tmp_path), "workload": "real"}
-    cmd = vs_vllm_serve.server_command("vlmserve", spec, argparse.Namespace(), 1234)
+    cmd = vs_vllm_serve.server_command("vlmserve", spec, args, 1234)
     assert cmd[cmd.index("--kv-cache-mb") + 1] == "2048" and "--num-kv-blocks" not in cmd
 
 

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from kernels import calibration
+from scheduler.config import DEFAULT_DRAFTS, SchedulerConfig, SpeculativeConfig
+from vlmserve.config import EngineConfig, ModelConfig
+from vlmserve.embedded import DEFAULT_MODEL_DIR
 from vlmserve.sample import verify
 
 N = verify.RIDGE_GEMM
@@ -54,3 +57,33 @@ def test_the_cpu_ridge_is_cached_per_dtype_and_read_back(cache_dir, monkeypatch)
 def test_the_ridge_measurement_runs_on_this_cpu(cache_dir):
     (record,) = verify.measure_cpu_ridge(torch.bfloat16)
     assert record["gemm_flops"] > 1e8 and record["copy_bytes_per_s"] > 1e8
+
+
+def test_speculation_takes_the_ridge_or_turns_off_where_there_is_none(
+    cache_dir, monkeypatch, caplog
+):
+    fake_machine(monkeypatch, gemm_s=0.01, copy=20e9)
+    cpu = torch.device("cpu")
+
+    def resolved(speculative=None, async_scheduling=False):
+        engine = EngineConfig(
+            ModelConfig(str(DEFAULT_MODEL_DIR)),
+            scheduler=SchedulerConfig(async_scheduling=async_scheduling),
+            speculative=speculative or SpeculativeConfig(),
+        )
+        return verify.resolve_speculation(engine, cpu, torch.bfloat16)
+
+    default = resolved()  # on by default, adaptive, gated by B*
+    assert default.num_speculative_tokens == DEFAULT_DRAFTS and default.adaptive
+    assert default.ridge_batch == verify.ridge_batch_for(cpu, torch.bfloat16)
+    assert not resolved(async_scheduling=True).enabled  # asked for: drafts would stall it
+    explicit = SpeculativeConfig(num_speculative_tokens=3, adaptive=False)
+    assert resolved(explicit, async_scheduling=True) is explicit  # the engine runs it sync
+
+    def no_preset(device, dtype):  # a GPU that no accelerator preset matches
+        raise ValueError("no accelerator preset matches the GPU 'Some GPU'")
+
+    monkeypatch.setattr(verify, "ridge_batch_for", no_preset)
+    with caplog.at_level("WARNING"):
+        off = resolved()
+    assert not off.enabled and "no accelerator preset" in caplog.text

@@ -234,7 +234,9 @@ def test_cli_speculates_and_captions_as_without(tmp_path, capsys):
     for i, scene in enumerate(heldout_scenes(4)):
         render_scene(scene).save(root / f"s{i}.png")
     args = ["caption", str(root), "--max-tokens", "40", "--no-progress"]
-    assert main([*args, "--output", str(tmp_path / "plain.jsonl")]) == 0
+    assert (
+        main([*args, "--output", str(tmp_path / "plain.jsonl"), "--speculative-tokens", "0"]) == 0
+    )
     plain = capsys.readouterr().err
     spec_args = ["--speculative-tokens", "4", "--no-adaptive-speculation",
                  "--speculative-ngram-min", "1"]  # fmt: skip

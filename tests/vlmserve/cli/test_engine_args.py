@@ -88,15 +88,18 @@ def test_each_flag_reaches_the_engine_config_from_each_door(door, flags, path, v
     assert field(config_for(door, *flags), path) == value
 
 
-def test_defaults_speculation_off_pool_per_core_cache_on_exact_jpeg():
+def test_defaults_speculation_adaptive_pool_per_core_cache_on_exact_jpeg():
     config = config_for("serve")
-    assert config.speculative.num_speculative_tokens == 0 and not config.speculative.enabled
+    # The engine's default (adaptive γ up to DEFAULT_DRAFTS; off under --async-scheduling).
+    assert config.speculative.num_speculative_tokens is None
+    assert config.speculative.enabled and config.speculative.adaptive
     assert config.encoder.num_workers is None  # one worker per core
     assert config.encoder.cache_bytes == 256 << 20
     assert config.encoder.jpeg_draft is False  # pixels as transformers makes them
     assert config.scheduler.enable_chunked_prefill and config.cache.enable_prefix_caching
     on = config_for("serve", "--speculative-tokens", "4").speculative
     assert on.enabled and on.adaptive  # adaptive wherever speculation is on
+    assert not config_for("serve", "--speculative-tokens", "0").speculative.enabled
 
 
 @pytest.mark.parametrize(

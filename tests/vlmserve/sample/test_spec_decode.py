@@ -20,6 +20,7 @@ from vlmserve.worker.models.random_checkpoint import make_text_checkpoint
 EMBEDDED = Path(__file__).parents[3] / "vlmserve" / "embedded" / "default_model"
 # Always speculate (the ridge is far away, no per-sequence switch-off): the most drafts.
 ALWAYS = SpeculativeConfig(num_speculative_tokens=4, min_n=1, adaptive=False)
+OFF = SpeculativeConfig(num_speculative_tokens=0)
 COPY_HEAVY = [
     "the red star is on the left of the blue circle " * 3,
     "w1 w2 w3 w4 w5 w6 w1 w2 w3 w4 w5 w6 w1 w2",
@@ -35,7 +36,7 @@ def make_engine(
 ):
     return helpers.make_engine(
         path, num_blocks=num_blocks, budget=budget, scheduler={"admission": admission},
-        speculative=spec,
+        speculative=spec or OFF,
     )  # fmt: skip
 
 
@@ -173,7 +174,7 @@ def plain_samples(vocab16_path):
     def get(params: dict) -> torch.Tensor:
         key = tuple(sorted(params.items()))
         if key not in cache:
-            cache[key] = sample_first_tokens(vocab16_path, SpeculativeConfig(), params)
+            cache[key] = sample_first_tokens(vocab16_path, OFF, params)
         return cache[key]
 
     return get
@@ -241,3 +242,22 @@ def test_the_chi_square_test_catches_a_wrong_acceptance_rule(
     spec = SpeculativeConfig(num_speculative_tokens=3, min_n=1, adaptive=False)
     wrong = sample_first_tokens(vocab16_path, spec, TEMPERATURE_1)
     assert min(homogeneity_p_value(plain[:, i], wrong[:, i]) for i in (1, 2, 3)) < 1e-6
+
+
+@pytest.mark.slow
+def test_adaptive_speculation_never_drafts_for_a_seeded_sampled_request(vocab16_path):
+    """Adaptive γ drafts by the load, and a draft changes which token a row's uniforms pick:
+    a seeded sampled request gets no drafts, so its tokens are those of an engine without
+    speculation, beside greedy requests that are drafted for."""
+
+    def run(spec):
+        engine = helpers.make_engine(vocab16_path, budget=256, speculative=spec)
+        seeded = [SamplingParams(max_tokens=12, seed=i, **TEMPERATURE_1) for i in range(24)]
+        plain = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 8
+        outputs = engine.generate([Request(prompt=PROMPT16, sampling=p) for p in seeded + plain])
+        return [o.token_ids for o in outputs[: len(seeded)]], engine.spec_metrics
+
+    off, _ = run(OFF)
+    adaptive, metrics = run(SpeculativeConfig(num_speculative_tokens=4, min_n=1, ridge_batch=1e6))
+    assert metrics.num_proposed_tokens > 0  # the greedy ones were drafted for
+    assert adaptive == off

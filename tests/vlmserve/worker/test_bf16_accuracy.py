@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from kernels.packed_linear import PackedLinear
-from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tests.helpers import chat
 from vlmserve.config import EngineConfig, ModelConfig
 from vlmserve.engine.core import Engine
@@ -62,6 +62,7 @@ def engine_logits(  # noqa: PLR0913
             ModelConfig(str(path), dtype=dtype, **model),
             CacheConfig(num_blocks=128, block_size=16, kv_cache_dtype=kv_cache_dtype),
             SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=4),
+            speculative=SpeculativeConfig(num_speculative_tokens=0),  # a logits row a step
         )
     )
     recorded: list[torch.Tensor] = []
