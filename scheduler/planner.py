@@ -105,7 +105,9 @@ class Scheduler(WaitingAdmission):
         self.spec_policy: SpecPolicy | None = None
         self.max_drafts = 0
         if speculative is not None and speculative.enabled:
-            self.max_drafts = speculative.num_speculative_tokens
+            drafts = speculative.num_speculative_tokens
+            assert drafts is not None, "the default γ is settled by resolve_speculation first"
+            self.max_drafts = drafts
             self.proposer = NgramProposer(speculative.min_n, speculative.max_n)
             # The engine fills in B* for its device; without one the ridge never gates.
             ridge = speculative.ridge_batch if speculative.ridge_batch is not None else math.inf

@@ -129,7 +129,7 @@ class ModelRunner:
         # CPU kernel choices measured on this CPU at the model's shapes (kernels/calibration)
         cfg = self.model.decoder.cfg
         choose_attention_paths(self.backend, config.model.attention_backend, self.dtype,
-                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # fmt: skip
+                               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # fmt: skip
         if config.model.pack_weights and self.device.type == "cpu":
             decoder = self.model.decoder
             pack_linears(decoder, plain=config.model.plain_weights)
