@@ -297,10 +297,10 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
 
 constexpr int64_t kRowChunk = 32;  // rows of x a pass over a weight row (their sums on the stack)
 constexpr int64_t kRegRows = 4;    // rows of x whose accumulators stay in registers
-constexpr int kWeightRows = 4;     // weight rows a pass at one row of x (Q4_0 / Q5_0)
+constexpr int kWeightRows = 4;     // weight rows a pass over x (AVX-512 VNNI)
 
-// Software prefetch at one row of x (decode): the weight bytes kAheadBytes on from those
-// being read are requested into L1 a share at a time. A pass over 4 weight rows covers a
+// Software prefetch on a pass's first rows of x (a decode, or a decode and its drafts): the
+// weight bytes kAheadBytes on from those being read are requested into L1 a share at a time. A pass over 4 weight rows covers a
 // few hundred bytes to a few KB, and the weights of a layer a few hundred KB: streams too
 // short for the hardware prefetcher to run ahead of. Without it (Gemma 3 270M's Q4_K_M
 // decode step on a Zen 4) the layers' linears read their weights at about half the rate of
@@ -801,9 +801,10 @@ void dot_rows_q8(const uint8_t* w, int64_t row_bytes, int64_t K, const QuantRows
     for (int r = 0; r < R; ++r) sums[n * R + r] = _mm512_reduce_add_ps(acc[n][r]);
 }
 
-// Q4_K / Q6_K at one row of x (decode) on AVX-512 VNNI: a superblock's codes 64 a vector,
-// each 16-bit pair of products scaled by its sub-block's scale inside the dot product, NR
-// weight rows a pass over x. Q4_K's vectors hold the low nibbles of its first 64 code
+// Q4_K / Q6_K on AVX-512 VNNI: a superblock's codes 64 a vector, each 16-bit pair of
+// products scaled by its sub-block's scale inside the dot product, NR weight rows a pass
+// over R rows of x (each weight block decoded once for the R rows: a decode and its drafts'
+// verification rows run the same arithmetic row by row, hence the same sums). Q4_K's vectors hold the low nibbles of its first 64 code
 // bytes (sub-blocks 0 and 2), their high nibbles (1 and 3), then 4 and 6, 5 and 7, so
 // its x is grouped to match (`xk`); Q6_K's are in order.
 struct KIndex {  // the 16-bit scale of each 16-bit lane of the 4 vectors (vpermw)
@@ -824,39 +825,39 @@ inline const KIndex& k_index() {
   return t;
 }
 
-template <int64_t QT, int NR>
+template <int64_t QT, int NR, int R = 1>
 void dot_rows_k512(const uint8_t* w, int64_t row_bytes, int64_t K, const QuantRows& xq,
-                   float* sums, Ahead next = {}) {
+                   int64_t m0, float* sums, Ahead next = {}) {
   constexpr int64_t bytes = QT == Q4_K ? 144 : 210;
   const int64_t nb = K / 256;
-  const int8_t* xs = QT == Q4_K ? xq.xk.data() : xq.q.data();
+  const int8_t* xs = (QT == Q4_K ? xq.xk.data() : xq.q.data()) + m0 * K;
+  const int16_t* xsums = xq.sums16.data() + m0 * (K / 16);  // x's 16-sums, in order
+  const float* xscale = xq.scale.data() + m0 * nb;
   const KIndex& index = k_index();
   const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
   // Q6_K's high bits: per 16-bit lane, the shift that brings a 32-value group's 2 bits down
   const __m512i shift_a = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
   const __m512i shift_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-  __m512 acc[NR];
+  __m512 acc[NR][R];
 #pragma GCC unroll 8
-  for (int n = 0; n < NR; ++n) acc[n] = _mm512_setzero_ps();
+  for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[n][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     next.step();
-    __m512i x[4];
-    for (int v = 0; v < 4; ++v) x[v] = _mm512_loadu_si512(xs + b * 256 + 64 * v);
-    const __m256i bs = load32(xq.sums16.data() + b * 16);  // x's 16-sums, in order
-    const float dx = xq.scale[b];
 #pragma GCC unroll 8
     for (int n = 0; n < NR; ++n) {
       const uint8_t* blk = w + n * row_bytes + b * bytes;
-      __m512i u[4], sc;
+      __m512i u[4], sc, scale[4];
       float d;
-      __m256i correction;  // Q4_K: mins * x's sums; Q6_K: 32 * scales * x's sums
+      __m256i weights16;  // Q4_K: each min twice (it scales two 16-sums); Q6_K: the scales
       if constexpr (QT == Q4_K) {
         d = f16(blk);
         alignas(16) uint32_t words[4];
         k4_scales_words(blk + 4, words);
         sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<__m128i*>(words))));
         const __m128i mn = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<__m128i*>(words + 2)));
-        correction = _mm256_madd_epi16(_mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn)), bs);
+        weights16 = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
         for (int c = 0; c < 2; ++c) {
           const __m512i q = _mm512_loadu_si512(blk + 16 + 64 * c);
           u[2 * c] = _mm512_and_si512(q, low);
@@ -864,9 +865,8 @@ void dot_rows_k512(const uint8_t* w, int64_t row_bytes, int64_t K, const QuantRo
         }
       } else {
         d = f16(blk + 208);
-        const __m256i sc_all = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-        sc = _mm512_castsi256_si512(sc_all);
-        correction = _mm256_slli_epi32(_mm256_madd_epi16(sc_all, bs), 5);
+        weights16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+        sc = _mm512_castsi256_si512(weights16);
         for (int h = 0; h < 2; ++h) {
           const __m512i l = _mm512_loadu_si512(blk + 64 * h);
           const __m512i hb = _mm512_broadcast_i64x4(load32(blk + 128 + 32 * h));
@@ -877,21 +877,30 @@ void dot_rows_k512(const uint8_t* w, int64_t row_bytes, int64_t K, const QuantRo
                                          _mm512_slli_epi16(high_b, 4));
         }
       }
-      __m512i isum = _mm512_setzero_si512();
-      for (int v = 0; v < 4; ++v) {
-        const __m512i scale = _mm512_permutexvar_epi16(
-            _mm512_load_si512(QT == Q4_K ? index.q4[v] : index.q6[v]), sc);
-        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u[v], x[v]), scale);
+      for (int v = 0; v < 4; ++v)
+        scale[v] = _mm512_permutexvar_epi16(_mm512_load_si512(QT == Q4_K ? index.q4[v] : index.q6[v]), sc);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xs + r * K + b * 256;
+        // Q4_K: mins * x's sums; Q6_K: 32 * scales * x's sums
+        const __m256i correction = _mm256_madd_epi16(weights16, load32(xsums + r * (K / 16) + b * 16));
+        const float dx = xscale[r * nb + b];
+        __m512i isum = _mm512_setzero_si512();
+        for (int v = 0; v < 4; ++v)
+          isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(u[v], _mm512_loadu_si512(x + 64 * v)), scale[v]);
+        if constexpr (QT == Q6_K)
+          isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(correction, 5)));
+        acc[n][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * dx), acc[n][r]);
+        if constexpr (QT == Q4_K)
+          acc[n][r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(correction)),
+                                       _mm512_set1_ps(f16(blk + 2) * dx), acc[n][r]);
       }
-      if constexpr (QT == Q6_K) isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(correction));
-      acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * dx), acc[n]);
-      if constexpr (QT == Q4_K)
-        acc[n] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(correction)),
-                                  _mm512_set1_ps(f16(blk + 2) * dx), acc[n]);
     }
   }
 #pragma GCC unroll 8
-  for (int n = 0; n < NR; ++n) sums[n] = _mm512_reduce_add_ps(acc[n]);
+  for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) sums[n * R + r] = _mm512_reduce_add_ps(acc[n][r]);
 }
 
 // f(std::integral_constant<int, n>) for a runtime 1 <= n <= 4.
@@ -1078,7 +1087,7 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
   bool grouped = false;  // Q4_0 / Q5_0 four blocks at a time (AVX-512 VNNI)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   grouped = isa == AVX512_VNNI && (qtype == Q4_0 || qtype == Q5_0);
-  const bool k512 = isa == AVX512_VNNI && M == 1 && is_k(qtype);  // Q4_K / Q6_K, decode
+  const bool k512 = isa == AVX512_VNNI && is_k(qtype);  // Q4_K / Q6_K
 #else
   const bool k512 = false;
 #endif
@@ -1088,8 +1097,8 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
   const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
   const int64_t rows_ahead = std::max<int64_t>(1, kAheadBytes / row_bytes);
   const int64_t passes_ahead = std::max<int64_t>(1, kAheadBytes / (kWeightRows * row_bytes));
-  // At one row of x, the 4-row pass passes_ahead on from the one at row n, over `steps`
-  // (none past the last weight row).
+  // The 4-weight-row pass passes_ahead on from the one at row n, over `steps` (none past
+  // the last weight row).
   const auto next_pass = [&](int64_t n, int64_t steps) {
     return n + (passes_ahead + 1) * kWeightRows <= N
                ? ahead(w + (n + passes_ahead * kWeightRows) * row_bytes, kWeightRows * row_bytes, steps)
@@ -1099,35 +1108,46 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
     float sums[kRowChunk];
     int64_t n = begin;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    if (xq.groups && M == 1)  // one row of x (decode): four weight rows at a time
+    if (xq.groups)  // four weight rows a pass, up to four rows of x a time
       for (; n + kWeightRows <= end; n += kWeightRows) {
         const uint8_t* rows = w + n * row_bytes;
         const Ahead next = next_pass(n, xq.groups);
-        if (qtype == Q5_0)
-          dot_rows_g4<Q5_0, 1, kWeightRows>(rows, row_bytes, K, xq, 0, sums, next);
-        else
-          dot_rows_g4<Q4_0, 1, kWeightRows>(rows, row_bytes, K, xq, 0, sums, next);
-        for (int j = 0; j < kWeightRows; ++j) out[n + j] = O(sums[j] + (bias ? static_cast<float>(bias[n + j]) : 0.f));
+        for (int64_t m0 = 0; m0 < M; m0 += kRegRows)
+          vlmserve_with_rows(std::min<int64_t>(kRegRows, M - m0), [&](auto r) {
+            constexpr int R = decltype(r)::value;
+            const Ahead ahead_next = m0 == 0 ? next : Ahead{};
+            if (qtype == Q5_0)
+              dot_rows_g4<Q5_0, R, kWeightRows>(rows, row_bytes, K, xq, m0, sums, ahead_next);
+            else
+              dot_rows_g4<Q4_0, R, kWeightRows>(rows, row_bytes, K, xq, m0, sums, ahead_next);
+            for (int j = 0; j < kWeightRows; ++j) {
+              const float b = bias ? static_cast<float>(bias[n + j]) : 0.f;
+              for (int q = 0; q < R; ++q) out[(m0 + q) * os + n + j] = O(sums[j * R + q] + b);
+            }
+          });
       }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     if (k512) {
-      const auto store = [&](int64_t first, int count) {
-        for (int j = 0; j < count; ++j)
-          out[first + j] = O(sums[j] + (bias ? static_cast<float>(bias[first + j]) : 0.f));
+      const auto pass = [&](auto nr, int64_t first, Ahead ahead_next) {
+        constexpr int NR = decltype(nr)::value;
+        const uint8_t* rows = w + first * row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += kRegRows)
+          vlmserve_with_rows(std::min<int64_t>(kRegRows, M - m0), [&](auto r) {
+            constexpr int R = decltype(r)::value;
+            if (qtype == Q4_K)
+              dot_rows_k512<Q4_K, NR, R>(rows, row_bytes, K, xq, m0, sums, m0 == 0 ? ahead_next : Ahead{});
+            else
+              dot_rows_k512<Q6_K, NR, R>(rows, row_bytes, K, xq, m0, sums, m0 == 0 ? ahead_next : Ahead{});
+            for (int j = 0; j < NR; ++j) {
+              const float b = bias ? static_cast<float>(bias[first + j]) : 0.f;
+              for (int q = 0; q < R; ++q) out[(m0 + q) * os + first + j] = O(sums[j * R + q] + b);
+            }
+          });
       };
-      for (; n + kWeightRows <= end; n += kWeightRows) {
-        const uint8_t* rows = w + n * row_bytes;
-        const Ahead next = next_pass(n, K / 256);
-        if (qtype == Q4_K) dot_rows_k512<Q4_K, kWeightRows>(rows, row_bytes, K, xq, sums, next);
-        else dot_rows_k512<Q6_K, kWeightRows>(rows, row_bytes, K, xq, sums, next);
-        store(n, kWeightRows);
-      }
-      for (; n < end; ++n) {
-        if (qtype == Q4_K) dot_rows_k512<Q4_K, 1>(w + n * row_bytes, row_bytes, K, xq, sums);
-        else dot_rows_k512<Q6_K, 1>(w + n * row_bytes, row_bytes, K, xq, sums);
-        store(n, 1);
-      }
+      for (; n + kWeightRows <= end; n += kWeightRows)
+        pass(std::integral_constant<int, kWeightRows>{}, n, next_pass(n, K / 256));
+      for (; n < end; ++n) pass(std::integral_constant<int, 1>{}, n, Ahead{});
     }
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)

@@ -31,7 +31,7 @@ GGML_SETS = (
     ("fma", "GGML_FMA"),
     ("f16c", "GGML_F16C"),
     ("avx512f", "GGML_AVX512"),
-    ("avx512_vbmi", "GGML_AVX512_VBMI"),
+    ("avx512vbmi", "GGML_AVX512_VBMI"),  # /proc/cpuinfo spells it so
     ("avx512_vnni", "GGML_AVX512_VNNI"),
     ("avx512_bf16", "GGML_AVX512_BF16"),
     ("avx_vnni", "GGML_AVX_VNNI"),

@@ -167,15 +167,29 @@ def test_odd_number_of_blocks(qtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 5])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
-def test_k_quants_at_one_row_with_a_weight_row_remainder(qtype, dtype):
-    """One row of x (decode): on AVX-512 the K-quants take four weight rows a pass over x
-    and the rows left over (23 rows, on any thread count) one at a time; 3 superblocks."""
+def test_k_quants_with_a_weight_row_remainder(qtype, rows, dtype):
+    """On AVX-512 the K-quants take four weight rows a pass over up to four rows of x and
+    the weight rows left over (23 rows, on any thread count) one at a time; 3 superblocks."""
     w = weight(qtype, 23, 768, seed=3)
     layer = QuantLinear([w])
     layer.path = "int_dot"
-    x = torch.randn(1, 768, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(3)).to(dtype)
     assert rel_error(layer.forward_float(x), x.double() @ reference(w).double().T) < INT_DOT_BOUND
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_row_gets_the_same_sums_alone_or_among_others(qtype):
+    """A decode's row and its drafts' verification rows (2-5 rows) run the arithmetic the
+    row alone runs, bit for bit: speculation does not change a quantized model's logits."""
+    w = weight(qtype, 46, 768, seed=11)
+    layer = QuantLinear([w])
+    layer.path = "int_dot"
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(11))
+    alone = torch.cat([layer.forward_float(x[i : i + 1]) for i in range(9)])
+    for rows in (2, 3, 4, 5, 9):
+        assert torch.equal(layer.forward_float(x[:rows]), alone[:rows]), rows
 
 
 def test_auto_path_follows_the_calibrated_rows():
