@@ -79,7 +79,9 @@ class Engine:
         self._detok_tokenizer = self.tokenizer
         self._detok_decoder = direct_decoder(self._detok_tokenizer)  # the same text, faster
         self.max_model_len = self.runner.max_model_len  # the flag, capped by the context
-        speculative = resolve_speculation(config, self.runner.device, self.runner.dtype)
+        speculative = resolve_speculation(
+            config, self.runner.device, self.runner.dtype, model.decoder
+        )
         self._adaptive_spec = speculative.enabled and speculative.adaptive
         cache = self.runner.encoder_cache  # pool images: content_hash is the cache key
         # A TPOT target: the scheduler prices steps with a fit of this engine's own steps.
@@ -137,8 +139,7 @@ class Engine:
 
     def add_request(self, request: Request | PreparedRequest) -> str:
         """Queue `request` (preparing it first unless it already is); returns its id. Raises
-        RequestError (or ValueError) for a request that cannot be served; nothing else is
-        disturbed."""
+        RequestError (or ValueError) for a request that cannot be served, disturbing nothing."""
         if isinstance(request, Request):
             request = self.prepare(request)
         request_id = request.request_id or f"req-{next(self._ids)}"

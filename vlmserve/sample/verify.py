@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -174,10 +176,12 @@ RIDGE_GEMM = 2048
 
 
 def resolve_speculation(
-    engine: EngineConfig, device: torch.device, dtype: torch.dtype
-) -> SpeculativeConfig:
+    engine: EngineConfig, device: torch.device, dtype: torch.dtype,
+    decoder: torch.nn.Module | None = None,
+) -> SpeculativeConfig:  # fmt: skip
     """The engine's speculation as it runs: γ_max settled (the default's is DEFAULT_DRAFTS,
-    or off under async scheduling) and B* filled in for adaptive γ (`ridge_batch_for`), or
+    or off under async scheduling) and B* filled in for adaptive γ (`ridge_batch_for`, and
+    on a CPU the `decoder`'s quantized linears' own, `quantized_ridge`, where lower), or
     off on a GPU no accelerator preset matches (no B*: a warning names the fixed-γ way)."""
     config = engine.speculative
     if config.num_speculative_tokens is None:
@@ -190,6 +194,8 @@ def resolve_speculation(
     except ValueError as e:
         log.warning("speculation off: %s", e)
         return dataclasses.replace(config, num_speculative_tokens=0)
+    if decoder is not None and device.type == "cpu":
+        ridge = min(ridge, quantized_ridge(decoder, dtype))
     return dataclasses.replace(config, ridge_batch=ridge)
 
 
@@ -222,3 +228,52 @@ def decide_ridge(weight: Precision, measured: calibration.Measured) -> float:
     """B* of a CPU with the measured GEMM rate and copy bandwidth."""
     (m,) = measured
     return b_star(cpu_accelerator(m["gemm_flops"], m["copy_bytes_per_s"]), weight)
+
+
+# Rows of x the quantized linears are timed at for their B*.
+QUANT_RIDGE_ROWS = tuple(range(1, 9))
+
+
+def quantized_ridge(decoder: torch.nn.Module, dtype: torch.dtype) -> float:
+    """B* of a decoder whose linears run from quantized blocks (inf: none do), measured as
+    the article defines it (§11: the rows whose arithmetic takes what one row's weight read
+    does): its quantized linears, run one after another as a decode step runs them, at one
+    row, over what each row adds once they are bound by their instructions (the slope over
+    the last rows timed). From the weights' bytes alone B* would be the bfloat16 one, yet
+    the blocks' integer kernels do per-row work from a few rows on (the Zen 4: a decode
+    step's 1, 3, 5 and 8 rows in 8.4, 10.7, 18.1 and 25.4 ms: B* 3.5 rows)."""
+    from kernels.quant_linear import QuantLinear
+
+    layers = [m for m in decoder.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        return math.inf
+    shapes = sorted({(p.qtype, p.in_features, p.out_features) for m in layers for p in m.parts})
+    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
+
+    def measure() -> calibration.Measured:
+        steps = {}
+        for rows in QUANT_RIDGE_ROWS:
+            xs = [torch.randn(rows, m.in_features).to(dtype) for m in layers]
+
+            def step(xs: list[torch.Tensor] = xs) -> None:
+                for layer, x in zip(layers, xs, strict=True):
+                    layer(x)
+
+            step()  # every size once first: the weights paged in, each layer's path chosen
+            steps[rows] = step
+        return [{"rows": r, **calibration.time_paths({"step": f})} for r, f in steps.items()]
+
+    name = f"ridge_quantized/{dtype_name(dtype)}/{digest}"
+    return calibration.calibrated(name, measure, decide_quantized_ridge)
+
+
+def decide_quantized_ridge(measured: calibration.Measured) -> float:
+    """One row's time over the least-squares slope of the last four sizes (at least 1)."""
+    one = next(m["step"] for m in measured if m["rows"] == 1)
+    tail = sorted(measured, key=lambda m: m["rows"])[-4:]
+    mean_r = sum(m["rows"] for m in tail) / len(tail)
+    mean_t = sum(m["step"] for m in tail) / len(tail)
+    slope = sum((m["rows"] - mean_r) * (m["step"] - mean_t) for m in tail) / sum(
+        (m["rows"] - mean_r) ** 2 for m in tail
+    )
+    return max(1.0, one / slope) if slope > 0 else math.inf

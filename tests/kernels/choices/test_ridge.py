@@ -87,3 +87,37 @@ def test_speculation_takes_the_ridge_or_turns_off_where_there_is_none(
     with caplog.at_level("WARNING"):
         off = resolved()
     assert not off.enabled and "no accelerator preset" in caplog.text
+
+
+def test_the_quantized_ridge_is_one_rows_time_over_each_further_rows():
+    """Flat while the weight read bounds the step, then 3 ms a row: B* = 10 / 3 rows."""
+    measured = [{"rows": r, "step": max(10.0, 3.0 * r) * 1e-3} for r in verify.QUANT_RIDGE_ROWS]
+    assert verify.decide_quantized_ridge(measured) == pytest.approx(10 / 3)
+    flat = [{"rows": r, "step": 0.01} for r in verify.QUANT_RIDGE_ROWS]
+    assert verify.decide_quantized_ridge(flat) == float("inf")  # never bound by arithmetic
+
+
+def test_a_quantized_decoder_takes_the_lower_of_its_ridge_and_the_dtypes(cache_dir, monkeypatch):
+    from kernels.quant_linear import QuantLinear, kernel_available, random_weight
+
+    if (why := kernel_available()) is not None:
+        pytest.skip(f"quantized kernels unavailable: {why}")
+    decoder = torch.nn.Sequential(QuantLinear([random_weight(8, 64, 256)]))  # Q8_0
+    timed: list[str] = []
+
+    def time_paths(paths, rounds=calibration.ROUNDS):
+        if "gemm" in paths:  # the dtype's ridge: B* = 50 rows
+            return {"gemm": 2 * N**3 / (50 * 2 * 20e9 / 2)}
+        timed.extend(["step"] if "step" in paths else [])  # (the layer's path choices too)
+        return {name: 0.01 for name in paths}
+
+    monkeypatch.setattr(calibration, "time_paths", time_paths)
+    monkeypatch.setattr(verify, "copy_bandwidth", lambda: 20e9)
+    monkeypatch.setattr(verify, "decide_quantized_ridge", lambda measured: 3.5)
+    engine = EngineConfig(ModelConfig(str(DEFAULT_MODEL_DIR)))
+    cpu = torch.device("cpu")
+    assert verify.resolve_speculation(engine, cpu, torch.bfloat16).ridge_batch == pytest.approx(50)
+    resolved = verify.resolve_speculation(engine, cpu, torch.bfloat16, decoder)
+    assert resolved.ridge_batch == 3.5 and len(timed) == len(verify.QUANT_RIDGE_ROWS)
+    dense = torch.nn.Sequential(torch.nn.Linear(256, 64))
+    assert verify.resolve_speculation(engine, cpu, torch.bfloat16, dense).ridge_batch == 50
