@@ -300,13 +300,14 @@ constexpr int64_t kRegRows = 4;    // rows of x whose accumulators stay in regis
 constexpr int kWeightRows = 4;     // weight rows a pass over x (AVX-512 VNNI)
 
 // Software prefetch on a pass's first rows of x (a decode, or a decode and its drafts): the
-// weight bytes kAheadBytes on from those being read are requested into L1 a share at a time. A pass over 4 weight rows covers a
-// few hundred bytes to a few KB, and the weights of a layer a few hundred KB: streams too
-// short for the hardware prefetcher to run ahead of. Without it (Gemma 3 270M's Q4_K_M
-// decode step on a Zen 4) the layers' linears read their weights at about half the rate of
-// a float32 sum over as many bytes, and the 262k-row LM head at about that rate; with it,
-// the layers at 3/4 of it and the head above it. The distance is a latency-bandwidth product
-// (2-8 KB measured alike for the layers, 8 best for the head; 32 KB lost), not a crossover.
+// weight bytes kAheadBytes on from those being read are requested into L1 a share at a
+// time. A pass over 4 weight rows covers a few hundred bytes to a few KB, and the weights
+// of a layer a few hundred KB: streams too short for the hardware prefetcher to run ahead
+// of. Without it (Gemma 3 270M's Q4_K_M decode step on a Zen 4) the layers' linears read
+// their weights at about half the rate of a float32 sum over as many bytes, and the
+// 262k-row LM head at about that rate; with it, the layers at 3/4 of it and the head above
+// it. The distance is a latency-bandwidth product (2-8 KB measured alike for the layers, 8
+// best for the head; 32 KB lost), not a crossover.
 constexpr int64_t kAheadBytes = 8192;
 struct Ahead {
   const char* p = nullptr;  // a cache line's start
@@ -804,9 +805,10 @@ void dot_rows_q8(const uint8_t* w, int64_t row_bytes, int64_t K, const QuantRows
 // Q4_K / Q6_K on AVX-512 VNNI: a superblock's codes 64 a vector, each 16-bit pair of
 // products scaled by its sub-block's scale inside the dot product, NR weight rows a pass
 // over R rows of x (each weight block decoded once for the R rows: a decode and its drafts'
-// verification rows run the same arithmetic row by row, hence the same sums). Q4_K's vectors hold the low nibbles of its first 64 code
-// bytes (sub-blocks 0 and 2), their high nibbles (1 and 3), then 4 and 6, 5 and 7, so
-// its x is grouped to match (`xk`); Q6_K's are in order.
+// verification rows run the same arithmetic row by row, hence the same sums). Q4_K's
+// vectors hold the low nibbles of its first 64 code bytes (sub-blocks 0 and 2), their high
+// nibbles (1 and 3), then 4 and 6, 5 and 7, so its x is grouped to match (`xk`); Q6_K's
+// are in order.
 struct KIndex {  // the 16-bit scale of each 16-bit lane of the 4 vectors (vpermw)
   alignas(64) int16_t q4[4][32];
   alignas(64) int16_t q6[4][32];
@@ -1108,63 +1110,52 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
     float sums[kRowChunk];
     int64_t n = begin;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    if (xq.groups)  // four weight rows a pass, up to four rows of x a time
-      for (; n + kWeightRows <= end; n += kWeightRows) {
-        const uint8_t* rows = w + n * row_bytes;
-        const Ahead next = next_pass(n, xq.groups);
-        for (int64_t m0 = 0; m0 < M; m0 += kRegRows)
-          vlmserve_with_rows(std::min<int64_t>(kRegRows, M - m0), [&](auto r) {
-            constexpr int R = decltype(r)::value;
-            const Ahead ahead_next = m0 == 0 ? next : Ahead{};
-            if (qtype == Q5_0)
-              dot_rows_g4<Q5_0, R, kWeightRows>(rows, row_bytes, K, xq, m0, sums, ahead_next);
-            else
-              dot_rows_g4<Q4_0, R, kWeightRows>(rows, row_bytes, K, xq, m0, sums, ahead_next);
-            for (int j = 0; j < kWeightRows; ++j) {
-              const float b = bias ? static_cast<float>(bias[n + j]) : 0.f;
-              for (int q = 0; q < R; ++q) out[(m0 + q) * os + n + j] = O(sums[j * R + q] + b);
-            }
-          });
-      }
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    if (k512) {
-      const auto pass = [&](auto nr, int64_t first, Ahead ahead_next) {
-        constexpr int NR = decltype(nr)::value;
-        const uint8_t* rows = w + first * row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += kRegRows)
-          vlmserve_with_rows(std::min<int64_t>(kRegRows, M - m0), [&](auto r) {
-            constexpr int R = decltype(r)::value;
-            if (qtype == Q4_K)
-              dot_rows_k512<Q4_K, NR, R>(rows, row_bytes, K, xq, m0, sums, m0 == 0 ? ahead_next : Ahead{});
-            else
-              dot_rows_k512<Q6_K, NR, R>(rows, row_bytes, K, xq, m0, sums, m0 == 0 ? ahead_next : Ahead{});
-            for (int j = 0; j < NR; ++j) {
-              const float b = bias ? static_cast<float>(bias[first + j]) : 0.f;
-              for (int q = 0; q < R; ++q) out[(m0 + q) * os + first + j] = O(sums[j * R + q] + b);
-            }
-          });
-      };
+    // NR weight rows from `first` against x's rows, up to four at a time (the first pass
+    // prefetching `next`): kernel(r, m0, ahead) fills sums[j * R + q] for R = r's rows.
+    const auto passes = [&](auto nr, int64_t first, Ahead next, auto&& kernel) {
+      constexpr int NR = decltype(nr)::value;
+      for (int64_t m0 = 0; m0 < M; m0 += kRegRows)
+        vlmserve_with_rows(std::min<int64_t>(kRegRows, M - m0), [&](auto r) {
+          constexpr int R = decltype(r)::value;
+          kernel(r, m0, m0 == 0 ? next : Ahead{});
+          for (int j = 0; j < NR; ++j) {
+            const float b = bias ? static_cast<float>(bias[first + j]) : 0.f;
+            for (int q = 0; q < R; ++q) out[(m0 + q) * os + first + j] = O(sums[j * R + q] + b);
+          }
+        });
+    };
+    constexpr std::integral_constant<int, kWeightRows> four{};
+    if (xq.groups)  // Q4_0 / Q5_0
       for (; n + kWeightRows <= end; n += kWeightRows)
-        pass(std::integral_constant<int, kWeightRows>{}, n, next_pass(n, K / 256));
-      for (; n < end; ++n) pass(std::integral_constant<int, 1>{}, n, Ahead{});
+        passes(four, n, next_pass(n, xq.groups), [&](auto r, int64_t m0, Ahead ahead_next) {
+          constexpr int R = decltype(r)::value;
+          const uint8_t* rows = w + n * row_bytes;
+          if (qtype == Q5_0)
+            dot_rows_g4<Q5_0, R, kWeightRows>(rows, row_bytes, K, xq, m0, sums, ahead_next);
+          else
+            dot_rows_g4<Q4_0, R, kWeightRows>(rows, row_bytes, K, xq, m0, sums, ahead_next);
+        });
+    if (k512) {  // the weight rows left over one at a time
+      const auto k_pass = [&](auto nr, int64_t first, Ahead next) {
+        constexpr int NR = decltype(nr)::value;
+        passes(nr, first, next, [&](auto r, int64_t m0, Ahead ahead_next) {
+          constexpr int R = decltype(r)::value;
+          const uint8_t* rows = w + first * row_bytes;
+          if (qtype == Q4_K)
+            dot_rows_k512<Q4_K, NR, R>(rows, row_bytes, K, xq, m0, sums, ahead_next);
+          else
+            dot_rows_k512<Q6_K, NR, R>(rows, row_bytes, K, xq, m0, sums, ahead_next);
+        });
+      };
+      for (; n + kWeightRows <= end; n += kWeightRows) k_pass(four, n, next_pass(n, K / 256));
+      for (; n < end; ++n) k_pass(std::integral_constant<int, 1>{}, n, Ahead{});
     }
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    if (isa == AVX512_VNNI && qtype == Q8_0)  // four weight rows a pass, four rows of x a time
-      for (; n + kWeightRows <= end; n += kWeightRows) {
-        const uint8_t* rows = w + n * row_bytes;
-        const Ahead next = next_pass(n, (K / 32 + 1) / 2);
-        for (int64_t m0 = 0; m0 < M; m0 += kRegRows)
-          vlmserve_with_rows(std::min<int64_t>(kRegRows, M - m0), [&](auto r) {
-            constexpr int R = decltype(r)::value;
-            dot_rows_q8<R, kWeightRows>(rows, row_bytes, K, xq, m0, sums, m0 == 0 ? next : Ahead{});
-            for (int j = 0; j < kWeightRows; ++j) {
-              const float b = bias ? static_cast<float>(bias[n + j]) : 0.f;
-              for (int q = 0; q < R; ++q) out[(m0 + q) * os + n + j] = O(sums[j * R + q] + b);
-            }
-          });
-      }
+    if (isa == AVX512_VNNI && qtype == Q8_0)
+      for (; n + kWeightRows <= end; n += kWeightRows)
+        passes(four, n, next_pass(n, (K / 32 + 1) / 2), [&](auto r, int64_t m0, Ahead ahead_next) {
+          dot_rows_q8<decltype(r)::value, kWeightRows>(w + n * row_bytes, row_bytes, K, xq, m0, sums,
+                                                      ahead_next);
+        });
 #endif
     for (; n < end; ++n) {
       if (M == 1 && n + rows_ahead < N) ahead(w + (n + rows_ahead) * row_bytes, row_bytes, 1).step();

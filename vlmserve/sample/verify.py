@@ -22,6 +22,7 @@ import functools
 import hashlib
 import logging
 import math
+import statistics
 from typing import TYPE_CHECKING
 
 import torch
@@ -271,9 +272,5 @@ def decide_quantized_ridge(measured: calibration.Measured) -> float:
     """One row's time over the least-squares slope of the last four sizes (at least 1)."""
     one = next(m["step"] for m in measured if m["rows"] == 1)
     tail = sorted(measured, key=lambda m: m["rows"])[-4:]
-    mean_r = sum(m["rows"] for m in tail) / len(tail)
-    mean_t = sum(m["step"] for m in tail) / len(tail)
-    slope = sum((m["rows"] - mean_r) * (m["step"] - mean_t) for m in tail) / sum(
-        (m["rows"] - mean_r) ** 2 for m in tail
-    )
+    slope, _ = statistics.linear_regression([m["rows"] for m in tail], [m["step"] for m in tail])
     return max(1.0, one / slope) if slope > 0 else math.inf
