@@ -6,7 +6,8 @@ No dequantized copy of a weight is kept. Three paths (kernels/csrc/quant_linear_
 - a few rows (decode), as llama.cpp does it: each row of x quantized to int8 once a call
   (per 32 values, or 256 with per-16 sums for the K-quants), integer dot products per
   weight block (`dpbusd` on VNNI CPUs, AVX2 `maddubs`, or scalar), float32 across blocks;
-  at most 9e-3 relative error against the float64 matmul (tests: bound 2e-2);
+  at most 9e-3 relative error against the float64 matmul (tests: bound 2e-2). Q8_0 (the
+  real file's 262k-row LM head) repacked 16 rows at a time where that is faster here;
 - with AMX tiles (bfloat16 x): 16 weight rows at a time dequantized to bfloat16 and run
   against every row of x, float32 sums unrounded (`amx_linear`; `amx_argmax` for greedy);
 - more rows: tiles of weight rows dequantized into a scratch buffer, each multiplied by the
@@ -30,11 +31,10 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from kernels import calibration, cpu_build
-from kernels.packed_linear import skinny_linear, skinny_max_rows
+from kernels.packed_linear import dtype_name, skinny_linear, skinny_max_rows
 
 __all__ = [
-    "SUPPORTED_QTYPES", "QuantEmbedding", "QuantLinear", "QuantWeight", "kernel_available",
-    "quantize_int8",
+    "SUPPORTED_QTYPES", "QuantLinear", "QuantWeight", "kernel_available",
 ]  # fmt: skip
 
 Q = GGMLQuantizationType
@@ -45,6 +45,7 @@ KQUANTS = frozenset(int(t) for t in (Q.Q4_K, Q.Q6_K))
 # The instruction sets the int-dot kernel can be told to use (`isa`): the best this build
 # has, or a fallback forced (tests, benchmarks).
 ISA = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3}
+Q8_0_TILED = 1008  # the C++ kernels' name for a packed Q8_0 weight (QuantWeight.pack)
 Path = Literal["auto", "int_dot", "amx", "tile"]
 # Weight rows a dequantized tile holds at most (the scratch stays within ~L2 in bfloat16).
 TILE_BYTES = 1 << 20
@@ -53,6 +54,7 @@ TILE_BYTES = 1 << 20
 LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
 AMX_LADDER = (64, 128, 256, 512, 1024, 2048)  # the AMX path against the dequant-tile GEMM
 MEASURE_BYTES = 8 << 20
+PACK_LADDER, PACK_BYTES = (1, 3, 8), 64 << 20  # `pack_chosen`: a decode, with drafts, a batch
 
 
 def qtype_name(qtype: int) -> str:
@@ -60,26 +62,22 @@ def qtype_name(qtype: int) -> str:
 
 
 @functools.cache
-def kernel_available() -> str | None:
-    """None when the C++ kernels are built and loaded here; otherwise why not."""
+def kernel_available() -> str | None:  # None when built and loaded here; otherwise why not
     return cpu_build.load("quant_linear_cpu")
 
 
 @functools.cache
-def _linear_op():
-    """torch.ops.vlmserve_quant.linear, looked up once (each lookup costs a microsecond)."""
+def _linear_op():  # torch.ops.vlmserve_quant.linear, looked up once (a microsecond each)
     return torch.ops.vlmserve_quant.linear
 
 
 @functools.cache
-def amx_available() -> bool:
-    """Whether the tile path runs on AMX tiles here (bfloat16 x; `amx_bf16` CPUs)."""
+def amx_available() -> bool:  # whether the tile path runs on AMX tiles here (bfloat16 x)
     return kernel_available() is None and bool(torch.ops.vlmserve_quant.amx_available())
 
 
 @functools.cache
-def best_isa() -> int:
-    """The int-dot instruction set the built kernel uses by default (an `ISA` value)."""
+def best_isa() -> int:  # the int-dot instruction set the built kernel uses (an `ISA` value)
     return int(torch.ops.vlmserve_quant.best_isa()) if kernel_available() is None else 0
 
 
@@ -90,6 +88,7 @@ class QuantWeight:
     blocks: torch.Tensor  # uint8 [out_features, bytes per row], contiguous, owned
     qtype: int
     in_features: int
+    tiled: bool = False  # Q8_0 repacked 16 rows at a time (`pack`)
 
     def __post_init__(self) -> None:
         if self.qtype not in SUPPORTED_QTYPES:
@@ -109,6 +108,27 @@ class QuantWeight:
     @property
     def out_features(self) -> int:
         return self.blocks.shape[0]
+
+    @property
+    def kernel_qtype(self) -> int:
+        """The block type as the C++ kernels are told it (the tiled Q8_0 layout its own)."""
+        return Q8_0_TILED if self.tiled else self.qtype
+
+    def pack(self, force: bool = False) -> None:
+        """A Q8_0 weight's rows repacked in place 16 at a time, rows in the vector lanes (C++
+        `Q8_0_X16`: same bytes; every path reads it), where `pack_chosen` chose it here."""
+        if (
+            self.tiled or self.qtype != Q.Q8_0 or self.out_features < 16
+            or self.blocks.device.type != "cpu" or best_isa() != ISA["avx512_vnni"]
+        ) or not (force or pack_chosen(self.in_features)):  # fmt: skip
+            return
+        torch.ops.vlmserve_quant.q8_pack(self.blocks)
+        self.tiled = True
+
+    def unpack(self) -> None:  # the stored layout back (the GPU's kernels read it)
+        if self.tiled:
+            torch.ops.vlmserve_quant.q8_unpack(self.blocks)
+            self.tiled = False
 
     @property
     def bits_per_weight(self) -> float:
@@ -138,7 +158,7 @@ class QuantWeight:
         if kernel_available() is None and dtype in (torch.float32, torch.bfloat16):
             out = torch.empty(count, self.in_features, dtype=dtype)
             index = None if rows is None else rows.reshape(-1).long().contiguous()
-            torch.ops.vlmserve_quant.dequantize(out, self.blocks, self.qtype, index)
+            torch.ops.vlmserve_quant.dequantize(out, self.blocks, self.kernel_qtype, index)
             return out
         blocks = self.blocks if rows is None else self.blocks[rows.reshape(-1).long()]
         return dequantize_reference(blocks, self.qtype).to(dtype)
@@ -151,28 +171,26 @@ def dequantize_reference(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.from_numpy(dequantize(blocks.numpy(), Q(qtype)).copy())
 
 
-def quantize_int8(weight: torch.Tensor) -> QuantWeight:
-    """`--quantization int8`: `weight` [out, in] (in a multiple of 32) as int8 with one
-    float16 scale per 32 weights, in the Q8_0 block layout; the bytes gguf.quants.quantize
-    writes for Q8_0 (scale amax / 127; values x / scale rounded half away from zero)."""
-    out_features, in_features = weight.shape
-    if in_features % 32:
-        raise ValueError(f"int8 quantization needs in_features a multiple of 32, not {in_features}")
-    blocks = weight.detach().float().reshape(out_features, in_features // 32, 32)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127  # float32, as numpy computes it
-    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
-    scaled = blocks * inverse
-    magnitude = scaled.abs()
-    whole = magnitude.trunc()
-    rounded = (whole + (magnitude - whole >= 0.5).float()).copysign(scaled)
-    values = rounded.to(torch.int8).view(torch.uint8)
-    scale16 = scale.to(torch.float16).view(torch.uint8)  # [out, in / 32, 2]
-    packed = torch.cat([scale16, values], dim=-1).reshape(out_features, -1)
-    return QuantWeight(packed.contiguous(), int(Q.Q8_0), in_features)
+@functools.cache
+def pack_chosen(in_features: int) -> bool:
+    """Whether Q8_0 weights with rows this long are packed here: both layouts timed at
+    PACK_LADDER's rows on PACK_BYTES of random blocks (streamed from memory, as a 262k-row
+    LM head is), the faster over them."""
 
+    def measure() -> calibration.Measured:
+        rows = PACK_BYTES // (in_features // 32 * 34)
+        raw = torch.randint(0, 256, (rows, in_features // 32, 34), dtype=torch.uint8)
+        raw[..., :2] = torch.tensor([1e-3], dtype=torch.float16).view(torch.uint8)
+        stored, packed = (QuantWeight(raw.reshape(rows, -1).clone(), 8, in_features) for _ in "ab")
+        packed.pack(force=True)
+        layers = {"stored": QuantLinear([stored]), "packed": QuantLinear([packed])}
+        xs = [torch.randn(n, in_features).to(torch.bfloat16) for n in PACK_LADDER]
+        return [{"rows": x.shape[0], **calibration.time_paths({
+            k: lambda x=x, k=k: layers[k].run(x, torch.float32, "int_dot") for k in layers
+        })} for x in xs]  # fmt: skip
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    decide = lambda m: calibration.decide_faster(m, "packed", "stored")  # noqa: E731
+    return calibration.calibrated(f"quant_q8_pack/{in_features}", measure, decide)
 
 
 def int_dot_max_rows(qtype: int, dtype: torch.dtype, in_features: int, out_features: int) -> int:
@@ -201,10 +219,11 @@ def _crossover(
     (its first MEASURE_BYTES) until paths[0] lost twice in a row (more rows only widen it)."""
     fast, slow = paths
     out_m = max(1, min(out_features, MEASURE_BYTES // (in_features * dtype.itemsize)))
-    name = f"quant_{fast}_max_rows/{qtype_name(qtype)}/{_dtype_name(dtype)}/{in_features}x{out_m}"
+    name = f"quant_{fast}_max_rows/{qtype_name(qtype)}/{dtype_name(dtype)}/{in_features}x{out_m}"
 
     def measure() -> calibration.Measured:
         layer = QuantLinear([random_weight(qtype, out_m, in_features)])
+        layer.parts[0].pack()  # as the engine runs it (loader.py's `place`)
         gen = torch.Generator().manual_seed(1)
         measured, losses = [], 0
         for rows in ladder:
@@ -315,7 +334,7 @@ class QuantLinear(nn.Module):
         if not (auto or self.path == "amx") or not amx_available():
             return None
         out = torch.empty(n, dtype=torch.long)
-        torch.ops.vlmserve_quant.amx_argmax(out, rows.contiguous(), part.blocks, part.qtype)
+        torch.ops.vlmserve_quant.amx_argmax(out, rows.contiguous(), part.blocks, part.kernel_qtype)
         return out.view(x.shape[:-1])
 
     def run(self, x: torch.Tensor, out_dtype: torch.dtype, path: Path = "auto") -> torch.Tensor:
@@ -335,9 +354,10 @@ class QuantLinear(nn.Module):
         for i, (part, bias, span) in enumerate(plan):
             target = out if span is None else out[:, span[0] : span[1]]
             if kernel and (path == "int_dot" or (limits is not None and num_rows <= limits[i])):
-                _linear_op()(target, rows, part.blocks, part.qtype, bias, isa)
+                _linear_op()(target, rows, part.blocks, part.kernel_qtype, bias, isa)
             elif path == "amx" or (limits is not None and num_rows <= self.amx_rows(x.dtype)[i]):
-                torch.ops.vlmserve_quant.amx_linear(target, rows, part.blocks, part.qtype, bias)
+                qtype = part.kernel_qtype
+                torch.ops.vlmserve_quant.amx_linear(target, rows, part.blocks, qtype, bias)
             else:
                 _tile_linear(target, rows, part, bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
@@ -377,8 +397,7 @@ class QuantLinear(nn.Module):
     def describe(self) -> str:
         """The block types, bits a weight, and the paths with their calibrated crossover."""
         types = "+".join(qtype_name(p.qtype) for p in self.parts)
-        total_bits = sum(p.bits_per_weight * p.out_features for p in self.parts)
-        bits = total_bits / self.out_features
+        bits = sum(p.bits_per_weight * p.out_features for p in self.parts) / self.out_features
         if self.triton:
             return f"{types} {bits:.3g} bits/weight, Triton dequant-tile GEMM"
         if kernel_available() is not None:
@@ -396,6 +415,7 @@ def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
     merged: list[QuantWeight] = []
     for part in parts:
         if merged and merged[-1].qtype == part.qtype:
+            assert not (part.tiled or merged[-1].tiled), "packed after merging"
             rows = torch.cat([merged[-1].blocks, part.blocks])
             merged[-1] = QuantWeight(rows, part.qtype, part.in_features)
         else:
@@ -406,13 +426,12 @@ def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
 def _tile_linear(
     out: torch.Tensor, x: torch.Tensor, part: QuantWeight, bias: torch.Tensor | None
 ) -> None:
-    """out = x @ part.T + bias, a tile of weight rows dequantized at a time (in x's dtype)
-    into a scratch buffer, each multiplied by the engine's skinny kernel up to the rows
-    calibrated for it at the tile's shape (float32 out: the float32 sums as they are), above
-    them by torch's GEMM (bfloat16 x and float32 out: its bfloat16 output widened, as the
-    bfloat16 engine's LM head on oneDNN gives it; a float32 GEMM on float32 tiles ran the
-    real file's head at 64 rows in 2x the time on an AMX Xeon)."""
-    tile_rows = min(part.out_features, max(16, TILE_BYTES // (part.in_features * 2)))
+    """out = x @ part.T + bias, a tile of weight rows (whole 16-row tiles of a packed one)
+    dequantized at a time (in x's dtype) into a scratch buffer, each multiplied by the
+    skinny kernel up to the rows calibrated for it at the tile's shape (float32 out: the
+    float32 sums as they are), above them by torch's GEMM (bfloat16 x, float32 out: its
+    bfloat16 output widened, as the bfloat16 engine's LM head on oneDNN gives it)."""
+    tile_rows = min(part.out_features, max(16, TILE_BYTES // (part.in_features * 2) // 16 * 16))
     skinny = x.shape[0] <= skinny_max_rows(x.dtype, part.in_features, tile_rows)
     scratch = torch.empty(tile_rows, part.in_features, dtype=x.dtype)
     native = kernel_available() is None
@@ -420,7 +439,8 @@ def _tile_linear(
         end = min(part.out_features, start + tile_rows)
         if native:  # into the scratch buffer, reused tile after tile
             weight = scratch[: end - start]
-            torch.ops.vlmserve_quant.dequantize(weight, part.blocks[start:end], part.qtype, None)
+            blocks = part.blocks[start:end]
+            torch.ops.vlmserve_quant.dequantize(weight, blocks, part.kernel_qtype, None)
         else:
             weight = dequantize_reference(part.blocks[start:end], part.qtype).to(x.dtype)
         b = None if bias is None else bias[start:end].to(x.dtype)
@@ -428,23 +448,3 @@ def _tile_linear(
             out[:, start:end] = skinny_linear(x, weight, b, out.dtype)
         else:
             out[:, start:end] = F.linear(x, weight, b)
-
-
-class QuantEmbedding(nn.Module):
-    """An embedding table stored quantized: a lookup decodes only the asked rows."""
-
-    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight_q = weight
-        self.dtype = dtype
-        self.triton = False  # rows decoded by kernels/quant_gpu.py (blocks on CUDA)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.triton:
-            from kernels.quant_gpu import dequantize_rows
-
-            w = self.weight_q
-            rows = dequantize_rows(w.blocks, w.qtype, w.in_features, ids, self.dtype)
-        else:
-            rows = self.weight_q.dequantize(ids.reshape(-1), self.dtype)
-        return rows.view(*ids.shape, self.weight_q.in_features)

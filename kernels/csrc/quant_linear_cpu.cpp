@@ -47,6 +47,13 @@
 namespace {
 
 enum QType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+// Q8_0 with its rows repacked 16 at a time for the AVX-512 VNNI kernel (`q8_pack`): rows
+// [0, N / 16 * 16) in tiles, tile t holding rows 16t .. 16t + 15 in their 16 * row_bytes
+// bytes as the nb blocks' 16 float16 scales (row i's at 2i), then per block 8 vectors of
+// 64 bytes, vector g's 32-bit lane i codes 4g .. 4g + 3 of row i as w + 128 (unsigned);
+// the rows after the last whole tile as stored. Same bytes, same size; the other paths read
+// a row back through `RowSource`.
+constexpr int64_t Q8_0_X16 = 1008;
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX_VNNI = 2, AVX512_VNNI = 3 };
 
 struct Layout {
@@ -56,13 +63,78 @@ Layout layout(int64_t qtype) {
   switch (qtype) {
     case Q4_0: return {32, 18};
     case Q5_0: return {32, 22};
-    case Q8_0: return {32, 34};
+    case Q8_0:
+    case Q8_0_X16: return {32, 34};
     case Q4_K: return {256, 144};
     case Q6_K: return {256, 210};
     default: TORCH_CHECK(false, "quantized linear: unsupported block type ", qtype);
   }
 }
 inline bool is_k(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K; }
+
+// Row i (0-15) of a Q8_0_X16 tile of nb blocks back in Q8_0's stored layout.
+inline void q8_unpack_row(const uint8_t* tile, int64_t i, int64_t nb, uint8_t* row) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = tile + b * 544;
+    std::memcpy(row + b * 34, blk + 2 * i, 2);
+    for (int64_t g = 0; g < 8; ++g)
+      for (int64_t c = 0; c < 4; ++c) row[b * 34 + 2 + 4 * g + c] = blk[32 + 64 * g + 4 * i + c] ^ 0x80;
+  }
+}
+
+// 16 rows of Q8_0 blocks (row_bytes apart) -> one Q8_0_X16 tile.
+inline void q8_pack_tile(const uint8_t* rows, int64_t row_bytes, int64_t nb, uint8_t* tile) {
+  for (int64_t i = 0; i < 16; ++i)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* src = rows + i * row_bytes + b * 34;
+      uint8_t* blk = tile + b * 544;
+      std::memcpy(blk + 2 * i, src, 2);
+      for (int64_t g = 0; g < 8; ++g)
+        for (int64_t c = 0; c < 4; ++c) blk[32 + 64 * g + 4 * i + c] = src[2 + 4 * g + c] ^ 0x80;
+    }
+}
+
+// Where a weight's row n lies in its stored layout: in place, or (a Q8_0_X16 weight's
+// tiled rows) unpacked into the caller's scratch of row_bytes.
+struct RowSource {
+  const uint8_t* w;
+  int64_t N, row_bytes;
+  bool tiled;
+  const uint8_t* row(int64_t n, uint8_t* scratch) const {
+    if (!tiled || n >= N / 16 * 16) return w + n * row_bytes;
+    q8_unpack_row(w + n / 16 * 16 * row_bytes, n % 16, row_bytes / 34, scratch);
+    return scratch;
+  }
+};
+
+// A kernel's block type and whether its rows are tiled: Q8_0_X16 -> (Q8_0, true).
+inline bool untiled_qtype(int64_t& qtype) {
+  if (qtype != Q8_0_X16) return false;
+  qtype = Q8_0;
+  return true;
+}
+
+// In place, every whole tile of 16 rows of a Q8_0 weight [N, row_bytes] (pack) or back.
+void q8_repack(const at::Tensor& blocks, bool pack) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(1) % 34 == 0, "q8_pack: contiguous uint8 [rows, Q8_0 bytes]");
+  const int64_t row_bytes = blocks.size(1), nb = row_bytes / 34;
+  uint8_t* w = blocks.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks.size(0) / 16, 64, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> tmp(16 * row_bytes);
+    for (int64_t t = begin; t < end; ++t) {
+      uint8_t* tile = w + t * 16 * row_bytes;
+      if (pack) {
+        q8_pack_tile(tile, row_bytes, nb, tmp.data());
+      } else {
+        for (int64_t i = 0; i < 16; ++i) q8_unpack_row(tile, i, nb, tmp.data() + i * row_bytes);
+      }
+      std::memcpy(tile, tmp.data(), tmp.size());
+    }
+  });
+}
+void q8_pack(const at::Tensor& blocks) { q8_repack(blocks, true); }
+void q8_unpack(const at::Tensor& blocks) { q8_repack(blocks, false); }
 
 inline float f16(const uint8_t* p) {  // exact
   uint16_t h;
@@ -158,12 +230,14 @@ void dequant_row_bf16(int64_t qtype, const uint8_t* src, int64_t K, at::BFloat16
 #endif
 
 template <typename T>
-void dequant_rows(T* out, const uint8_t* blocks, int64_t row_bytes, const int64_t* index,
+void dequant_rows(T* out, const uint8_t* blocks, int64_t N, int64_t row_bytes, const int64_t* index,
                   int64_t count, int64_t K, int64_t qtype) {
+  const RowSource source{blocks, N, row_bytes, untiled_qtype(qtype)};
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(std::is_same_v<T, float> || VLMSERVE_DEQUANT_BF16 ? 0 : K);  // round_bf16's
+    std::vector<uint8_t> scratch(source.tiled ? row_bytes : 0);
     for (int64_t r = begin; r < end; ++r) {
-      const uint8_t* src = blocks + (index ? index[r] : r) * row_bytes;
+      const uint8_t* src = source.row(index ? index[r] : r, scratch.data());
       if constexpr (std::is_same_v<T, float>) {
         dequant_row(qtype, src, K, out + r * K);
       } else {
@@ -199,9 +273,10 @@ void dequantize(const at::Tensor& out, const at::Tensor& blocks, int64_t qtype,
   }
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   if (out.scalar_type() == at::kFloat)
-    dequant_rows(out.data_ptr<float>(), src, blocks.size(1), index, count, K, qtype);
+    dequant_rows(out.data_ptr<float>(), src, blocks.size(0), blocks.size(1), index, count, K, qtype);
   else if (out.scalar_type() == at::kBFloat16)
-    dequant_rows(out.data_ptr<at::BFloat16>(), src, blocks.size(1), index, count, K, qtype);
+    dequant_rows(out.data_ptr<at::BFloat16>(), src, blocks.size(0), blocks.size(1), index, count, K,
+                 qtype);
   else
     TORCH_CHECK(false, "dequantize: float32 or bfloat16 out");
 }
@@ -298,6 +373,10 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
 constexpr int64_t kRowChunk = 32;  // rows of x a pass over a weight row (their sums on the stack)
 constexpr int64_t kRegRows = 4;    // rows of x whose accumulators stay in registers
 constexpr int kWeightRows = 4;     // weight rows a pass over x (AVX-512 VNNI)
+constexpr int kTileRows = 8;       // rows of x a pass over a Q8_0_X16 tile (q8_tile_rows)
+// q8_tile_rows's prefetch distance: a tile's compute (a fifth of its time at one row of x
+// on a Zen 4) and its reads overlapped only from about 24 KB (8 and 16 KB: 10-20% slower).
+constexpr int64_t kTileAhead = 24576;
 
 // Software prefetch on a pass's first rows of x (a decode, or a decode and its drafts): the
 // weight bytes kAheadBytes on from those being read are requested into L1 a share at a
@@ -802,6 +881,55 @@ void dot_rows_q8(const uint8_t* w, int64_t row_bytes, int64_t K, const QuantRows
     for (int r = 0; r < R; ++r) sums[n * R + r] = _mm512_reduce_add_ps(acc[n][r]);
 }
 
+// Q8_0_X16 on AVX-512 VNNI: a tile of 16 weight rows, rows in the lanes, against R rows
+// of x from m0: one dpbusd takes 4 codes of the 16 weight rows against 4 of a row of x
+// (broadcast), and a block's scaling is one convert, one multiply and one fused
+// multiply-add for its 16 rows: 12 instructions a block a row of x for 16 x 32 weights,
+// where dot_rows_q8 spends 32 on the stored layout (a convert, a multiply and a fused
+// multiply-add each dpbusd) and a horizontal sum a row. So the 262k-row LM head of the real
+// file stays at the memory's rate for more rows of x (a decode and its drafts, or a batch).
+// sums[r][i] for weight row i; the same float32 sequence over the blocks whatever rows of
+// x a row is among. x's start value takes off 128 times its block's sum (the codes' offset).
+template <int R>
+void q8_tile_rows(const uint8_t* tile, int64_t nb, const QuantRows& xq, int64_t m0,
+                  float (*sums)[16], bool ahead) {
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = tile + b * 544;
+    if (ahead)  // a block's 9 lines kTileAhead on, non-temporal (measured: T0 hints lost)
+      for (int l = 0; l < 9; ++l) __builtin_prefetch(blk + kTileAhead + 64 * l, 0, 0);
+    const __m512 d = _mm512_cvtph_ps(load32(blk));
+    // two chains a row where the rows alone are too few to hide dpbusd's latency
+    constexpr int C = R < 4 ? 2 : 1;
+    __m512i s[C][R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      s[0][r] = _mm512_set1_epi32(xq.start[((m0 + r) * nb + b) * 8]);
+      if constexpr (C == 2) s[1][r] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m512i w = _mm512_loadu_si512(blk + 32 + 64 * g);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xq.q.data() + ((m0 + r) * nb + b) * 32 + 4 * g, 4);
+        s[g % C][r] = _mm512_dpbusd_epi32(s[g % C][r], w, _mm512_set1_epi32(x4));
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      if constexpr (C == 2) s[0][r] = _mm512_add_epi32(s[0][r], s[1][r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0][r]),
+                               _mm512_mul_ps(d, _mm512_set1_ps(xq.scale[(m0 + r) * nb + b])), acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(sums[r], acc[r]);
+}
+
 // Q4_K / Q6_K on AVX-512 VNNI: a superblock's codes 64 a vector, each 16-bit pair of
 // products scaled by its sub-block's scale inside the dot product, NR weight rows a pass
 // over R rows of x (each weight block decoded once for the R rows: a decode and its drafts'
@@ -905,15 +1033,13 @@ void dot_rows_k512(const uint8_t* w, int64_t row_bytes, int64_t K, const QuantRo
     for (int r = 0; r < R; ++r) sums[n * R + r] = _mm512_reduce_add_ps(acc[n][r]);
 }
 
-// f(std::integral_constant<int, n>) for a runtime 1 <= n <= 4.
-template <typename F>
+// f(std::integral_constant<int, min(n, Max)>) for a runtime n >= 1.
+template <int Max = 4, typename F>
 inline void vlmserve_with_rows(int64_t n, F&& f) {
-  switch (n) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    default: return f(std::integral_constant<int, 4>{});
+  if constexpr (Max > 1) {
+    if (n < Max) return vlmserve_with_rows<Max - 1>(n, f);
   }
+  f(std::integral_constant<int, Max>{});
 }
 #endif
 
@@ -1086,6 +1212,7 @@ inline void dot_row(int64_t isa, int64_t qtype, const uint8_t* w, int64_t K, con
 template <typename T, typename O>
 void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uint8_t* w,
                 int64_t N, int64_t K, int64_t qtype, const T* bias, int64_t isa) {
+  const bool tiled = untiled_qtype(qtype);
   bool grouped = false;  // Q4_0 / Q5_0 four blocks at a time (AVX-512 VNNI)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   grouped = isa == AVX512_VNNI && (qtype == Q4_0 || qtype == Q5_0);
@@ -1106,8 +1233,33 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
                ? ahead(w + (n + passes_ahead * kWeightRows) * row_bytes, kWeightRows * row_bytes, steps)
                : Ahead{};
   };
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+  int64_t first = 0;  // the weight rows before it ran as tiles
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (tiled && isa == AVX512_VNNI) {
+    first = N / 16 * 16;
+    const int64_t nb = K / 32, tile_bytes = 16 * row_bytes;
+    at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16), [&](int64_t begin, int64_t end) {
+      float sums[kTileRows][16];
+      for (int64_t t = begin; t < end; ++t) {
+        const uint8_t* tile = w + t * tile_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
+          vlmserve_with_rows<kTileRows>(M - m0, [&](auto r) {
+            constexpr int R = decltype(r)::value;
+            const bool ahead = m0 == 0 && (t + 1) * tile_bytes + kTileAhead <= N / 16 * tile_bytes;
+            q8_tile_rows<R>(tile, nb, xq, m0, sums, ahead);
+            for (int64_t i = 0, n = t * 16; i < 16; ++i, ++n) {
+              const float b = bias ? static_cast<float>(bias[n]) : 0.f;
+              for (int q = 0; q < R; ++q) out[(m0 + q) * os + n] = O(sums[q][i] + b);
+            }
+          });
+      }
+    });
+  }
+#endif
+  const RowSource source{w, N, row_bytes, tiled};
+  at::parallel_for(first, N, grain, [&](int64_t begin, int64_t end) {
     float sums[kRowChunk];
+    std::vector<uint8_t> scratch(tiled ? row_bytes : 0);
     int64_t n = begin;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     // NR weight rows from `first` against x's rows, up to four at a time (the first pass
@@ -1161,7 +1313,7 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
       if (M == 1 && n + rows_ahead < N) ahead(w + (n + rows_ahead) * row_bytes, row_bytes, 1).step();
       for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
         const int64_t rows = std::min<int64_t>(kRowChunk, M - m0);
-        dot_row(isa, qtype, w + n * row_bytes, K, xq, m0, rows, sums);
+        dot_row(isa, qtype, source.row(n, scratch.data()), K, xq, m0, rows, sums);
         const float b = bias ? static_cast<float>(bias[n]) : 0.f;
         for (int64_t r = 0; r < rows; ++r) out[(m0 + r) * os + n] = O(sums[r] + b);
       }
@@ -1247,6 +1399,7 @@ inline void weight_rows(const at::BFloat16* w, int64_t K, const uint32_t* xb, in
 template <class MakeSink>
 void amx_tiles(const at::BFloat16* x, int64_t xs, int64_t M, const uint8_t* w, int64_t N,
                int64_t K, int64_t qtype, const at::BFloat16* bias, MakeSink&& make_sink) {
+  const bool tiled = untiled_qtype(qtype);
   const Layout lay = layout(qtype);
   const int64_t row_bytes = K / lay.block * lay.bytes, steps = K / 32, tiles = (N + 15) / 16;
   const auto xb = amx::x_tiles(x, xs, M, K);
@@ -1254,6 +1407,8 @@ void amx_tiles(const at::BFloat16* x, int64_t xs, int64_t M, const uint8_t* w, i
     vlmserve_amx::configure();
     auto sink = make_sink();
     vlmserve_vec::LineVector<at::BFloat16> a(16 * K);  // the 16 weight rows, bfloat16
+    const RowSource source{w, N, row_bytes, tiled};
+    std::vector<uint8_t> scratch(tiled ? row_bytes : 0);
     alignas(64) float buf[4 * 256];
     const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_setr_epi32(
         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));  // [weight row][row of x]
@@ -1268,7 +1423,7 @@ void amx_tiles(const at::BFloat16* x, int64_t xs, int64_t M, const uint8_t* w, i
         if (n0 + 16 + c < N)  // the next tile's row, while this one's is decoded
           for (int64_t l = 0; l < row_bytes; l += 64)
             __builtin_prefetch(w + (n0 + 16 + c) * row_bytes + l, 0, 3);
-        dequant_row_bf16(qtype, w + (n0 + c) * row_bytes, K, row);
+        dequant_row_bf16(qtype, source.row(n0 + c, scratch.data()), K, row);
       }
       const __mmask16 lanes = static_cast<__mmask16>((1u << cols) - 1);
       __m512 bias_v = _mm512_setzero_ps();
@@ -1402,6 +1557,8 @@ TORCH_LIBRARY(vlmserve_quant, m) {
   m.def("amx_available() -> bool", &amx_available);
   m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor blocks, int qtype, Tensor? bias) -> ()");
   m.def("amx_argmax(Tensor(a!) out, Tensor x, Tensor blocks, int qtype) -> ()");
+  m.def("q8_pack(Tensor(a!) blocks) -> ()");
+  m.def("q8_unpack(Tensor(a!) blocks) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve_quant, CPU, m) {
@@ -1409,4 +1566,6 @@ TORCH_LIBRARY_IMPL(vlmserve_quant, CPU, m) {
   m.impl("linear", &linear);
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_argmax", &amx_argmax);
+  m.impl("q8_pack", &q8_pack);
+  m.impl("q8_unpack", &q8_unpack);
 }

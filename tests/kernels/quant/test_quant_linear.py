@@ -12,7 +12,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kernels import quant_linear as ql
-from kernels.quant_linear import ISA, QuantEmbedding, QuantLinear, QuantWeight, quantize_int8
+from kernels.quant_linear import ISA, QuantLinear, QuantWeight
+from vlmserve.worker.models.quantized import QuantEmbedding, quantize_int8
 
 Q = GGMLQuantizationType
 TYPES = [Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K]
@@ -316,3 +317,52 @@ def test_embedding_decodes_the_asked_rows(dtype):
     out = emb(ids)
     assert out.shape == (2, 3, 256) and out.dtype == dtype
     assert torch.equal(out, reference(w)[ids].to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_q8_0_runs_every_path_as_stored(dtype):
+    """Q8_0 repacked 16 rows at a time (53 rows: 3 tiles and 5 rows as stored): the same
+    bytes back on unpacking, dequantization and embedding rows bit for bit, the int-dot
+    sums within float32 rounding of the stored layout's on every instruction set (the tile
+    kernel on AVX-512 VNNI), a row's sums alone as among 19 rows, the tile path equal."""
+    if ql.best_isa() != ISA["avx512_vnni"]:
+        pytest.skip("the packed layout is for the AVX-512 VNNI kernel")
+    w = weight(Q.Q8_0, 53, 640, seed=5)
+    stored = QuantWeight(w.blocks.clone(), w.qtype, w.in_features)
+    ref = reference(stored)
+    x = torch.randn(19, 640, generator=torch.Generator().manual_seed(5)).to(dtype)
+    layers = {"stored": QuantLinear([stored]), "packed": QuantLinear([w])}
+    w.pack(force=True)
+    assert w.tiled and not torch.equal(w.blocks, stored.blocks)
+    assert torch.equal(w.dequantize(), ref)
+    rows = torch.tensor([52, 0, 17, 47, 48])
+    assert torch.equal(QuantEmbedding(w, dtype)(rows), ref[rows].to(dtype))
+    for isa in ISA.values():
+        if not torch.ops.vlmserve_quant.has_isa(isa):
+            continue
+        outs = {}
+        for name, layer in layers.items():
+            layer.isa, layer.path = isa, "int_dot"
+            outs[name] = layer.forward_float(x)
+        scale = outs["stored"].abs().max()
+        assert (outs["packed"] - outs["stored"]).abs().max() <= 1e-5 * scale, isa
+    packed = layers["packed"]
+    packed.isa = None
+    alone = torch.cat([packed.forward_float(x[i : i + 1]) for i in range(19)])
+    assert torch.equal(packed.forward_float(x), alone)
+    for layer in layers.values():
+        layer.path = "tile"
+    assert torch.equal(layers["packed"].forward_float(x), layers["stored"].forward_float(x))
+    w.unpack()
+    assert not w.tiled and torch.equal(w.blocks, stored.blocks)
+
+
+def test_pack_follows_the_calibrated_choice(monkeypatch):
+    """`pack` repacks where `pack_chosen` chose it (calibrated), never other block types."""
+    if ql.best_isa() != ISA["avx512_vnni"]:
+        pytest.skip("the packed layout is for the AVX-512 VNNI kernel")
+    for chosen in (False, True):
+        monkeypatch.setattr(ql, "pack_chosen", lambda in_features, chosen=chosen: chosen)
+        w, q4 = weight(Q.Q8_0, 32, 256), weight(Q.Q4_0, 32, 256)
+        w.pack(), q4.pack()
+        assert (w.tiled, q4.tiled) == (chosen, False)

@@ -11,7 +11,7 @@ import torch
 
 from encoders.weights import CheckpointError
 from kernels.attention import TorchPagedAttention
-from kernels.quant_linear import QuantEmbedding, QuantLinear
+from kernels.quant_linear import QuantLinear
 from tests.fixtures.gguf_files import gguf_names, write_gguf
 from tests.helpers import make_engine
 from vlmserve.config import ModelConfig
@@ -20,6 +20,7 @@ from vlmserve.sample.params import SamplingParams
 from vlmserve.worker.models import quantized
 from vlmserve.worker.models.gguf_file import GGUFFile
 from vlmserve.worker.models.loader import load_model
+from vlmserve.worker.models.quantized import QuantEmbedding
 from vlmserve.worker.models.random_checkpoint import make_gemma3_checkpoint, make_text_checkpoint
 from vlmserve.worker.parallel.sharding import TPShard
 

@@ -31,13 +31,7 @@ from torch import nn
 
 from encoders.weights import TensorView
 from kernels.packed_linear import PackedLinear
-from kernels.quant_linear import (
-    QuantEmbedding,
-    QuantLinear,
-    QuantWeight,
-    qtype_name,
-    quantize_int8,
-)  # fmt: skip
+from kernels.quant_linear import Q, QuantLinear, QuantWeight, qtype_name
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +43,26 @@ _LINEARS = {
     "mlp.down_proj": ("mlp.down_proj",),
 }
 INT8_GROUP = 32  # weights per int8 scale: a row's length must be a multiple
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table stored quantized: a lookup decodes only the asked rows."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_q = weight
+        self.dtype = dtype
+        self.triton = False  # rows decoded by kernels/quant_gpu.py (blocks on CUDA)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            from kernels.quant_gpu import dequantize_rows
+
+            w = self.weight_q
+            rows = dequantize_rows(w.blocks, w.qtype, w.in_features, ids, self.dtype)
+        else:
+            rows = self.weight_q.dequantize(ids.reshape(-1), self.dtype)
+        return rows.view(*ids.shape, self.weight_q.in_features)
 
 
 def install_blocks(
@@ -96,6 +110,26 @@ def quantize_int8_decoder(decoder: nn.Module) -> int:
     return count
 
 
+def quantize_int8(weight: torch.Tensor) -> QuantWeight:
+    """`--quantization int8`: `weight` [out, in] (in a multiple of 32) as int8 with one
+    float16 scale per 32 weights, in the Q8_0 block layout; the bytes gguf.quants.quantize
+    writes for Q8_0 (scale amax / 127; values x / scale rounded half away from zero)."""
+    out_features, in_features = weight.shape
+    if in_features % 32:
+        raise ValueError(f"int8 quantization needs in_features a multiple of 32, not {in_features}")
+    blocks = weight.detach().float().reshape(out_features, in_features // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127  # float32, as numpy computes it
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    scaled = blocks * inverse
+    magnitude = scaled.abs()
+    whole = magnitude.trunc()
+    rounded = (whole + (magnitude - whole >= 0.5).float()).copysign(scaled)
+    values = rounded.to(torch.int8).view(torch.uint8)
+    scale16 = scale.to(torch.float16).view(torch.uint8)  # [out, in / 32, 2]
+    packed = torch.cat([scale16, values], dim=-1).reshape(out_features, -1)
+    return QuantWeight(packed.contiguous(), int(Q.Q8_0), in_features)
+
+
 def quantize_fp8_decoder(decoder: nn.Module) -> int:
     """Store every decoder layer's linears as FP8 (e4m3, per-output-channel scales) in
     place, on the device they are on; returns how many."""
@@ -111,8 +145,9 @@ def quantize_fp8_decoder(decoder: nn.Module) -> int:
 
 def place(decoder: nn.Module, device: torch.device, triton: bool | None = None) -> None:
     """Move the quantized modules' blocks (and biases) to `device` and pick their kernels:
-    the Triton GEMM where `triton` (default: on CUDA), else the CPU's. A block tensor
-    shared by two modules (a tied head) moves once."""
+    the Triton GEMM where `triton` (default: on CUDA), else the CPU's (Q8_0 weights packed
+    for them where they take it: QuantWeight.pack). A block tensor shared by two modules
+    (a tied head) moves once."""
     triton = device.type == "cuda" if triton is None else triton
     moved: set[int] = set()
     for module in decoder.modules():
@@ -128,7 +163,10 @@ def place(decoder: nn.Module, device: torch.device, triton: bool | None = None) 
         for weight in weights:
             if id(weight) not in moved:
                 moved.add(id(weight))
+                weight.unpack()
                 weight.blocks = weight.blocks.to(device)
+                if not triton:
+                    weight.pack()
 
 
 def _fp8_linear() -> type | tuple:
