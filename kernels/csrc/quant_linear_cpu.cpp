@@ -52,7 +52,7 @@ enum QType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 // bytes as the nb blocks' 16 float16 scales (row i's at 2i), then per block 8 vectors of
 // 64 bytes, vector g's 32-bit lane i codes 4g .. 4g + 3 of row i as w + 128 (unsigned);
 // the rows after the last whole tile as stored. Same bytes, same size; the other paths read
-// a row back through `RowSource`.
+// a row back through `RowReader`.
 constexpr int64_t Q8_0_X16 = 1008;
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX_VNNI = 2, AVX512_VNNI = 3 };
 
@@ -72,39 +72,97 @@ Layout layout(int64_t qtype) {
 }
 inline bool is_k(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K; }
 
-// Row i (0-15) of a Q8_0_X16 tile of nb blocks back in Q8_0's stored layout.
-inline void q8_unpack_row(const uint8_t* tile, int64_t i, int64_t nb, uint8_t* row) {
+// The two-halves 8 x 8 transpose of 32-bit words: z[j]'s lane i (i < 8) becomes out[i]'s
+// lane j, and lane 8 + i out[i]'s lane 8 + j. It packs a Q8_0_X16 block (z[i]: rows i and
+// i + 8, out[g]: their words g) and, being its own inverse, unpacks it.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline void transpose_halves(const __m512i* z, __m512i* out) {
+  __m512i u[8], v[8];
+  for (int i = 0; i < 8; i += 2) {
+    u[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+    u[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+  }
+  for (int q = 0; q < 8; q += 4) {  // v[q + j]: rows q .. q + 3, words j (and j + 4, 128 bits up)
+    v[q] = _mm512_unpacklo_epi64(u[q], u[q + 2]);
+    v[q + 1] = _mm512_unpackhi_epi64(u[q], u[q + 2]);
+    v[q + 2] = _mm512_unpacklo_epi64(u[q + 1], u[q + 3]);
+    v[q + 3] = _mm512_unpackhi_epi64(u[q + 1], u[q + 3]);
+  }
+  const __m512i low = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+  const __m512i high = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  for (int j = 0; j < 4; ++j) {
+    out[j] = _mm512_permutex2var_epi64(v[j], low, v[4 + j]);
+    out[j + 4] = _mm512_permutex2var_epi64(v[j], high, v[4 + j]);
+  }
+}
+#endif
+
+// 16 rows of Q8_0 blocks (row_bytes apart) -> a Q8_0_X16 tile of nb blocks, and back.
+inline void q8_pack_tile(const uint8_t* rows, int64_t row_bytes, int64_t nb, uint8_t* tile) {
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* blk = tile + b * 544;
+    for (int64_t i = 0; i < 16; ++i) std::memcpy(blk + 2 * i, rows + i * row_bytes + b * 34, 2);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512i z[8], t[8];
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t* lo = rows + i * row_bytes + b * 34 + 2;
+      z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + 8 * row_bytes)), 1);
+    }
+    transpose_halves(z, t);
+    for (int g = 0; g < 8; ++g)
+      _mm512_storeu_si512(blk + 32 + 64 * g, _mm512_xor_si512(t[g], _mm512_set1_epi8(static_cast<char>(0x80))));
+#else
+    for (int64_t i = 0; i < 16; ++i)
+      for (int64_t k = 0; k < 32; ++k)
+        blk[32 + 64 * (k / 4) + 4 * i + k % 4] = rows[i * row_bytes + b * 34 + 2 + k] ^ 0x80;
+#endif
+  }
+}
+
+inline void q8_unpack_tile(const uint8_t* tile, int64_t nb, uint8_t* rows, int64_t row_bytes) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = tile + b * 544;
-    std::memcpy(row + b * 34, blk + 2 * i, 2);
-    for (int64_t g = 0; g < 8; ++g)
-      for (int64_t c = 0; c < 4; ++c) row[b * 34 + 2 + 4 * g + c] = blk[32 + 64 * g + 4 * i + c] ^ 0x80;
-  }
-}
-
-// 16 rows of Q8_0 blocks (row_bytes apart) -> one Q8_0_X16 tile.
-inline void q8_pack_tile(const uint8_t* rows, int64_t row_bytes, int64_t nb, uint8_t* tile) {
-  for (int64_t i = 0; i < 16; ++i)
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* src = rows + i * row_bytes + b * 34;
-      uint8_t* blk = tile + b * 544;
-      std::memcpy(blk + 2 * i, src, 2);
-      for (int64_t g = 0; g < 8; ++g)
-        for (int64_t c = 0; c < 4; ++c) blk[32 + 64 * g + 4 * i + c] = src[2 + 4 * g + c] ^ 0x80;
+    for (int64_t i = 0; i < 16; ++i) std::memcpy(rows + i * row_bytes + b * 34, blk + 2 * i, 2);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512i z[8], t[8];
+    for (int g = 0; g < 8; ++g) z[g] = _mm512_loadu_si512(blk + 32 + 64 * g);
+    transpose_halves(z, t);
+    for (int i = 0; i < 8; ++i) {
+      const __m512i codes = _mm512_xor_si512(t[i], _mm512_set1_epi8(static_cast<char>(0x80)));
+      uint8_t* lo = rows + i * row_bytes + b * 34 + 2;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_castsi512_si256(codes));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + 8 * row_bytes), _mm512_extracti64x4_epi64(codes, 1));
     }
+#else
+    for (int64_t i = 0; i < 16; ++i)
+      for (int64_t k = 0; k < 32; ++k)
+        rows[i * row_bytes + b * 34 + 2 + k] = blk[32 + 64 * (k / 4) + 4 * i + k % 4] ^ 0x80;
+#endif
+  }
 }
 
-// Where a weight's row n lies in its stored layout: in place, or (a Q8_0_X16 weight's
-// tiled rows) unpacked into the caller's scratch of row_bytes.
-struct RowSource {
-  const uint8_t* w;
-  int64_t N, row_bytes;
-  bool tiled;
-  const uint8_t* row(int64_t n, uint8_t* scratch) const {
-    if (!tiled || n >= N / 16 * 16) return w + n * row_bytes;
-    q8_unpack_row(w + n / 16 * 16 * row_bytes, n % 16, row_bytes / 34, scratch);
-    return scratch;
+// A weight's rows in Q8_0's (or their own) stored layout: in place, or (a Q8_0_X16 weight's
+// tiled rows) from their tile unpacked into a buffer of 16 rows, a tile at a time (each
+// thread its own reader).
+class RowReader {
+ public:
+  RowReader(const uint8_t* w, int64_t N, int64_t row_bytes, bool tiled)
+      : w_(w), tiled_rows_(tiled ? N / 16 * 16 : 0), row_bytes_(row_bytes),
+        buffer_(tiled ? 16 * row_bytes : 0) {}
+  const uint8_t* row(int64_t n) {
+    if (n >= tiled_rows_) return w_ + n * row_bytes_;
+    if (n / 16 != tile_) {
+      tile_ = n / 16;
+      q8_unpack_tile(w_ + tile_ * 16 * row_bytes_, row_bytes_ / 34, buffer_.data(), row_bytes_);
+    }
+    return buffer_.data() + n % 16 * row_bytes_;
   }
+
+ private:
+  const uint8_t* w_;
+  int64_t tiled_rows_, row_bytes_, tile_ = -1;
+  std::vector<uint8_t> buffer_;
 };
 
 // A kernel's block type and whether its rows are tiled: Q8_0_X16 -> (Q8_0, true).
@@ -124,11 +182,10 @@ void q8_repack(const at::Tensor& blocks, bool pack) {
     std::vector<uint8_t> tmp(16 * row_bytes);
     for (int64_t t = begin; t < end; ++t) {
       uint8_t* tile = w + t * 16 * row_bytes;
-      if (pack) {
+      if (pack)
         q8_pack_tile(tile, row_bytes, nb, tmp.data());
-      } else {
-        for (int64_t i = 0; i < 16; ++i) q8_unpack_row(tile, i, nb, tmp.data() + i * row_bytes);
-      }
+      else
+        q8_unpack_tile(tile, nb, tmp.data(), row_bytes);
       std::memcpy(tile, tmp.data(), tmp.size());
     }
   });
@@ -232,12 +289,12 @@ void dequant_row_bf16(int64_t qtype, const uint8_t* src, int64_t K, at::BFloat16
 template <typename T>
 void dequant_rows(T* out, const uint8_t* blocks, int64_t N, int64_t row_bytes, const int64_t* index,
                   int64_t count, int64_t K, int64_t qtype) {
-  const RowSource source{blocks, N, row_bytes, untiled_qtype(qtype)};
+  const bool tiled = untiled_qtype(qtype);
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(std::is_same_v<T, float> || VLMSERVE_DEQUANT_BF16 ? 0 : K);  // round_bf16's
-    std::vector<uint8_t> scratch(source.tiled ? row_bytes : 0);
+    RowReader reader(blocks, N, row_bytes, tiled);
     for (int64_t r = begin; r < end; ++r) {
-      const uint8_t* src = source.row(index ? index[r] : r, scratch.data());
+      const uint8_t* src = reader.row(index ? index[r] : r);
       if constexpr (std::is_same_v<T, float>) {
         dequant_row(qtype, src, K, out + r * K);
       } else {
@@ -1256,10 +1313,9 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
     });
   }
 #endif
-  const RowSource source{w, N, row_bytes, tiled};
   at::parallel_for(first, N, grain, [&](int64_t begin, int64_t end) {
     float sums[kRowChunk];
-    std::vector<uint8_t> scratch(tiled ? row_bytes : 0);
+    RowReader reader(w, N, row_bytes, tiled);
     int64_t n = begin;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     // NR weight rows from `first` against x's rows, up to four at a time (the first pass
@@ -1313,7 +1369,7 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
       if (M == 1 && n + rows_ahead < N) ahead(w + (n + rows_ahead) * row_bytes, row_bytes, 1).step();
       for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
         const int64_t rows = std::min<int64_t>(kRowChunk, M - m0);
-        dot_row(isa, qtype, source.row(n, scratch.data()), K, xq, m0, rows, sums);
+        dot_row(isa, qtype, reader.row(n), K, xq, m0, rows, sums);
         const float b = bias ? static_cast<float>(bias[n]) : 0.f;
         for (int64_t r = 0; r < rows; ++r) out[(m0 + r) * os + n] = O(sums[r] + b);
       }
@@ -1407,8 +1463,7 @@ void amx_tiles(const at::BFloat16* x, int64_t xs, int64_t M, const uint8_t* w, i
     vlmserve_amx::configure();
     auto sink = make_sink();
     vlmserve_vec::LineVector<at::BFloat16> a(16 * K);  // the 16 weight rows, bfloat16
-    const RowSource source{w, N, row_bytes, tiled};
-    std::vector<uint8_t> scratch(tiled ? row_bytes : 0);
+    RowReader reader(w, N, row_bytes, tiled);
     alignas(64) float buf[4 * 256];
     const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_setr_epi32(
         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));  // [weight row][row of x]
@@ -1423,7 +1478,7 @@ void amx_tiles(const at::BFloat16* x, int64_t xs, int64_t M, const uint8_t* w, i
         if (n0 + 16 + c < N)  // the next tile's row, while this one's is decoded
           for (int64_t l = 0; l < row_bytes; l += 64)
             __builtin_prefetch(w + (n0 + 16 + c) * row_bytes + l, 0, 3);
-        dequant_row_bf16(qtype, source.row(n0 + c, scratch.data()), K, row);
+        dequant_row_bf16(qtype, reader.row(n0 + c), K, row);
       }
       const __mmask16 lanes = static_cast<__mmask16>((1u << cols) - 1);
       __m512 bias_v = _mm512_setzero_ps();
