@@ -396,7 +396,7 @@ class QuantLinear(nn.Module):
 
     def describe(self) -> str:
         """The block types, bits a weight, and the paths with their calibrated crossover."""
-        types = "+".join(qtype_name(p.qtype) for p in self.parts)
+        types = "+".join(qtype_name(p.qtype) + " packed" * p.tiled for p in self.parts)
         bits = sum(p.bits_per_weight * p.out_features for p in self.parts) / self.out_features
         if self.triton:
             return f"{types} {bits:.3g} bits/weight, Triton dequant-tile GEMM"

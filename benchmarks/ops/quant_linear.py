@@ -72,6 +72,9 @@ def _type(qtype: int) -> str:
 def contenders(group: str, layers: list[list[QuantWeight]]):
     """(quantized modules, bfloat16 modules, run function) for one group."""
     quant = [QuantLinear(parts) for parts in layers]
+    for layer in quant:  # as the engine places them (models/quantized.py's `place`)
+        for part in layer.parts:
+            part.pack()
     dense = [torch.cat([p.dequantize(dtype=torch.bfloat16) for p in parts]) for parts in layers]
     if group.startswith("lm_head"):
         heads = [logits_head(None, w) for w in dense]
