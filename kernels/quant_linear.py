@@ -6,8 +6,8 @@ No dequantized copy of a weight is kept. Three paths (kernels/csrc/quant_linear_
 - a few rows (decode), as llama.cpp does it: each row of x quantized to int8 once a call
   (per 32 values, or 256 with per-16 sums for the K-quants), integer dot products per
   weight block (`dpbusd` on VNNI CPUs, AVX2 `maddubs`, or scalar), float32 across blocks;
-  at most 9e-3 relative error against the float64 matmul (tests: bound 2e-2). Q8_0 (the
-  real file's 262k-row LM head) repacked 16 rows at a time where that is faster here;
+  at most 9e-3 relative error against the float64 matmul (tests: bound 2e-2). Q8_0 and
+  Q5_0 repacked 16 rows at a time where that is faster here (`QuantWeight.pack`);
 - with AMX tiles (bfloat16 x): 16 weight rows at a time dequantized to bfloat16 and run
   against every row of x, float32 sums unrounded (`amx_linear`; `amx_argmax` for greedy);
 - more rows: tiles of weight rows dequantized into a scratch buffer, each multiplied by the
@@ -45,7 +45,7 @@ KQUANTS = frozenset(int(t) for t in (Q.Q4_K, Q.Q6_K))
 # The instruction sets the int-dot kernel can be told to use (`isa`): the best this build
 # has, or a fallback forced (tests, benchmarks).
 ISA = {"scalar": 0, "avx2": 1, "avx_vnni": 2, "avx512_vnni": 3}
-Q8_0_TILED = 1008  # the C++ kernels' name for a packed Q8_0 weight (QuantWeight.pack)
+TILED = 1000  # + the block type: the C++ kernels' name for a packed weight (QuantWeight.pack)
 Path = Literal["auto", "int_dot", "amx", "tile"]
 # Weight rows a dequantized tile holds at most (the scratch stays within ~L2 in bfloat16).
 TILE_BYTES = 1 << 20
@@ -110,24 +110,24 @@ class QuantWeight:
         return self.blocks.shape[0]
 
     @property
-    def kernel_qtype(self) -> int:
-        """The block type as the C++ kernels are told it (the tiled Q8_0 layout its own)."""
-        return Q8_0_TILED if self.tiled else self.qtype
+    def kernel_qtype(self) -> int:  # as the C++ kernels are told it (packed: its own)
+        return TILED + self.qtype if self.tiled else self.qtype
 
     def pack(self, force: bool = False) -> None:
-        """A Q8_0 weight's rows repacked in place 16 at a time, rows in the vector lanes (C++
-        `Q8_0_X16`: same bytes; every path reads it), where `pack_chosen` chose it here."""
+        """A Q8_0 / Q5_0 weight's rows repacked in place 16 at a time, rows in the vector lanes
+        (C++ `Q8_0_X16`, `Q5_0_X16`: same bytes, every path reads it), as `pack_chosen` chose."""
         if (
-            self.tiled or self.qtype != Q.Q8_0 or self.out_features < 16
-            or self.blocks.device.type != "cpu" or best_isa() != ISA["avx512_vnni"]
-        ) or not (force or pack_chosen(self.in_features)):  # fmt: skip
+            self.tiled or self.out_features < 16 or self.blocks.device.type != "cpu"
+            or kernel_available() is not None or best_isa() != ISA["avx512_vnni"]
+            or not torch.ops.vlmserve_quant.packable(self.qtype)
+        ) or not (force or pack_chosen(self.qtype, self.in_features)):  # fmt: skip
             return
-        torch.ops.vlmserve_quant.q8_pack(self.blocks)
+        torch.ops.vlmserve_quant.pack_rows(self.blocks, self.qtype)
         self.tiled = True
 
     def unpack(self) -> None:  # the stored layout back (the GPU's kernels read it)
         if self.tiled:
-            torch.ops.vlmserve_quant.q8_unpack(self.blocks)
+            torch.ops.vlmserve_quant.unpack_rows(self.blocks, self.qtype)
             self.tiled = False
 
     @property
@@ -172,16 +172,17 @@ def dequantize_reference(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 @functools.cache
-def pack_chosen(in_features: int) -> bool:
-    """Whether Q8_0 weights with rows this long are packed here: both layouts timed at
-    PACK_LADDER's rows on PACK_BYTES of random blocks (streamed from memory, as a 262k-row
-    LM head is), the faster over them."""
+def pack_chosen(qtype: int, in_features: int) -> bool:
+    """Whether weights of this block type with rows this long are packed here: both layouts
+    timed at PACK_LADDER's rows on PACK_BYTES of random blocks (streamed from memory, as a
+    262k-row LM head or a decode step's layers are), the faster over them."""
 
     def measure() -> calibration.Measured:
-        rows = PACK_BYTES // (in_features // 32 * 34)
-        raw = torch.randint(0, 256, (rows, in_features // 32, 34), dtype=torch.uint8)
+        rows = PACK_BYTES // (in_features // 32 * (block_bytes := GGML_QUANT_SIZES[Q(qtype)][1]))
+        raw = torch.randint(0, 256, (rows, in_features // 32, block_bytes), dtype=torch.uint8)
         raw[..., :2] = torch.tensor([1e-3], dtype=torch.float16).view(torch.uint8)
-        stored, packed = (QuantWeight(raw.reshape(rows, -1).clone(), 8, in_features) for _ in "ab")
+        stored = QuantWeight(raw.reshape(rows, -1), qtype, in_features)
+        packed = QuantWeight(stored.blocks.clone(), qtype, in_features)
         packed.pack(force=True)
         layers = {"stored": QuantLinear([stored]), "packed": QuantLinear([packed])}
         xs = [torch.randn(n, in_features).to(torch.bfloat16) for n in PACK_LADDER]
@@ -190,7 +191,7 @@ def pack_chosen(in_features: int) -> bool:
         })} for x in xs]  # fmt: skip
 
     decide = lambda m: calibration.decide_faster(m, "packed", "stored")  # noqa: E731
-    return calibration.calibrated(f"quant_q8_pack/{in_features}", measure, decide)
+    return calibration.calibrated(f"quant_pack/{qtype_name(qtype)}/{in_features}", measure, decide)
 
 
 def int_dot_max_rows(qtype: int, dtype: torch.dtype, in_features: int, out_features: int) -> int:
@@ -388,11 +389,10 @@ class QuantLinear(nn.Module):
         """Part `part`'s bias in `dtype` (made once)."""
         if self.bias is None:
             return None
-        key = (part, dtype)
-        if key not in self._biases:
+        if (part, dtype) not in self._biases:
             _, start, end = self._spans[part]
-            self._biases[key] = self.bias[start:end].to(dtype).contiguous()
-        return self._biases[key]
+            self._biases[part, dtype] = self.bias[start:end].to(dtype).contiguous()
+        return self._biases[part, dtype]
 
     def describe(self) -> str:
         """The block types, bits a weight, and the paths with their calibrated crossover."""

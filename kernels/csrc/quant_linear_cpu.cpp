@@ -47,13 +47,19 @@
 namespace {
 
 enum QType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
-// Q8_0 with its rows repacked 16 at a time for the AVX-512 VNNI kernel (`q8_pack`): rows
+// Q8_0 with its rows repacked 16 at a time for the AVX-512 VNNI kernel (`pack_rows`): rows
 // [0, N / 16 * 16) in tiles, tile t holding rows 16t .. 16t + 15 in their 16 * row_bytes
 // bytes as the nb blocks' 16 float16 scales (row i's at 2i), then per block 8 vectors of
 // 64 bytes, vector g's 32-bit lane i codes 4g .. 4g + 3 of row i as w + 128 (unsigned);
 // the rows after the last whole tile as stored. Same bytes, same size; the other paths read
 // a row back through `RowReader`.
 constexpr int64_t Q8_0_X16 = 1008;
+// Q5_0 likewise (`Q5_0_X16`), a block of the 16 rows as their 16 float16 scales, their
+// fifth bits (row i's 32-bit word at 4i, as stored), then 4 vectors of 64 bytes, vector h's
+// lane i byte c holding the low 4 bits of codes 8h + c (low nibble) and 8h + 4 + c (high);
+// the fifth bits are put back per vector of codes by a bit shuffle (AVX-512 BITALG).
+constexpr int64_t Q5_0_X16 = 1006;
+constexpr int64_t kTiled = 1000;  // Q8_0_X16 - Q8_0, Q5_0_X16 - Q5_0
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX_VNNI = 2, AVX512_VNNI = 3 };
 
 struct Layout {
@@ -63,6 +69,7 @@ Layout layout(int64_t qtype) {
   switch (qtype) {
     case Q4_0: return {32, 18};
     case Q5_0: return {32, 22};
+    case Q5_0_X16: return {32, 22};
     case Q8_0:
     case Q8_0_X16: return {32, 34};
     case Q4_K: return {256, 144};
@@ -142,56 +149,115 @@ inline void q8_unpack_tile(const uint8_t* tile, int64_t nb, uint8_t* rows, int64
   }
 }
 
-// A weight's rows in Q8_0's (or their own) stored layout: in place, or (a Q8_0_X16 weight's
-// tiled rows) from their tile unpacked into a buffer of 16 rows, a tile at a time (each
-// thread its own reader).
+// 16 rows of Q5_0 blocks (row_bytes apart) -> a Q5_0_X16 tile of nb blocks, and back (at
+// load, and for the paths other than the int-dot kernel's; byte by byte).
+inline int q5_nibble(const uint8_t* qs, int k) { return k < 16 ? qs[k] & 15 : qs[k - 16] >> 4; }
+
+inline void q5_pack_tile(const uint8_t* rows, int64_t row_bytes, int64_t nb, uint8_t* tile) {
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* blk = tile + b * 352;
+    for (int64_t i = 0; i < 16; ++i) {
+      const uint8_t* src = rows + i * row_bytes + b * 22;
+      std::memcpy(blk + 2 * i, src, 2);
+      std::memcpy(blk + 32 + 4 * i, src + 2, 4);
+      for (int h = 0; h < 4; ++h)
+        for (int c = 0; c < 4; ++c)
+          blk[96 + 64 * h + 4 * i + c] =
+              static_cast<uint8_t>(q5_nibble(src + 6, 8 * h + c) | q5_nibble(src + 6, 8 * h + 4 + c) << 4);
+    }
+  }
+}
+
+inline void q5_unpack_tile(const uint8_t* tile, int64_t nb, uint8_t* rows, int64_t row_bytes) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = tile + b * 352;
+    for (int64_t i = 0; i < 16; ++i) {
+      uint8_t* dst = rows + i * row_bytes + b * 22;
+      std::memcpy(dst, blk + 2 * i, 2);
+      std::memcpy(dst + 2, blk + 32 + 4 * i, 4);
+      uint8_t nib[32];
+      for (int h = 0; h < 4; ++h)
+        for (int c = 0; c < 4; ++c) {
+          const uint8_t v = blk[96 + 64 * h + 4 * i + c];
+          nib[8 * h + c] = v & 15, nib[8 * h + 4 + c] = v >> 4;
+        }
+      for (int j = 0; j < 16; ++j) dst[6 + j] = static_cast<uint8_t>(nib[j] | nib[j + 16] << 4);
+    }
+  }
+}
+
+inline void pack_tile(int64_t qtype, const uint8_t* rows, int64_t row_bytes, int64_t nb, uint8_t* tile) {
+  qtype == Q8_0 ? q8_pack_tile(rows, row_bytes, nb, tile) : q5_pack_tile(rows, row_bytes, nb, tile);
+}
+inline void unpack_tile(int64_t qtype, const uint8_t* tile, int64_t nb, uint8_t* rows, int64_t row_bytes) {
+  qtype == Q8_0 ? q8_unpack_tile(tile, nb, rows, row_bytes) : q5_unpack_tile(tile, nb, rows, row_bytes);
+}
+
+// A weight's rows in their stored layout: in place, or (a tiled weight's tiled rows, of
+// block type `qtype`) from their tile unpacked into a buffer of 16 rows, a tile at a time
+// (each thread its own reader).
 class RowReader {
  public:
-  RowReader(const uint8_t* w, int64_t N, int64_t row_bytes, bool tiled)
-      : w_(w), tiled_rows_(tiled ? N / 16 * 16 : 0), row_bytes_(row_bytes),
+  RowReader(const uint8_t* w, int64_t N, int64_t row_bytes, bool tiled, int64_t qtype)
+      : w_(w), tiled_rows_(tiled ? N / 16 * 16 : 0), row_bytes_(row_bytes), qtype_(qtype),
         buffer_(tiled ? 16 * row_bytes : 0) {}
   const uint8_t* row(int64_t n) {
     if (n >= tiled_rows_) return w_ + n * row_bytes_;
     if (n / 16 != tile_) {
       tile_ = n / 16;
-      q8_unpack_tile(w_ + tile_ * 16 * row_bytes_, row_bytes_ / 34, buffer_.data(), row_bytes_);
+      const int64_t nb = row_bytes_ / layout(qtype_).bytes;
+      unpack_tile(qtype_, w_ + tile_ * 16 * row_bytes_, nb, buffer_.data(), row_bytes_);
     }
     return buffer_.data() + n % 16 * row_bytes_;
   }
 
  private:
   const uint8_t* w_;
-  int64_t tiled_rows_, row_bytes_, tile_ = -1;
+  int64_t tiled_rows_, row_bytes_, qtype_, tile_ = -1;
   std::vector<uint8_t> buffer_;
 };
 
 // A kernel's block type and whether its rows are tiled: Q8_0_X16 -> (Q8_0, true).
 inline bool untiled_qtype(int64_t& qtype) {
-  if (qtype != Q8_0_X16) return false;
-  qtype = Q8_0;
+  if (qtype != Q8_0_X16 && qtype != Q5_0_X16) return false;
+  qtype -= kTiled;
   return true;
 }
 
-// In place, every whole tile of 16 rows of a Q8_0 weight [N, row_bytes] (pack) or back.
-void q8_repack(const at::Tensor& blocks, bool pack) {
+// Whether the int-dot kernel runs `qtype` (Q8_0, Q5_0) packed in this build.
+bool packable(int64_t qtype) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BITALG__)
+  if (qtype == Q5_0) return true;
+#endif
+  return qtype == Q8_0;
+#else
+  return false;
+#endif
+}
+
+// In place, every whole tile of 16 rows of a Q8_0 or Q5_0 weight [N, row_bytes] (pack) or back.
+void repack(const at::Tensor& blocks, int64_t qtype, bool pack) {
+  TORCH_CHECK(qtype == Q8_0 || qtype == Q5_0, "repack: Q8_0 or Q5_0, not ", qtype);
+  const int64_t bytes = layout(qtype).bytes;
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-                  blocks.size(1) % 34 == 0, "q8_pack: contiguous uint8 [rows, Q8_0 bytes]");
-  const int64_t row_bytes = blocks.size(1), nb = row_bytes / 34;
+                  blocks.size(1) % bytes == 0, "repack: contiguous uint8 [rows, block bytes]");
+  const int64_t row_bytes = blocks.size(1), nb = row_bytes / bytes;
   uint8_t* w = blocks.data_ptr<uint8_t>();
   at::parallel_for(0, blocks.size(0) / 16, 64, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> tmp(16 * row_bytes);
     for (int64_t t = begin; t < end; ++t) {
       uint8_t* tile = w + t * 16 * row_bytes;
       if (pack)
-        q8_pack_tile(tile, row_bytes, nb, tmp.data());
+        pack_tile(qtype, tile, row_bytes, nb, tmp.data());
       else
-        q8_unpack_tile(tile, nb, tmp.data(), row_bytes);
+        unpack_tile(qtype, tile, nb, tmp.data(), row_bytes);
       std::memcpy(tile, tmp.data(), tmp.size());
     }
   });
 }
-void q8_pack(const at::Tensor& blocks) { q8_repack(blocks, true); }
-void q8_unpack(const at::Tensor& blocks) { q8_repack(blocks, false); }
+void pack_rows(const at::Tensor& blocks, int64_t qtype) { repack(blocks, qtype, true); }
+void unpack_rows(const at::Tensor& blocks, int64_t qtype) { repack(blocks, qtype, false); }
 
 inline float f16(const uint8_t* p) {  // exact
   uint16_t h;
@@ -292,7 +358,7 @@ void dequant_rows(T* out, const uint8_t* blocks, int64_t N, int64_t row_bytes, c
   const bool tiled = untiled_qtype(qtype);
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(std::is_same_v<T, float> || VLMSERVE_DEQUANT_BF16 ? 0 : K);  // round_bf16's
-    RowReader reader(blocks, N, row_bytes, tiled);
+    RowReader reader(blocks, N, row_bytes, tiled, qtype);
     for (int64_t r = begin; r < end; ++r) {
       const uint8_t* src = reader.row(index ? index[r] : r);
       if constexpr (std::is_same_v<T, float>) {
@@ -430,7 +496,7 @@ QuantRows quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, int64_t qt
 constexpr int64_t kRowChunk = 32;  // rows of x a pass over a weight row (their sums on the stack)
 constexpr int64_t kRegRows = 4;    // rows of x whose accumulators stay in registers
 constexpr int kWeightRows = 4;     // weight rows a pass over x (AVX-512 VNNI)
-constexpr int kTileRows = 8;       // rows of x a pass over a Q8_0_X16 tile (q8_tile_rows)
+constexpr int kTileRows = 8;       // rows of x a pass over a packed tile (tile_rows)
 // q8_tile_rows's prefetch distance: a tile's compute (a fifth of its time at one row of x
 // on a Zen 4) and its reads overlapped only from about 24 KB (8 and 16 KB: 10-20% slower).
 constexpr int64_t kTileAhead = 24576;
@@ -946,18 +1012,47 @@ void dot_rows_q8(const uint8_t* w, int64_t row_bytes, int64_t K, const QuantRows
 // multiply-add each dpbusd) and a horizontal sum a row. So the 262k-row LM head of the real
 // file stays at the memory's rate for more rows of x (a decode and its drafts, or a batch).
 // sums[r][i] for weight row i; the same float32 sequence over the blocks whatever rows of
-// x a row is among. x's start value takes off 128 times its block's sum (the codes' offset).
-template <int R>
-void q8_tile_rows(const uint8_t* tile, int64_t nb, const QuantRows& xq, int64_t m0,
-                  float (*sums)[16], bool ahead) {
+// x a row is among. x's start value takes off the codes' offset (128, Q5_0's 16) times its
+// block's sum. Q5_0_X16's codes are its nibbles with the fifth bits shuffled in, once a
+// block for the R rows of x.
+template <int64_t QT, int R>
+void tile_rows(const uint8_t* tile, int64_t nb, const QuantRows& xq, int64_t m0,
+               float (*sums)[16], bool ahead) {
+  constexpr int64_t bytes = QT == Q8_0 ? 544 : 352;
+  constexpr int lines = (bytes + 63) / 64;
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = tile + b * 544;
-    if (ahead)  // a block's 9 lines kTileAhead on, non-temporal (measured: T0 hints lost)
-      for (int l = 0; l < 9; ++l) __builtin_prefetch(blk + kTileAhead + 64 * l, 0, 0);
+    const uint8_t* blk = tile + b * bytes;
+    if (ahead)  // a block's lines kTileAhead on, non-temporal (measured: T0 hints lost)
+      for (int l = 0; l < lines; ++l) __builtin_prefetch(blk + kTileAhead + 64 * l, 0, 0);
     const __m512 d = _mm512_cvtph_ps(load32(blk));
+    __m512i codes[8];
+    if constexpr (QT == Q8_0) {
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) codes[g] = _mm512_loadu_si512(blk + 32 + 64 * g);
+    } else {
+#if defined(__AVX512BITALG__)
+      const __m512i low = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+      const __m512i bits = _mm512_loadu_si512(blk + 32);
+      // byte j of a vector: bit 4g + j % 4 of its row's word (32 bits up for odd rows)
+      const __m512i at = _mm512_set_epi32(
+          0x23222120, 0x03020100, 0x23222120, 0x03020100, 0x23222120, 0x03020100, 0x23222120, 0x03020100,
+          0x23222120, 0x03020100, 0x23222120, 0x03020100, 0x23222120, 0x03020100, 0x23222120, 0x03020100);
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; ++h) {
+        const __m512i nib = _mm512_loadu_si512(blk + 96 + 64 * h);
+        codes[2 * h] = _mm512_and_si512(nib, low);
+        codes[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(nib, 4), low);
+      }
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __mmask64 fifth = _mm512_bitshuffle_epi64_mask(bits, _mm512_add_epi8(at, _mm512_set1_epi8(4 * g)));
+        codes[g] = _mm512_mask_add_epi8(codes[g], fifth, codes[g], sixteen);
+      }
+#endif
+    }
     // two chains a row where the rows alone are too few to hide dpbusd's latency
     constexpr int C = R < 4 ? 2 : 1;
     __m512i s[C][R];
@@ -968,12 +1063,11 @@ void q8_tile_rows(const uint8_t* tile, int64_t nb, const QuantRows& xq, int64_t 
     }
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
-      const __m512i w = _mm512_loadu_si512(blk + 32 + 64 * g);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         int32_t x4;
         std::memcpy(&x4, xq.q.data() + ((m0 + r) * nb + b) * 32 + 4 * g, 4);
-        s[g % C][r] = _mm512_dpbusd_epi32(s[g % C][r], w, _mm512_set1_epi32(x4));
+        s[g % C][r] = _mm512_dpbusd_epi32(s[g % C][r], codes[g], _mm512_set1_epi32(x4));
       }
     }
 #pragma GCC unroll 8
@@ -1292,7 +1386,7 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
   };
   int64_t first = 0;  // the weight rows before it ran as tiles
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  if (tiled && isa == AVX512_VNNI) {
+  if (tiled && isa == AVX512_VNNI && packable(qtype)) {
     first = N / 16 * 16;
     const int64_t nb = K / 32, tile_bytes = 16 * row_bytes;
     at::parallel_for(0, N / 16, std::max<int64_t>(1, grain / 16), [&](int64_t begin, int64_t end) {
@@ -1303,7 +1397,10 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
           vlmserve_with_rows<kTileRows>(M - m0, [&](auto r) {
             constexpr int R = decltype(r)::value;
             const bool ahead = m0 == 0 && (t + 1) * tile_bytes + kTileAhead <= N / 16 * tile_bytes;
-            q8_tile_rows<R>(tile, nb, xq, m0, sums, ahead);
+            if (qtype == Q8_0)
+              tile_rows<Q8_0, R>(tile, nb, xq, m0, sums, ahead);
+            else
+              tile_rows<Q5_0, R>(tile, nb, xq, m0, sums, ahead);
             for (int64_t i = 0, n = t * 16; i < 16; ++i, ++n) {
               const float b = bias ? static_cast<float>(bias[n]) : 0.f;
               for (int q = 0; q < R; ++q) out[(m0 + q) * os + n] = O(sums[q][i] + b);
@@ -1315,7 +1412,7 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
 #endif
   at::parallel_for(first, N, grain, [&](int64_t begin, int64_t end) {
     float sums[kRowChunk];
-    RowReader reader(w, N, row_bytes, tiled);
+    RowReader reader(w, N, row_bytes, tiled, qtype);
     int64_t n = begin;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     // NR weight rows from `first` against x's rows, up to four at a time (the first pass
@@ -1463,7 +1560,7 @@ void amx_tiles(const at::BFloat16* x, int64_t xs, int64_t M, const uint8_t* w, i
     vlmserve_amx::configure();
     auto sink = make_sink();
     vlmserve_vec::LineVector<at::BFloat16> a(16 * K);  // the 16 weight rows, bfloat16
-    RowReader reader(w, N, row_bytes, tiled);
+    RowReader reader(w, N, row_bytes, tiled, qtype);
     alignas(64) float buf[4 * 256];
     const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(16), _mm512_setr_epi32(
         0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));  // [weight row][row of x]
@@ -1612,8 +1709,9 @@ TORCH_LIBRARY(vlmserve_quant, m) {
   m.def("amx_available() -> bool", &amx_available);
   m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor blocks, int qtype, Tensor? bias) -> ()");
   m.def("amx_argmax(Tensor(a!) out, Tensor x, Tensor blocks, int qtype) -> ()");
-  m.def("q8_pack(Tensor(a!) blocks) -> ()");
-  m.def("q8_unpack(Tensor(a!) blocks) -> ()");
+  m.def("packable(int qtype) -> bool", &packable);
+  m.def("pack_rows(Tensor(a!) blocks, int qtype) -> ()");
+  m.def("unpack_rows(Tensor(a!) blocks, int qtype) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve_quant, CPU, m) {
@@ -1621,6 +1719,6 @@ TORCH_LIBRARY_IMPL(vlmserve_quant, CPU, m) {
   m.impl("linear", &linear);
   m.impl("amx_linear", &amx_linear);
   m.impl("amx_argmax", &amx_argmax);
-  m.impl("q8_pack", &q8_pack);
-  m.impl("q8_unpack", &q8_unpack);
+  m.impl("pack_rows", &pack_rows);
+  m.impl("unpack_rows", &unpack_rows);
 }

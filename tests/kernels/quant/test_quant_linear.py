@@ -320,14 +320,15 @@ def test_embedding_decodes_the_asked_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_packed_q8_0_runs_every_path_as_stored(dtype):
-    """Q8_0 repacked 16 rows at a time (53 rows: 3 tiles and 5 rows as stored): the same
-    bytes back on unpacking, dequantization and embedding rows bit for bit, the int-dot
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0], ids=lambda t: t.name)
+def test_packed_blocks_run_every_path_as_stored(qtype, dtype):
+    """Q8_0 / Q5_0 repacked 16 rows at a time (53 rows: 3 tiles and 5 rows as stored): the
+    same bytes back on unpacking, dequantization and embedding rows bit for bit, the int-dot
     sums within float32 rounding of the stored layout's on every instruction set (the tile
     kernel on AVX-512 VNNI), a row's sums alone as among 19 rows, the tile path equal."""
-    if ql.best_isa() != ISA["avx512_vnni"]:
-        pytest.skip("the packed layout is for the AVX-512 VNNI kernel")
-    w = weight(Q.Q8_0, 53, 640, seed=5)
+    if ql.best_isa() != ISA["avx512_vnni"] or not torch.ops.vlmserve_quant.packable(qtype):
+        pytest.skip(f"no packed {qtype.name} kernel in this build")
+    w = weight(qtype, 53, 640, seed=5)
     stored = QuantWeight(w.blocks.clone(), w.qtype, w.in_features)
     ref = reference(stored)
     x = torch.randn(19, 640, generator=torch.Generator().manual_seed(5)).to(dtype)
@@ -362,7 +363,7 @@ def test_pack_follows_the_calibrated_choice(monkeypatch):
     if ql.best_isa() != ISA["avx512_vnni"]:
         pytest.skip("the packed layout is for the AVX-512 VNNI kernel")
     for chosen in (False, True):
-        monkeypatch.setattr(ql, "pack_chosen", lambda in_features, chosen=chosen: chosen)
+        monkeypatch.setattr(ql, "pack_chosen", lambda qtype, k, chosen=chosen: chosen)
         w, q4 = weight(Q.Q8_0, 32, 256), weight(Q.Q4_0, 32, 256)
         w.pack(), q4.pack()
         assert (w.tiled, q4.tiled) == (chosen, False)
