@@ -226,7 +226,7 @@ def quantization_summary(model_path: str, quantization: str, dtype: torch.dtype)
         from vlmserve.sample.verify import quantized_ridge
 
         ridge = quantized_ridge(decoder, dtype)
-        summary["ridge_quantized"] = f"{ridge:.1f} rows (its quantized linears at 1-8 rows)"
+        summary["ridge_quantized"] = f"{ridge:.1f} rows (its quantized linears at 1-16 rows)"
     return summary
 
 

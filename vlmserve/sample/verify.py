@@ -231,8 +231,10 @@ def decide_ridge(weight: Precision, measured: calibration.Measured) -> float:
     return b_star(cpu_accelerator(m["gemm_flops"], m["copy_bytes_per_s"]), weight)
 
 
-# Rows of x the quantized linears are timed at for their B*.
-QUANT_RIDGE_ROWS = tuple(range(1, 9))
+# Rows of x the quantized linears are timed at for their B*: past 8, where a packed Q8_0 /
+# Q5_0 weight's kernel starts a second pass over its tile (flat to 8 rows, its slope over
+# 5-8 rows put B* at 12-29 rows, noise, on a Zen 4).
+QUANT_RIDGE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 def quantized_ridge(decoder: torch.nn.Module, dtype: torch.dtype) -> float:

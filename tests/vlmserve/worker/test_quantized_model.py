@@ -174,7 +174,7 @@ def test_info_prints_each_layers_blocks_bits_and_kernels(converted, capsys):
     assert any(line.startswith("qkv_proj: ") and "+" in line for line in lines), lines
     assert any(line.startswith("embed_tokens: ") for line in lines), lines
     assert all("bits/weight" in line for line in lines), lines
-    assert shown["ridge_quantized"].endswith(" rows (its quantized linears at 1-8 rows)")
+    assert shown["ridge_quantized"].endswith(" rows (its quantized linears at 1-16 rows)")
     assert main([*args, "--quantization", "none"]) == 0
     assert json.loads(capsys.readouterr().out)["quantization"]["weights"].startswith("dense")
     if not torch.cuda.is_available():  # what `serve --quantization fp8` would answer here
