@@ -175,6 +175,17 @@ inline void q5_unpack_tile(const uint8_t* tile, int64_t nb, uint8_t* rows, int64
       uint8_t* dst = rows + i * row_bytes + b * 22;
       std::memcpy(dst, blk + 2 * i, 2);
       std::memcpy(dst + 2, blk + 32 + 4 * i, 4);
+#if defined(__SSE2__)
+      // row i's 4 words: byte 4h + c holds codes 8h + c (low) and 8h + 4 + c (high), so
+      // the low and high nibbles' words interleaved are codes 0-15 and 16-31 in order
+      int32_t word[4];
+      for (int h = 0; h < 4; ++h) std::memcpy(word + h, blk + 96 + 64 * h + 4 * i, 4);
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(word));
+      const __m128i low = _mm_set1_epi8(15);
+      const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+      const __m128i first = _mm_unpacklo_epi32(lo, hi), last = _mm_unpackhi_epi32(lo, hi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 6), _mm_or_si128(first, _mm_slli_epi16(last, 4)));
+#else
       uint8_t nib[32];
       for (int h = 0; h < 4; ++h)
         for (int c = 0; c < 4; ++c) {
@@ -182,6 +193,7 @@ inline void q5_unpack_tile(const uint8_t* tile, int64_t nb, uint8_t* rows, int64
           nib[8 * h + c] = v & 15, nib[8 * h + 4 + c] = v >> 4;
         }
       for (int j = 0; j < 16; ++j) dst[6 + j] = static_cast<uint8_t>(nib[j] | nib[j + 16] << 4);
+#endif
     }
   }
 }
