@@ -88,7 +88,7 @@ class QuantWeight:
     blocks: torch.Tensor  # uint8 [out_features, bytes per row], contiguous, owned
     qtype: int
     in_features: int
-    tiled: bool = False  # Q8_0 repacked 16 rows at a time (`pack`)
+    tiled: bool = False  # Q8_0 / Q5_0 repacked 16 rows at a time (`pack`)
 
     def __post_init__(self) -> None:
         if self.qtype not in SUPPORTED_QTYPES:

@@ -53,13 +53,13 @@ enum QType : int64_t { Q4_0 = 2, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 // 64 bytes, vector g's 32-bit lane i codes 4g .. 4g + 3 of row i as w + 128 (unsigned);
 // the rows after the last whole tile as stored. Same bytes, same size; the other paths read
 // a row back through `RowReader`.
-constexpr int64_t Q8_0_X16 = 1008;
+constexpr int64_t kTiled = 1000;  // a packed block type's name: kTiled + the stored one's
+constexpr int64_t Q8_0_X16 = kTiled + Q8_0;
 // Q5_0 likewise (`Q5_0_X16`), a block of the 16 rows as their 16 float16 scales, their
 // fifth bits (row i's 32-bit word at 4i, as stored), then 4 vectors of 64 bytes, vector h's
 // lane i byte c holding the low 4 bits of codes 8h + c (low nibble) and 8h + 4 + c (high);
 // the fifth bits are put back per vector of codes by a bit shuffle (AVX-512 BITALG).
-constexpr int64_t Q5_0_X16 = 1006;
-constexpr int64_t kTiled = 1000;  // Q8_0_X16 - Q8_0, Q5_0_X16 - Q5_0
+constexpr int64_t Q5_0_X16 = kTiled + Q5_0;
 enum Isa : int64_t { SCALAR = 0, AVX2 = 1, AVX_VNNI = 2, AVX512_VNNI = 3 };
 
 struct Layout {
@@ -68,7 +68,7 @@ struct Layout {
 Layout layout(int64_t qtype) {
   switch (qtype) {
     case Q4_0: return {32, 18};
-    case Q5_0: return {32, 22};
+    case Q5_0:
     case Q5_0_X16: return {32, 22};
     case Q8_0:
     case Q8_0_X16: return {32, 34};
@@ -149,8 +149,8 @@ inline void q8_unpack_tile(const uint8_t* tile, int64_t nb, uint8_t* rows, int64
   }
 }
 
-// 16 rows of Q5_0 blocks (row_bytes apart) -> a Q5_0_X16 tile of nb blocks, and back (at
-// load, and for the paths other than the int-dot kernel's; byte by byte).
+// 16 rows of Q5_0 blocks (row_bytes apart) -> a Q5_0_X16 tile of nb blocks (at load, byte
+// by byte), and back (for the paths other than the int-dot kernel's).
 inline int q5_nibble(const uint8_t* qs, int k) { return k < 16 ? qs[k] & 15 : qs[k - 16] >> 4; }
 
 inline void q5_pack_tile(const uint8_t* rows, int64_t row_bytes, int64_t nb, uint8_t* tile) {
@@ -509,7 +509,7 @@ constexpr int64_t kRowChunk = 32;  // rows of x a pass over a weight row (their 
 constexpr int64_t kRegRows = 4;    // rows of x whose accumulators stay in registers
 constexpr int kWeightRows = 4;     // weight rows a pass over x (AVX-512 VNNI)
 constexpr int kTileRows = 8;       // rows of x a pass over a packed tile (tile_rows)
-// q8_tile_rows's prefetch distance: a tile's compute (a fifth of its time at one row of x
+// tile_rows's prefetch distance: a tile's compute (a fifth of its time at one row of x
 // on a Zen 4) and its reads overlapped only from about 24 KB (8 and 16 KB: 10-20% slower).
 constexpr int64_t kTileAhead = 24576;
 
@@ -1016,9 +1016,9 @@ void dot_rows_q8(const uint8_t* w, int64_t row_bytes, int64_t K, const QuantRows
     for (int r = 0; r < R; ++r) sums[n * R + r] = _mm512_reduce_add_ps(acc[n][r]);
 }
 
-// Q8_0_X16 on AVX-512 VNNI: a tile of 16 weight rows, rows in the lanes, against R rows
-// of x from m0: one dpbusd takes 4 codes of the 16 weight rows against 4 of a row of x
-// (broadcast), and a block's scaling is one convert, one multiply and one fused
+// Q8_0_X16 / Q5_0_X16 on AVX-512 VNNI: a tile of 16 weight rows, rows in the lanes,
+// against R rows of x from m0: one dpbusd takes 4 codes of the 16 weight rows against 4 of
+// a row of x (broadcast), and a block's scaling is one convert, one multiply and one fused
 // multiply-add for its 16 rows: 12 instructions a block a row of x for 16 x 32 weights,
 // where dot_rows_q8 spends 32 on the stored layout (a convert, a multiply and a fused
 // multiply-add each dpbusd) and a horizontal sum a row. So the 262k-row LM head of the real
@@ -1411,8 +1411,10 @@ void run_linear(O* out, int64_t os, const T* x, int64_t xs, int64_t M, const uin
             const bool ahead = m0 == 0 && (t + 1) * tile_bytes + kTileAhead <= N / 16 * tile_bytes;
             if (qtype == Q8_0)
               tile_rows<Q8_0, R>(tile, nb, xq, m0, sums, ahead);
+#if defined(__AVX512BITALG__)  // packable: Q5_0 only with it
             else
               tile_rows<Q5_0, R>(tile, nb, xq, m0, sums, ahead);
+#endif
             for (int64_t i = 0, n = t * 16; i < 16; ++i, ++n) {
               const float b = bias ? static_cast<float>(bias[n]) : 0.f;
               for (int q = 0; q < R; ++q) out[(m0 + q) * os + n] = O(sums[q][i] + b);
