@@ -82,10 +82,14 @@ def choose_attention_paths(
     the C++ prefill kernel or to torch's SDPA, whichever was faster on this CPU in `dtype`
     at this head shape (kernels/calibration.py). A backend asked for by name is kept.
     Either way a CPU backend's decodes take the decode kernel's AMX path where that was
-    faster here (`decode_amx_wins`)."""
+    faster here (`decode_amx_wins`), and its vector path the prefetch that was
+    (`decode_spread_wins`)."""
     if not isinstance(backend, cpu_attention.CpuPagedAttention):
         return
     backend.decode_amx = cpu_attention.decode_amx_wins(dtype, num_heads, num_kv_heads, head_dim)
+    backend.decode_spread = cpu_attention.decode_spread_wins(
+        dtype, num_heads, num_kv_heads, head_dim
+    )
     if preferred not in (None, "auto"):
         return
     if backend.prefill_kernel:

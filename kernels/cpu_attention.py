@@ -29,7 +29,9 @@ kernel ran at 4.5-6.1x torch's SDPA on a Zen 5 (AVX-512 BF16 dot products) and a
 Decodes in bfloat16 on a CPU with AMX may take the decode kernel's AMX path (both
 products on tiles, `decode_amx_wins`, also calibrated): at Gemma 3 270M's shape it does the
 arithmetic in ~85 cycles a key against ~120, though from memory both wait on the same
-bytes (kernels/csrc/paged_amx.h).
+bytes (kernels/csrc/paged_amx.h). The vector path prefetches the next block a line at a
+time or whole, whichever reads a served step's scattered blocks faster here
+(`decode_spread_wins`, calibrated: a Zen 4 reads 1.6x faster spread).
 
 Sliding windows and bidirectional spans (Gemma 3): both kernels take the window (keys
 before it are never read, whole blocks before it never touched); the prefill kernel also
@@ -183,6 +185,61 @@ def _measure_decode(heads: int, kv_heads: int, head_dim: int) -> calibration.Mea
     return [{"sequences": seqs, "context": ctx, **calibration.time_paths(paths)}]
 
 
+# The case decode_spread_wins times: sequences of this many keys on scattered blocks, in
+# caches (layers) of this many bytes in all: from memory, past any L3, as a served step.
+SPREAD_CASE = (16, 512, 256 << 20)
+
+
+def decode_spread_wins(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether the decode kernel's vector path reads K/V faster prefetching the next block
+    a line at a time, as it passes the same line of the block in hand (`spread`), than the
+    whole block at once, on this CPU in `dtype` at this head shape (calibrated once per
+    CPU; True where it cannot matter: no kernel, a float16 cache, prefetched whole)."""
+    if available() is not None or dtype not in (torch.float32, torch.bfloat16):
+        return True
+    group = max(1, num_heads // num_kv_heads)
+    kv_heads = min(num_kv_heads, MAX_MEASURED_KV_HEADS)
+    name = f"decode_prefetch/{str(dtype).removeprefix('torch.')}/"
+    name += f"{kv_heads * group}x{kv_heads}x{head_dim}"
+    return calibration.calibrated(
+        name,
+        lambda: _measure_spread(dtype, kv_heads * group, kv_heads, head_dim),
+        lambda m: calibration.decide_faster(m, "spread", "whole"),
+    )
+
+
+def _measure_spread(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> calibration.Measured:
+    """Seconds of SPREAD_CASE's decode attention over all its caches, each way."""
+    gen = torch.Generator().manual_seed(0)
+    seqs, ctx, total = SPREAD_CASE
+    block, blocks = 16, seqs * -(-ctx // 16)
+    first = torch.randn(2, kv_heads, blocks * block, head_dim, generator=gen).to(dtype)
+    caches = [first] + [first.clone() for _ in range(-(-total // first.nbytes) - 1)]
+    tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(seqs, -1)
+    q = torch.randn(seqs, heads, head_dim, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    starts = torch.arange(seqs, dtype=torch.int32)
+    lens = torch.ones(seqs, dtype=torch.int32)
+    ctxs = torch.full((seqs,), ctx, dtype=torch.int32)
+
+    def path(spread: bool):
+        def sweep() -> None:
+            for cache in caches:
+                torch.ops.vlmserve.paged_attention(
+                    out, q, cache, tables, starts, lens, ctxs, block, head_dim**-0.5, 0, False,
+                    spread,
+                )  # fmt: skip
+
+        return sweep
+
+    paths = {"spread": path(True), "whole": path(False)}
+    return [{"sequences": seqs, "context": ctx, **calibration.time_paths(paths)}]
+
+
 def tile_kernel_wins(dtype: torch.dtype, num_heads: int, head_dim: int, num_patches: int) -> bool:
     """Whether a vision tower's attention within tiles of `num_patches` runs faster on the
     prefill kernel (`tile_attention`) than through torch's SDPA on this CPU, in `dtype` at
@@ -297,6 +354,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.prefill_kernel = prefill_kernel
         self.name = "cpu" if prefill_kernel else "cpu-sdpa"
         self.decode_amx = False  # decodes on the kernel's AMX path (`decode_amx_wins`)
+        self.decode_spread = True  # its vector path's prefetch (`decode_spread_wins`)
 
     def use_sdpa_for_prefills(self) -> None:
         """Prefills through torch's SDPA from the next step's metadata on ("cpu-sdpa")."""
@@ -366,6 +424,7 @@ class CpuPagedAttention(TorchPagedAttention):
             torch.ops.vlmserve.paged_attention(
                 out, q, kv_cache, p.block_tables, p.query_starts, p.query_lens,
                 p.context_lens, p.block_size, scale, metadata.window, self.decode_amx,
+                self.decode_spread,
             )  # fmt: skip
         if metadata.prefill is not None:
             p = metadata.prefill

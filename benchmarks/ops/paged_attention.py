@@ -9,14 +9,17 @@ equal before timing; medians over --repeat calls.
 
     .venv/bin/python -m benchmarks.ops.paged_attention
 
---amx: the decode kernel's AMX path against its vector path (bfloat16, `amx=True/False`
-of the same op) at Gemma 3 270M's shape (4 query / 1 KV head of dim 256), 64 sequences,
-one cache per layer for --layers layers (the step's K/V come from memory, as in a served
-step) and, as a second case, every table on the same blocks (cache-resident: the
-arithmetic alone); rounds interleaved, medians, the load printed. Writes
-paged_attention_amx.json.
+--gemma: the decode kernel's bfloat16 paths at Gemma 3 270M's shape (4 query / 1 KV head
+of dim 256): the vector path with either prefetch of the next block (by lines as it goes,
+or whole at once: `decode_spread_wins` calibrates which) and, on a CPU with AMX, the AMX
+path; 64 sequences of --min/--max-context keys on scattered 16-token blocks, one cache per
+layer for --layers layers (the step's K/V come from memory, as in a served step) and, as
+a second case, every table on the same blocks (cache-resident: the arithmetic alone);
+beside them a sequential read of the same bytes (a float32 sum: the memory roofline).
+Rounds interleaved, medians, the CPU and the load recorded. Writes
+paged_attention_gemma.json (--name).
 
-    .venv/bin/python -m benchmarks.ops.paged_attention --amx --rounds 5
+    .venv/bin/python -m benchmarks.ops.paged_attention --gemma --rounds 5
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.lib.common import median_time, table, write_result
+from benchmarks.lib.common import machine, median_time, table, write_result
 from kernels.attention import AttentionBatch, TorchAttentionMetadata, TorchPagedAttention
 
 
@@ -69,12 +72,13 @@ def gather_sdpa(q, k, v, cache: torch.Tensor, meta: TorchAttentionMetadata, scal
     return out
 
 
-def amx_vs_vector(args: argparse.Namespace) -> None:
-    """The decode kernel's two bfloat16 paths, ms a layer (see the module's docstring)."""
+def gemma_decode(args: argparse.Namespace) -> None:
+    """The decode kernel's bfloat16 paths at Gemma 3 270M's shape, ms a layer (see the
+    module's docstring), against a sequential read of the same bytes."""
     from kernels import cpu_attention
 
-    if cpu_attention.available() is not None or not cpu_attention.amx_available():
-        raise SystemExit("needs the CPU attention kernels and AMX (amx_bf16)")
+    if cpu_attention.available() is not None:
+        raise SystemExit(f"needs the CPU attention kernels: {cpu_attention.available()}")
     gen = torch.Generator().manual_seed(args.seed)
     seqs, heads, dim, block = args.seqs, 4, 256, args.block_size
     ctx = torch.randint(args.min_context, args.max_context + 1, (seqs,), generator=gen)
@@ -95,41 +99,69 @@ def amx_vs_vector(args: argparse.Namespace) -> None:
     starts = torch.arange(seqs, dtype=torch.int32)
     lens = torch.ones(seqs, dtype=torch.int32)
     ctx32 = ctx.to(torch.int32)
+    keys = int(ctx.sum())
+    kv_bytes = keys * dim * 4  # K and V, bfloat16
 
-    def step(tables: torch.Tensor, amx: bool, layers: list[torch.Tensor]) -> float:
+    # (amx, spread): the vector path with either prefetch, the AMX path where it runs
+    paths = {
+        "vector, next block by lines": (False, True),
+        "vector, next block whole": (False, False),
+    }
+    if cpu_attention.amx_available():
+        paths["amx tiles"] = (True, True)
+
+    def step(tables: torch.Tensor, path: tuple[bool, bool], layers: list[torch.Tensor]) -> float:
         begin = time.perf_counter()
         for cache in layers:
             torch.ops.vlmserve.paged_attention(
-                out, q, cache, tables, starts, lens, ctx32, block, dim**-0.5, 0, amx
+                out, q, cache, tables, starts, lens, ctx32, block, dim**-0.5, 0, *path
             )
         return (time.perf_counter() - begin) / len(layers)
 
+    def stream(layers: list[torch.Tensor]) -> float:
+        """A sequential read of each layer's K/V bytes (its used slots), the roofline."""
+        begin = time.perf_counter()
+        for cache in layers:
+            cache[:, :, :keys].view(torch.float32).sum()
+        return (time.perf_counter() - begin) / len(layers)
+
     outs = {}
-    for amx in (True, False):
-        step(scattered, amx, caches[:1])
-        outs[amx] = out.clone()
-    torch.testing.assert_close(outs[True], outs[False], rtol=2e-2, atol=2e-2)
+    for name, path in paths.items():
+        step(scattered, path, caches[:1])
+        outs[name] = out.clone()
+    for name in paths:
+        torch.testing.assert_close(outs[name], outs[next(iter(paths))], rtol=2e-2, atol=2e-2)
     cases = {"from memory": (scattered, caches), "cache-resident": (resident, caches[:1] * 8)}
-    samples = {(case, amx): [] for case in cases for amx in (True, False)}
+    read = "sequential read"  # from memory only: the roofline of that case
+    runs = {"from memory": [*paths, read], "cache-resident": list(paths)}
+    samples: dict[tuple[str, str], list[float]] = {
+        (case, name): [] for case in cases for name in runs[case]
+    }
     load = os.getloadavg()
     for r in range(args.rounds):
         for case, (tables, layers) in cases.items():
-            for amx in (True, False) if r % 2 == 0 else (False, True):
-                samples[case, amx].append(step(tables, amx, layers))
+            names = list(paths) if r % 2 == 0 else list(reversed(paths))
+            for name in names:
+                samples[case, name].append(step(tables, paths[name], layers))
+            if read in runs[case]:
+                samples[case, read].append(stream(layers))
     rows = []
     for case in cases:
-        amx_ms = 1e3 * statistics.median(samples[case, True])
-        vector_ms = 1e3 * statistics.median(samples[case, False])
-        keys = int(ctx.sum())
-        rows.append({"case": case, "vector_ms": vector_ms, "amx_ms": amx_ms,
-                     "speedup": vector_ms / amx_ms,
-                     "amx_kv_gb_per_s": keys * dim * 4 / (amx_ms / 1e3) / 1e9})  # fmt: skip
-    print(f"load average before: {load}")
-    print(table(rows, ["case", "vector_ms", "amx_ms", "speedup", "amx_kv_gb_per_s"]))
-    result = {"args": vars(args), "load_average_before": load, "rows": rows,
-              "samples_ms": {f"{c}/{'amx' if a else 'vector'}": [1e3 * x for x in v]
-                             for (c, a), v in samples.items()}}  # fmt: skip
-    print(f"wrote {write_result('paged_attention_amx', result)}")
+        for name in runs[case]:
+            ms = 1e3 * statistics.median(samples[case, name])
+            rows.append({"case": case, "path": name, "ms_a_layer": ms,
+                         "kv_gb_per_s": kv_bytes / (ms / 1e3) / 1e9})  # fmt: skip
+    roofline = next(r["ms_a_layer"] for r in rows if r["path"] == read)
+    for row in rows:
+        if row["case"] == "from memory":
+            row["of_sequential_read"] = roofline / row["ms_a_layer"]
+    print(f"load average before: {load}, after: {os.getloadavg()}")
+    print(table(rows, ["case", "path", "ms_a_layer", "kv_gb_per_s", "of_sequential_read"]))
+    samples_ms = {f"{c}/{n}": [1e3 * x for x in v] for (c, n), v in samples.items()}
+    result = {"args": vars(args), "machine": machine(), "load_average_before": load,
+              "load_average_after": os.getloadavg(), "rows": rows,
+              "samples_ms": samples_ms}  # fmt: skip
+    print(f"wrote {write_result(args.name, result)}")
 
 
 def main() -> None:
@@ -143,12 +175,14 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--amx", action="store_true", help="the AMX path against the vector path")
-    p.add_argument("--layers", type=int, default=18, help="--amx: caches (layers) a step")
-    p.add_argument("--rounds", type=int, default=5, help="--amx: interleaved rounds")
+    p.add_argument("--gemma", action="store_true", help="the kernel's paths at Gemma 3's shape")
+    p.add_argument("--layers", type=int, default=18, help="--gemma: caches (layers) a step")
+    p.add_argument("--rounds", type=int, default=5, help="--gemma: interleaved rounds")
+    p.add_argument("--name", default=None, help="--gemma: the result file's name")
     args = p.parse_args()
-    if args.amx:
-        return amx_vs_vector(args)
+    if args.gemma:
+        args.name = args.name or "paged_attention_gemma"
+        return gemma_decode(args)
     q, k, v, cache, batch, slots = decode_step(args)
     backend = TorchPagedAttention()
     meta = backend.build_metadata(batch, slots, torch.device("cpu"))

@@ -40,9 +40,10 @@ namespace vec = vlmserve_vec;
 using vec::kLanes;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kPrefetchAhead = 1;
 // The fewest blocks a share of a split context gets (attend: fewer items than threads).
 constexpr int64_t kMinShareBlocks = 4;
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #if VLMSERVE_VEC_LANES
 // Register tiles (AVX2: 16 vector registers, AVX-512: 32): R rows x J keys of partial dot
@@ -62,13 +63,16 @@ inline vec::vfloat load_kv(const at::BFloat16* p) {
 // p[r * block_size + j] = dot(qs[r], kb[j]) for r < R, j < J (dim a multiple of kLanes).
 template <int R, int J, typename kv_t>
 inline void score_tile(const float* qs, const kv_t* kb, float* p, int64_t dim,
-                       int64_t block_size) {
+                       int64_t block_size, const kv_t* ahead) {
   vec::vfloat acc[R][J];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int j = 0; j < J; ++j) acc[r][j] = vec::zero();
   for (int64_t d = 0; d < dim; d += kLanes) {
+    if (ahead != nullptr && (d * sizeof(kv_t)) % 64 == 0)
+#pragma GCC unroll 8
+      for (int j = 0; j < J; ++j) prefetch(ahead + j * dim + d);
     vec::vfloat kv[J];
 #pragma GCC unroll 8
     for (int j = 0; j < J; ++j) kv[j] = load_kv(kb + j * dim + d);
@@ -87,18 +91,19 @@ inline void score_tile(const float* qs, const kv_t* kb, float* p, int64_t dim,
 
 template <int R, typename kv_t>
 inline void score_rows(const float* qs, const kv_t* kb, float* p, int64_t dim, int64_t count,
-                       int64_t block_size) {
+                       int64_t block_size, const kv_t* ahead) {
+  auto at = [&](int64_t j) { return ahead == nullptr ? nullptr : ahead + j * dim; };
   int64_t j = 0;
   for (; j + kTileKeys <= count; j += kTileKeys)
-    score_tile<R, kTileKeys>(qs, kb + j * dim, p + j, dim, block_size);
-  for (; j < count; ++j) score_tile<R, 1>(qs, kb + j * dim, p + j, dim, block_size);
+    score_tile<R, kTileKeys>(qs, kb + j * dim, p + j, dim, block_size, at(j));
+  for (; j < count; ++j) score_tile<R, 1>(qs, kb + j * dim, p + j, dim, block_size, at(j));
 }
 
 // acc[r, d0 + i] = acc[r, d0 + i] * correction[r] + sum_j p[r, j] v[j, d0 + i] for r < R
 // and the D vectors from d0.
 template <int R, int D, typename kv_t>
 inline void value_tile(const float* p, const kv_t* vb, const float* correction, float* acc,
-                       int64_t dim, int64_t count, int64_t block_size) {
+                       int64_t dim, int64_t count, int64_t block_size, const kv_t* ahead) {
   vec::vfloat a[R][D];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -106,6 +111,9 @@ inline void value_tile(const float* p, const kv_t* vb, const float* correction, 
     for (int i = 0; i < D; ++i)
       a[r][i] = vec::mul(vec::load(acc + r * dim + i * kLanes), vec::set1(correction[r]));
   for (int64_t j = 0; j < count; ++j) {
+    if (ahead != nullptr)
+      for (int64_t b = 0; b < int64_t(D * kLanes * sizeof(kv_t)); b += 64)
+        prefetch(reinterpret_cast<const char*>(ahead + j * dim) + b);
     vec::vfloat vv[D];
 #pragma GCC unroll 8
     for (int i = 0; i < D; ++i) vv[i] = load_kv(vb + j * dim + i * kLanes);
@@ -124,12 +132,13 @@ inline void value_tile(const float* p, const kv_t* vb, const float* correction, 
 
 template <int R, typename kv_t>
 inline void value_rows(const float* p, const kv_t* vb, const float* correction, float* acc,
-                       int64_t dim, int64_t count, int64_t block_size) {
+                       int64_t dim, int64_t count, int64_t block_size, const kv_t* ahead) {
+  auto at = [&](int64_t d) { return ahead == nullptr ? nullptr : ahead + d; };
   int64_t d = 0;
   for (; d + kTileDims * kLanes <= dim; d += kTileDims * kLanes)
-    value_tile<R, kTileDims>(p, vb + d, correction, acc + d, dim, count, block_size);
+    value_tile<R, kTileDims>(p, vb + d, correction, acc + d, dim, count, block_size, at(d));
   for (; d < dim; d += kLanes)
-    value_tile<R, 1>(p, vb + d, correction, acc + d, dim, count, block_size);
+    value_tile<R, 1>(p, vb + d, correction, acc + d, dim, count, block_size, at(d));
 }
 
 // f.template operator()<R>(r) over `rows` in tiles of kTileRows rows and the remainder.
@@ -150,11 +159,12 @@ inline void for_row_tiles(int64_t rows, F&& f) {
 // `count` keys (p is [rows, block_size]; callers mask positions past `last`).
 template <typename kv_t>
 inline void block_scores(const float* qs, const kv_t* kb, float* p, int64_t rows, int64_t dim,
-                         int64_t count, int64_t block_size) {
+                         int64_t count, int64_t block_size, const kv_t* ahead) {
 #if VLMSERVE_VEC_LANES
   if (dim % kLanes == 0) {
     for_row_tiles(rows, [&]<int R>(int64_t r) {
-      score_rows<R>(qs + r * dim, kb, p + r * block_size, dim, count, block_size);
+      score_rows<R>(qs + r * dim, kb, p + r * block_size, dim, count, block_size,
+                    r == 0 ? ahead : nullptr);
     });
     return;
   }
@@ -207,12 +217,13 @@ inline void softmax_block_row(float* p, int64_t count, int64_t visible, float& m
 // acc[r] = acc[r] * correction[r] + sum_j p[r, j] v[j] over the block's first `count` rows.
 template <typename kv_t>
 inline void block_values(const float* p, const kv_t* vb, const float* correction, float* acc,
-                         int64_t rows, int64_t dim, int64_t count, int64_t block_size) {
+                         int64_t rows, int64_t dim, int64_t count, int64_t block_size,
+                         const kv_t* ahead) {
 #if VLMSERVE_VEC_LANES
   if (dim % kLanes == 0) {
     for_row_tiles(rows, [&]<int R>(int64_t r) {
       value_rows<R>(p + r * block_size, vb, correction + r, acc + r * dim, dim, count,
-                    block_size);
+                    block_size, r == 0 ? ahead : nullptr);
     });
     return;
   }
@@ -235,7 +246,7 @@ void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t*
                 int64_t rows, int64_t dim,
                 int64_t ctx, int64_t block_size, const int32_t* table, const cache_t* k_head,
                 const cache_t* v_head, float* kbuf, float* vbuf, float* p, float* m, float* l,
-                float* correction, int64_t block_begin, int64_t block_end) {
+                float* correction, int64_t block_begin, int64_t block_end, bool spread) {
   const int64_t stop = std::min(ctx, block_end * block_size);
   for (int64_t first = block_begin * block_size; first < stop; first += block_size) {
     const int64_t count = std::min(block_size, ctx - first);
@@ -253,22 +264,32 @@ void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t*
       kb = kbuf;
       vb = vbuf;
     }
-    // Blocks sit at random pages, where the hardware prefetcher stops: fetch the block
-    // kPrefetchAhead blocks on (the first ones too, on the first block) while this one is
-    // computed, so several blocks' loads are in flight at once.
-    const int64_t here = first / block_size, num_blocks = std::min(block_end, (ctx + block_size - 1) / block_size);
-    const int64_t bytes = block_size * dim * static_cast<int64_t>(sizeof(cache_t));
-    for (int64_t b = here == 0 ? 1 : here + kPrefetchAhead;
-         b <= std::min(here + kPrefetchAhead, num_blocks - 1); ++b) {
-      const int64_t next = static_cast<int64_t>(table[b]) * block_size;
-      const char* kn = reinterpret_cast<const char*>(k_head + next * dim);
-      const char* vn = reinterpret_cast<const char*>(v_head + next * dim);
-      for (int64_t off = 0; off < bytes; off += 64) {
-        _mm_prefetch(kn + off, _MM_HINT_T1);
-        _mm_prefetch(vn + off, _MM_HINT_T1);
+    // Blocks sit at random pages, where the hardware prefetcher stops: the next block is
+    // fetched (into L2) while this one is computed. `spread`: a line at a time, as the
+    // loops pass the same line of this block (on a Zen 4 a burst of a block's 256 lines
+    // at once stalls the loads of the block in hand: 1.6x slower from memory); else the
+    // whole block at once (a float16 cache always: it is converted a block at a time).
+    // Which is faster is calibrated per CPU (kernels/cpu_attention.py).
+    const int64_t here = first / block_size;
+    const int64_t num_blocks = std::min(block_end, (ctx + block_size - 1) / block_size);
+    const kv_t* k_ahead = nullptr;
+    const kv_t* v_ahead = nullptr;
+    if (here + 1 < num_blocks) {
+      const int64_t next = static_cast<int64_t>(table[here + 1]) * block_size * dim;
+      if constexpr (in_place) {
+        if (spread) {
+          k_ahead = k_head + next;
+          v_ahead = v_head + next;
+        }
+      }
+      if (k_ahead == nullptr) {
+        for (int64_t off = 0; off < block_size * dim; off += 64 / sizeof(cache_t)) {
+          prefetch(k_head + next + off);
+          prefetch(v_head + next + off);
+        }
       }
     }
-    block_scores(qs, kb, p, rows, dim, count, block_size);
+    block_scores(qs, kb, p, rows, dim, count, block_size, k_ahead);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::max<int64_t>(0, std::min(count, last[r] - first + 1));
       const int64_t skip = std::clamp<int64_t>(lo[r] - first, 0, count);  // before the window
@@ -281,7 +302,7 @@ void attend_one(const float* qs, float* acc, const int64_t* last, const int64_t*
       softmax_block_row(pr + skip, count - skip, visible - skip, m[r], l[r], correction[r]);
       std::fill(pr, pr + skip, 0.f);
     }
-    block_values(p, vb, correction, acc, rows, dim, count, block_size);
+    block_values(p, vb, correction, acc, rows, dim, count, block_size, v_ahead);
   }
 }
 
@@ -306,7 +327,7 @@ template <typename scalar_t, typename cache_t>
 void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
             const at::Tensor& block_tables, const at::Tensor& query_starts,
             const at::Tensor& query_lens, const at::Tensor& context_lens, int64_t block_size,
-            double scale, int64_t window, bool amx) {
+            double scale, int64_t window, bool amx, bool spread) {
   const int64_t num_seqs = query_starts.size(0);
   const int64_t num_heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = kv_cache.size(1), num_slots = kv_cache.size(2);
@@ -392,7 +413,7 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
     attend_one<cache_t>(w.qs.data(), acc, w.last.data(), w.lo.data(), rows, dim, clens[seq],
                         block_size, tables + seq * max_blocks, k_base + h * num_slots * dim,
                         v_base + h * num_slots * dim, w.kbuf.data(), w.vbuf.data(), w.p.data(),
-                        m, l, w.correction.data(), begin, end);
+                        m, l, w.correction.data(), begin, end, spread);
   };
   auto write_rows = [&](int64_t item, int64_t rows, const float* acc, const float* l) {
     const int64_t seq = item / kv_heads, h = item % kv_heads, start = starts[seq];
@@ -486,12 +507,14 @@ void attend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cac
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, const at::Tensor& context_lens,
-                     int64_t block_size, double scale, int64_t window, bool amx) {
+                     int64_t block_size, double scale, int64_t window, bool amx,
+                     bool spread) {
   vlmserve_paged::check_inputs(out, q, kv_cache, block_tables, query_starts, query_lens,
                                context_lens);
   vlmserve_paged::dispatch_dtypes(q, kv_cache, [&](auto q_t, auto cache_t) {
     attend<decltype(q_t), decltype(cache_t)>(out, q, kv_cache, block_tables, query_starts,
-                                             query_lens, context_lens, block_size, scale, window, amx);
+                                             query_lens, context_lens, block_size, scale, window, amx,
+                                             spread);
   });
 }
 
@@ -501,7 +524,7 @@ TORCH_LIBRARY(vlmserve, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
       "Tensor query_starts, Tensor query_lens, Tensor context_lens, int block_size, "
-      "float scale, int window=0, bool amx=False) -> ()");
+      "float scale, int window=0, bool amx=False, bool spread=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vlmserve, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -146,3 +146,38 @@ def test_buckets_bound_padding_waste():
     for g in groups:
         assert max(lens[i] for i in g) * len(g) <= 1.3 * sum(lens[i] for i in g)
     assert len(groups) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_decode_kernel_gives_the_same_either_prefetch(dtype):
+    """The vector path's two prefetches of the next block (by lines or whole: calibrated
+    per CPU, `decode_spread_wins`) only move bytes into the cache: bit-identical outputs,
+    equal to the reference, on scattered 16-token blocks of head dim 256 whose unused
+    slots hold NaN (decodes over one to many blocks, a 4-row verification, one thread and
+    two: a context split into shares)."""
+    from tests.kernels.test_prefill_attention import paged_problem
+
+    cpu_backend()
+    shapes = [(0, 1), (15, 1), (16, 1), (47, 1), (300, 1), (60, 4)]
+    seqs, cache, q, batch = paged_problem(shapes, 4, 1, 256, 16, dtype, seed=5)
+    starts = [sum(batch.query_lens[:i]) for i in range(len(shapes))]
+    rows = cpu_attention.paged_rows(batch, starts, list(range(len(shapes))))
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads, spread in ((2, True), (2, False), (1, True), (1, False)):
+            torch.set_num_threads(threads)
+            out = torch.full(q.shape, float("nan"), dtype=dtype)
+            torch.ops.vlmserve.paged_attention(
+                out, q, cache, rows.block_tables, rows.query_starts, rows.query_lens,
+                rows.context_lens, 16, 256**-0.5, 0, False, spread,
+            )  # fmt: skip
+            outs.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for (rows_q, k, v), start in zip(seqs, starts, strict=True):
+        ref = reference(rows_q.float(), k.float(), v.float(), 256**-0.5)
+        got = outs[0][start : start + len(rows_q)].float()
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)

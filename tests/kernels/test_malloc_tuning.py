@@ -1,5 +1,6 @@
-"""The one glibc malloc tuning helper: a buffer under the threshold it sets comes from the
-heap, where glibc's default maps it afresh (each in a fresh process, read by mallinfo2)."""
+"""The host memory helpers: a buffer under the threshold keep_freed_memory sets comes from
+the heap, where glibc's default maps it afresh (each in a fresh process, read by
+mallinfo2); a KV cache advised onto huge pages is on them (read from /proc/self/smaps)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from kernels.malloc_tuning import huge_page_zeros
+from vlmserve.worker.kv_groups import allocate_kv_caches, kv_layout
 
 # Prints the bytes glibc holds in mmapped chunks while a 24 MiB buffer is live.
 PROBE = """
@@ -43,3 +48,34 @@ def test_a_buffer_under_the_threshold_comes_from_the_heap() -> None:
         pytest.skip("not glibc >= 2.33 (no mallinfo2)")
     assert default >= 24 << 20  # glibc's default: mapped afresh, unmapped on free
     assert _mmapped_bytes("tuned") < 24 << 20  # from the heap (other chunks may be mapped)
+
+
+def _huge_bytes(tensor: torch.Tensor) -> int:
+    """AnonHugePages of the mappings over `tensor`'s bytes (advice splits a mapping)."""
+    begin, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a header: "lo-hi perms ..."
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            inside = lo < end and hi > begin
+        elif inside and fields[0] == "AnonHugePages:":
+            total += int(fields[1]) << 10
+    return total
+
+
+def test_the_kv_cache_is_on_huge_pages_where_linux_grants_them() -> None:
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    if "[madvise]" not in mode:  # "always": on them unasked; "never": not at all
+        pytest.skip(f"transparent huge pages are {mode.strip()!r}, not on request")
+    shape = (2, 1, 16 << 10, 256)  # 16 MiB of bfloat16 a layer
+    caches = allocate_kv_caches(kv_layout((), 2), shape, torch.bfloat16, torch.device("cpu"))
+    assert all(_huge_bytes(c) >= 8 << 20 for c in caches)  # most of each (alignment)
+    assert all(c.count_nonzero() == 0 for c in caches)
+    plain = torch.zeros(shape, dtype=torch.bfloat16)  # not advised: small pages
+    assert _huge_bytes(plain) == 0
+    small = huge_page_zeros((1024,), torch.float32)  # small tensors: from malloc, zeroed
+    assert small.count_nonzero() == 0 and _huge_bytes(small) == 0

@@ -165,6 +165,7 @@ def calibrate(shapes: dict[str, int], dtype: torch.dtype) -> dict[str, object]:
         lm_head.greedy_rows(dtype, hidden, shapes["vocab_size"], head)
     cpu_attention.prefill_kernel_wins(dtype, heads, kv_heads, head_dim)
     cpu_attention.decode_amx_wins(dtype, heads, kv_heads, head_dim)
+    cpu_attention.decode_spread_wins(dtype, heads, kv_heads, head_dim)
     ridge_batch_for(torch.device("cpu"), dtype)
     report = calibration.report(asked_only=True)
     return {**report, "seconds_now": round(time.perf_counter() - start, 2)}
@@ -272,7 +273,10 @@ def collect(
         + ")",
         "attention_backend": attention,
         **(
-            {"decode_attention": "amx tiles" if backend.decode_amx else "vector"}
+            {
+                "decode_attention": f"{'amx tiles' if backend.decode_amx else 'vector'}, the next "
+                f"block prefetched {'by lines' if backend.decode_spread else 'whole'}"
+            }
             if isinstance(backend, CpuPagedAttention)
             else {}
         ),

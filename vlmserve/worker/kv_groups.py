@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionBackend, AttentionBatch, LayeredMetadata
+from kernels.malloc_tuning import huge_page_zeros
 from scheduler.config import KVCacheGroup, kv_cache_groups
 from scheduler.step_plan import BlockTableDelta
 
@@ -56,10 +57,13 @@ def kv_layout(layer_windows: Sequence[int | None], num_layers: int) -> KVLayout:
 def allocate_kv_caches(
     layout: KVLayout, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
-    """Per layer, the cache tensor it uses (`layers_per_block` distinct ones)."""
-    shared = [
-        torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.layers_per_block)
-    ]
+    """Per layer, the cache tensor it uses (`layers_per_block` distinct ones), zeroed; on a
+    CPU on huge pages where Linux grants them."""
+    if device.type == "cpu":
+        shared = [huge_page_zeros(shape, dtype) for _ in range(layout.layers_per_block)]
+    else:
+        shared = [torch.zeros(shape, dtype=dtype, device=device)
+                  for _ in range(layout.layers_per_block)]  # fmt: skip
     return [shared[j] for j in layout.layer_index]
 
 

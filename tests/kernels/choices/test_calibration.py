@@ -198,8 +198,8 @@ def test_the_backend_takes_the_prefill_path_that_won(monkeypatch):
 
 
 def test_the_backend_decodes_on_the_path_that_won(monkeypatch):
-    """decode_amx_wins decides, asked-for backends included; it is False without AMX or
-    in float32 whatever was measured."""
+    """decode_amx_wins and decode_spread_wins decide, asked-for backends included; the AMX
+    path is False without AMX or in float32 whatever was measured."""
     if cpu_attention.available() or cpu_attention.prefill_available():
         pytest.skip("the CPU attention kernels did not build here")
     cpu = torch.device("cpu")
@@ -207,10 +207,11 @@ def test_the_backend_decodes_on_the_path_that_won(monkeypatch):
     assert not cpu_attention.decode_amx_wins(torch.bfloat16, 4, 1, 72)  # not a multiple of 32
     for wins in (True, False):
         monkeypatch.setattr(cpu_attention, "decode_amx_wins", lambda *a, w=wins: w)
+        monkeypatch.setattr(cpu_attention, "decode_spread_wins", lambda *a, w=wins: not w)
         for preferred in (None, "cpu"):
             backend = select_backend(cpu, preferred, torch.bfloat16)
             choose_attention_paths(backend, preferred, torch.bfloat16, 4, 1, 256)
-            assert backend.decode_amx == wins
+            assert backend.decode_amx == wins and backend.decode_spread == (not wins)
 
 
 @pytest.mark.slow
@@ -223,3 +224,18 @@ def test_the_prefill_calibration_times_both_paths(cache_dir, monkeypatch):
     measured = calibration.report()["choices"]["prefill_attention/float32/4x1x32"]["measured"]
     assert [(r["cached"], r["tokens"]) for r in measured] == list(cases)
     assert wins == calibration.decide_faster(measured, "kernel", "sdpa")
+
+
+@pytest.mark.slow
+def test_the_prefetch_calibration_times_both_ways_from_memory(cache_dir, monkeypatch):
+    """decode_spread_wins times the vector path's two prefetches over caches of the bytes
+    asked for (past the L3 at its default), and its choice is the faster one's."""
+    if cpu_attention.available():
+        pytest.skip("the CPU attention kernels did not build here")
+    assert cpu_attention.decode_spread_wins(torch.float16, 4, 1, 256)  # prefetched whole
+    monkeypatch.setattr(cpu_attention, "SPREAD_CASE", (4, 64, 8 << 20))
+    wins = cpu_attention.decode_spread_wins(torch.bfloat16, 4, 1, 256)
+    measured = calibration.report()["choices"]["decode_prefetch/bfloat16/4x1x256"]["measured"]
+    assert [(r["sequences"], r["context"]) for r in measured] == [(4, 64)]
+    assert measured[0]["spread"] > 0 and measured[0]["whole"] > 0
+    assert wins == calibration.decide_faster(measured, "spread", "whole")
