@@ -87,16 +87,25 @@ def temperature_weights_eager(
 
 def argmax(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """[n] long: `argmax_eager`'s result from the kernel. logits: [num_rows, vocab] float32
-    (CPU, `can_run`); rows: [n] long (None: every row)."""
+    or bfloat16 (CPU, `can_argmax`); rows: [n] long (None: every row)."""
     if rows is None:
         rows = torch.arange(logits.shape[0])
     return torch.ops.vlmserve_sampling.argmax_rows(logits, rows.contiguous())
 
 
+def can_argmax(logits: torch.Tensor) -> bool:
+    """`can_run`, bfloat16 logits too (a GEMM's, greedy: their argmax is their widened
+    values', so a head need not widen them first)."""
+    if logits.dtype != torch.bfloat16:
+        return can_run(logits)
+    cpu_rows = logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(1) == 1
+    return cpu_rows and available() is None
+
+
 def argmax_any(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """[n] long: the listed rows' argmaxes (None: every row), by the kernel where it runs
-    (`can_run`), else by torch."""
-    return argmax(logits, rows) if can_run(logits) else argmax_eager(logits, rows)
+    (`can_argmax`), else by torch."""
+    return argmax(logits, rows) if can_argmax(logits) else argmax_eager(logits, rows)
 
 
 def argmax_eager(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -256,16 +256,20 @@ class BlockManager:
         return cost
 
     def register(self, hashes: list[bytes], block_table: list[int], group: int = 0) -> None:
-        """Make the full blocks `block_table[i]` of `group` findable under `hashes[i]`."""
+        """Make the full blocks `block_table[i]` of `group` findable under `hashes[i]`.
+        Called for every scheduled sequence after every step, so only the blocks that
+        filled since are visited: from the last full block back to the first one already
+        registered or released (blocks fill in order, and a window releases the oldest).
+        A block that filled while another held its content stays unregistered."""
         if not self.enable_prefix_caching:
             return
-        # Called for every scheduled sequence after every step: the plain loop, no calls.
-        null, blocks, cached = self.null_block, self.blocks, self._cached
+        null, blocks, cached = self.null_block, self.blocks, self._cached  # no calls
         tag = bytes((group,)) if group else b""
-        for h, block_id in zip(hashes, block_table, strict=False):  # only full blocks hash
+        for i in range(min(len(hashes), len(block_table)) - 1, -1, -1):  # full blocks hash
+            block_id = block_table[i]
             if block_id == null or blocks[block_id].hash is not None:
-                continue
-            key = h + tag if tag else h
+                break
+            key = hashes[i] + tag if tag else hashes[i]
             if key not in cached:
                 blocks[block_id].hash = key
                 cached[key] = block_id

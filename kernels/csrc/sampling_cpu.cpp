@@ -206,6 +206,17 @@ inline uint32_t lanes_equal(__m256 v, __m256 m) {
 }
 #endif
 
+// out[0, n) = x[0, n) as float32 (exact).
+void widen(const at::BFloat16* x, float* out, int64_t n) {
+  int64_t i = 0;
+#if VLMSERVE_VEC_LANES
+  namespace vec = vlmserve_vec;
+  for (; i + vec::kLanes <= n; i += vec::kLanes)
+    vec::store(out + i, vec::load_bf16(reinterpret_cast<const uint16_t*>(x + i)));
+#endif
+  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+}
+
 // The first maximum of x[0, n) (or its first NaN); n >= 1.
 ChunkMax chunk_argmax(const float* x, int64_t n) {
   float best = x[0];
@@ -257,10 +268,17 @@ ChunkMax chunk_argmax(const float* x, int64_t n) {
   return {best, index, false};
 }
 
-// [n] int64: torch.argmax of each listed row of logits [num_rows, vocab] (float32, dense
-// rows). rows: [n] int64.
+// [n] int64: torch.argmax of each listed row of logits [num_rows, vocab] (float32, or
+// bfloat16 as a GEMM writes them: each chunk widened first, exactly; dense rows). rows: [n]
+// int64.
 at::Tensor argmax_rows(const at::Tensor& logits, const at::Tensor& rows) {
-  check_logits(logits, "logits");
+  const bool bf16 = logits.scalar_type() == at::kBFloat16;
+  if (bf16) {
+    TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1,
+                "logits: a CPU [rows, vocab] tensor with dense rows");
+  } else {
+    check_logits(logits, "logits");
+  }
   TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1,
               "rows: a CPU int64 vector");
   const int64_t vocab = logits.size(1), n = rows.size(0);
@@ -274,16 +292,23 @@ at::Tensor argmax_rows(const at::Tensor& logits, const at::Tensor& rows) {
   constexpr int64_t kChunk = 16384;
   const int64_t num_chunks = (vocab + kChunk - 1) / kChunk;
   std::vector<ChunkMax> found(n * num_chunks);
-  const float* data = logits.data_ptr<float>();
+  const float* data = bf16 ? nullptr : logits.data_ptr<float>();
+  const at::BFloat16* data16 = bf16 ? logits.data_ptr<at::BFloat16>() : nullptr;
   const int64_t stride = logits.stride(0);
   // At least 1M columns a thread (~0.1 ms): less is over before a thread is woken, and on
   // a busy machine waking one can cost a scheduler tick.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::min(vocab, kChunk));
   at::parallel_for(0, n * num_chunks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(bf16 ? kChunk : 0);  // a bfloat16 chunk widened (in L2)
     for (int64_t u = begin; u < end; ++u) {
       const int64_t r = u / num_chunks, start = (u % num_chunks) * kChunk;
       const int64_t len = vocab - start < kChunk ? vocab - start : kChunk;
-      ChunkMax c = chunk_argmax(data + row_ids[r] * stride + start, len);
+      const float* x = data + row_ids[r] * stride + start;
+      if (bf16) {
+        widen(data16 + row_ids[r] * stride + start, wide.data(), len);
+        x = wide.data();
+      }
+      ChunkMax c = chunk_argmax(x, len);
       c.index += start;
       found[u] = c;
     }

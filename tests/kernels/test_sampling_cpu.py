@@ -145,6 +145,15 @@ def test_argmax_is_torchs_argmax(vocab: int) -> None:
     wide = torch.randn(12, vocab + 33, generator=gen)
     wide[:, :vocab] = logits
     assert torch.equal(sampling_cpu.argmax(wide[:, :vocab]), want)  # strided rows
+    # bfloat16, as a GEMM writes a greedy head's logits: the argmax of the widened values
+    # (ties made by the rounding included), strided rows too
+    half = logits.to(torch.bfloat16)
+    assert sampling_cpu.can_argmax(half) and not sampling_cpu.can_run(half)
+    assert torch.equal(sampling_cpu.argmax(half), half.float().argmax(-1))
+    assert torch.equal(sampling_cpu.argmax_any(half, rows), half.float().argmax(-1)[rows])
+    assert torch.equal(
+        sampling_cpu.argmax(wide.to(torch.bfloat16)[:, :vocab]), half.float().argmax(-1)
+    )
 
 
 def test_argmax_on_many_rows_of_a_large_vocabulary() -> None:
