@@ -256,11 +256,10 @@ class BlockManager:
         return cost
 
     def register(self, hashes: list[bytes], block_table: list[int], group: int = 0) -> None:
-        """Make the full blocks `block_table[i]` of `group` findable under `hashes[i]`.
-        Called for every scheduled sequence after every step, so only the blocks that
-        filled since are visited: from the last full block back to the first one already
-        registered or released (blocks fill in order, and a window releases the oldest).
-        A block that filled while another held its content stays unregistered."""
+        """Make the full blocks `block_table[i]` of `group` findable under `hashes[i]`. Run
+        after every step: only blocks filled since are visited, from the last full one back
+        to one registered or released (blocks fill in order, a window frees the oldest); a
+        block that filled while another held its content stays unregistered."""
         if not self.enable_prefix_caching:
             return
         null, blocks, cached = self.null_block, self.blocks, self._cached  # no calls

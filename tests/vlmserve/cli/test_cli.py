@@ -108,7 +108,11 @@ def test_info_prints_each_calibrated_choice_and_recalibrates(llama_path, capsys,
     assert all(r["skinny"] > 0 and r["packed"] > 0 and r["plain"] > 0 for r in head["measured"])
     attention = report["choices"]["prefill_attention/float32/4x2x16"]
     assert info["attention_backend"] == ("cpu" if attention["choice"] else "cpu-sdpa")
-    assert info["decode_attention"] == "vector"  # the AMX path is bfloat16's alone
+    prefetch = report["choices"]["decode_prefetch/float32/4x2x16"]  # timed from memory
+    assert prefetch["choice"] == calibration.decide_faster(prefetch["measured"], "spread", "whole")
+    way = "by lines" if prefetch["choice"] else "whole"
+    # the AMX path is bfloat16's alone
+    assert info["decode_attention"] == f"vector, the next block prefetched {way}"
     # adaptive speculation's B* in the model's dtype: s_w·π/(2β), float32's 4 bytes
     (ridge,) = report["choices"]["ridge/float32"]["measured"]
     b_star = 4 * ridge["gemm_flops"] / (2 * ridge["copy_bytes_per_s"])
