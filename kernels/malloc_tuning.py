@@ -1,6 +1,7 @@
 """Host memory tuning, in one place: glibc malloc for processes whose large buffers come
 and go (the engine's CPU activations, a preprocessing worker's decoded images), and huge
-pages for the large buffer that stays (the KV cache, `huge_page_zeros`).
+pages for the large buffer that stays (the KV cache, `huge_page_area`). Torch-free: the
+preprocessing workers import it and never load torch.
 
 By default glibc serves each allocation over its mmap threshold (dynamic, 128 KiB up to
 32 MiB) with fresh zeroed pages from the kernel and unmaps them on free, so a buffer
@@ -13,10 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import mmap
-
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +44,21 @@ def keep_freed_memory(mmap_threshold: int, trim_threshold: int) -> int | None:
     return threshold if mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1 else None
 
 
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor on a mapping of its own that Linux is asked to back with
-    transparent huge pages (2 MiB; granted where /sys/kernel/mm/transparent_hugepage/
-    enabled says "madvise", a common default, or "always"). The paged KV cache is read a
-    16-token block at a time at scattered places: on 4 KiB pages nearly every block costs
-    TLB misses. Its own mapping, not malloc's: memory malloc hands out again was written
-    on small pages already, where the advice would come too late. Where the advice is
-    refused (no THP, another OS) the tensor is the same, on small pages."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+def huge_page_area(nbytes: int) -> mmap.mmap | None:
+    """`nbytes` of fresh zeroed memory on a mapping of its own that Linux is asked to back
+    with transparent huge pages (2 MiB; granted where /sys/kernel/mm/transparent_hugepage/
+    enabled says "madvise", a common default, or "always"); None under 4 MiB or where mmap
+    cannot advise. The paged KV cache is read a 16-token block at a time at scattered
+    places: on 4 KiB pages nearly every block costs TLB misses. Its own mapping, not
+    malloc's: memory malloc hands out again was written on small pages already, where the
+    advice would come too late. Where the advice is refused (no THP, another OS) the
+    memory is the same, on small pages; it is unmapped with the last object holding it."""
     if nbytes < 4 << 20 or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype)
+        return None
     # anonymous and private (the default, shared, would be shmem: THP by another setting)
     area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         area.madvise(mmap.MADV_HUGEPAGE)
     except OSError:
         log.info("no transparent huge pages here: the KV cache is on small pages")
-    return torch.frombuffer(area, dtype=dtype).view(shape).zero_()  # faulted in now
+    return area

@@ -30,10 +30,10 @@ def available() -> str | None:
     return cpu_build.load("sampling_cpu")
 
 
-def can_run(logits: torch.Tensor) -> bool:
+def can_run(logits: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     return (
         logits.device.type == "cpu"
-        and logits.dtype == torch.float32
+        and logits.dtype in dtypes
         and logits.dim() == 2
         and logits.stride(1) == 1
         and available() is None
@@ -96,10 +96,7 @@ def argmax(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tens
 def can_argmax(logits: torch.Tensor) -> bool:
     """`can_run`, bfloat16 logits too (a GEMM's, greedy: their argmax is their widened
     values', so a head need not widen them first)."""
-    if logits.dtype != torch.bfloat16:
-        return can_run(logits)
-    cpu_rows = logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(1) == 1
-    return cpu_rows and available() is None
+    return can_run(logits, (torch.float32, torch.bfloat16))
 
 
 def argmax_any(logits: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -35,18 +35,14 @@ inline void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::T
   TORCH_CHECK(block_tables.size(0) == query_starts.size(0), "one block-table row per sequence");
 }
 
-// dst[i] = float(src[i]) for i < n: bfloat16 a vector at a time (a shift, exact).
+// dst[i] = float(src[i]) for i < n: bfloat16 a vector at a time (vec.h's widen_bf16).
 template <typename cache_t>
 inline void to_float(const cache_t* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#if VLMSERVE_VEC_LANES
   if constexpr (std::is_same_v<cache_t, at::BFloat16>) {
-    const auto* bits = reinterpret_cast<const uint16_t*>(src);
-    for (; i + vlmserve_vec::kLanes <= n; i += vlmserve_vec::kLanes)
-      vlmserve_vec::store(dst + i, vlmserve_vec::load_bf16(bits + i));
+    vlmserve_vec::widen_bf16(reinterpret_cast<const uint16_t*>(src), dst, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
   }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 // f(q_t{}, cache_t{}) with q_t the dtype of q (float32, bfloat16, float16) and cache_t the

@@ -106,10 +106,12 @@ at::Tensor apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask,
   return allowed_any;
 }
 
-void check_logits(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 &&
-                  t.stride(1) == 1,
-              name, ": a CPU float32 [rows, vocab] tensor with dense rows");
+// `bf16`: bfloat16 allowed too (argmax_rows alone).
+void check_logits(const at::Tensor& t, const char* name, bool bf16 = false) {
+  const bool dtype = t.scalar_type() == at::kFloat || (bf16 && t.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(t.device().is_cpu() && dtype && t.dim() == 2 && t.stride(1) == 1,
+              name, ": a CPU ", bf16 ? "float32 or bfloat16" : "float32",
+              " [rows, vocab] tensor with dense rows");
 }
 
 // (out [rows, vocab], has_neg_inf [rows] bool): out = (logits - top) / temperature per row,
@@ -206,17 +208,6 @@ inline uint32_t lanes_equal(__m256 v, __m256 m) {
 }
 #endif
 
-// out[0, n) = x[0, n) as float32 (exact).
-void widen(const at::BFloat16* x, float* out, int64_t n) {
-  int64_t i = 0;
-#if VLMSERVE_VEC_LANES
-  namespace vec = vlmserve_vec;
-  for (; i + vec::kLanes <= n; i += vec::kLanes)
-    vec::store(out + i, vec::load_bf16(reinterpret_cast<const uint16_t*>(x + i)));
-#endif
-  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
-}
-
 // The first maximum of x[0, n) (or its first NaN); n >= 1.
 ChunkMax chunk_argmax(const float* x, int64_t n) {
   float best = x[0];
@@ -273,12 +264,7 @@ ChunkMax chunk_argmax(const float* x, int64_t n) {
 // int64.
 at::Tensor argmax_rows(const at::Tensor& logits, const at::Tensor& rows) {
   const bool bf16 = logits.scalar_type() == at::kBFloat16;
-  if (bf16) {
-    TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1,
-                "logits: a CPU [rows, vocab] tensor with dense rows");
-  } else {
-    check_logits(logits, "logits");
-  }
+  check_logits(logits, "logits", bf16);
   TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kLong && rows.dim() == 1,
               "rows: a CPU int64 vector");
   const int64_t vocab = logits.size(1), n = rows.size(0);
@@ -305,7 +291,8 @@ at::Tensor argmax_rows(const at::Tensor& logits, const at::Tensor& rows) {
       const int64_t len = vocab - start < kChunk ? vocab - start : kChunk;
       const float* x = data + row_ids[r] * stride + start;
       if (bf16) {
-        widen(data16 + row_ids[r] * stride + start, wide.data(), len);
+        vlmserve_vec::widen_bf16(reinterpret_cast<const uint16_t*>(data16) +
+                                     row_ids[r] * stride + start, wide.data(), len);
         x = wide.data();
       }
       ChunkMax c = chunk_argmax(x, len);

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <new>
 #include <type_traits>
 #include <vector>
@@ -249,6 +250,19 @@ inline vfloat exp2_neg_ps(vfloat x) {
 }
 
 #endif
+
+// dst[i] = the float32 value of the bfloat16 bits src[i] for i < n (a shift: exact), a
+// vector at a time.
+inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if VLMSERVE_VEC_LANES
+  for (; i + kLanes <= n; i += kLanes) store(dst + i, load_bf16(src + i));
+#endif
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(bits));
+  }
+}
 
 // Calls f(std::integral_constant<int, n>{}) for a runtime 1 <= n <= Max: the micro-kernels'
 // tails, one instantiation per size.

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kernels.malloc_tuning import huge_page_zeros
+from kernels.malloc_tuning import huge_page_area
 from vlmserve.worker.kv_groups import allocate_kv_caches, kv_layout
 
 # Prints the bytes glibc holds in mmapped chunks while a 24 MiB buffer is live.
@@ -75,5 +75,12 @@ def test_the_kv_cache_is_on_huge_pages_where_linux_grants_them() -> None:
     caches = allocate_kv_caches(kv_layout((), 2), shape, torch.bfloat16, torch.device("cpu"))
     assert all(_huge_bytes(c) >= 8 << 20 for c in caches)  # most of each (alignment)
     assert all(c.count_nonzero() == 0 for c in caches)
-    small = huge_page_zeros((1024,), torch.float32)  # small tensors: from malloc, zeroed
-    assert small.shape == (1024,) and small.count_nonzero() == 0
+    assert huge_page_area(1 << 20) is None  # small buffers: malloc's
+
+
+def test_the_preprocessing_worker_still_loads_no_torch() -> None:
+    """The memory helpers stay torch-free: the preprocessing workers import them, and a
+    worker that imported torch would pay its start-up and memory in every process."""
+    probe = "import sys, encoders.preprocess_worker; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -13,13 +13,14 @@ layer alike) is a tensor per layer and a block table per sequence, as before.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kernels.attention import AttentionBackend, AttentionBatch, LayeredMetadata
-from kernels.malloc_tuning import huge_page_zeros
+from kernels.malloc_tuning import huge_page_area
 from scheduler.config import KVCacheGroup, kv_cache_groups
 from scheduler.step_plan import BlockTableDelta
 
@@ -59,12 +60,18 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """Per layer, the cache tensor it uses (`layers_per_block` distinct ones), zeroed; on a
     CPU on huge pages where Linux grants them."""
-    if device.type == "cpu":
-        shared = [huge_page_zeros(shape, dtype) for _ in range(layout.layers_per_block)]
-    else:
-        shared = [torch.zeros(shape, dtype=dtype, device=device)
-                  for _ in range(layout.layers_per_block)]  # fmt: skip
+    shared = [_zeros(shape, dtype, device) for _ in range(layout.layers_per_block)]
     return [shared[j] for j in layout.layer_index]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, on a CPU on a mapping advised onto huge pages (`huge_page_area`) where
+    the tensor is large enough, its pages faulted in now."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    area = huge_page_area(nbytes) if device.type == "cpu" else None
+    if area is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(area, dtype=dtype).view(shape).zero_()
 
 
 def apply_delta(table: list[int], delta: BlockTableDelta) -> None:
