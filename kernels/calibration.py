@@ -121,7 +121,7 @@ def decide_head(seconds: Measured) -> HeadChoice:
     copy), the plain one above them; and the AMX kernel over the sizes where it beats the
     faster of those two by MARGIN (its own copy of the weight too): up to the most rows it
     takes against them (`decide_max_rows`), from the fewest below that."""
-    gemms = ("packed", "plain", "amx") if "amx" in seconds[0] else ("packed", "plain")
+    gemms = tuple(g for g in ("packed", "plain", "amx") if g in seconds[0])
     gemm = [{"rows": r["rows"], "skinny": r["skinny"], "gemm": min(r[g] for g in gemms)}
             for r in seconds]  # fmt: skip
     skinny = decide_max_rows(gemm, "skinny", "gemm")
@@ -135,6 +135,8 @@ def decide_head(seconds: Measured) -> HeadChoice:
         gemm_max = decide_max_rows([r for r in versus if r["rows"] <= amx_max], "gemm", "amx")
         if amx_max > 0 and gemm_max < amx_max:
             amx = (max(gemm_max, skinny) + 1, None if amx_max >= largest else amx_max)
+    if "packed" not in gemms:  # oneDNN takes no such weight here (packable)
+        return HeadChoice(skinny, "plain", None, *amx)
     handicapped = [{**r, "packed": MARGIN * r["packed"]} for r in above]
     packed_max = decide_max_rows(handicapped, "packed", "plain")
     if packed_max == 0:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import ISA_TARGETS, isa_target
+
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 # -ffp-contract=off: no fused multiply-adds the source does not write, so elementwise
@@ -41,18 +43,37 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)
 
 
+def cflags() -> tuple[str, ...]:
+    """CFLAGS, for the instruction-set target where VLMSERVE_ISA names one (kernels/)."""
+    target = isa_target()
+    if target is None:
+        return CFLAGS
+    return tuple(f"-march={ISA_TARGETS[target]['march']}" if f == "-march=native" else f
+                 for f in CFLAGS)  # fmt: skip
+
+
 @functools.cache
 def cpu_features() -> str:
     """What -march=native compiles for: the CPU's model and instruction-set flags (a build
     for one CPU may not run on another sharing the cache, e.g. AVX-512 code on an AVX2-only
-    machine)."""
+    machine). Under VLMSERVE_ISA, the flags that target has."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
     wanted = ("vendor_id", "cpu family", "model", "model name", "flags", "Features", "CPU part")
     first = text.split("\n\n", 1)[0]  # one processor's entry
-    return "\n".join(line for line in first.splitlines() if line.split(":")[0].strip() in wanted)
+    lines = [line for line in first.splitlines() if line.split(":")[0].strip() in wanted]
+    target = isa_target()
+    if target is None:
+        return "\n".join(lines)
+    lacks = ISA_TARGETS[target]["lacks"]  # the flags as the target CPU would list them
+    for i, line in enumerate(lines):
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            kept = [flag for flag in value.split() if not flag.startswith(lacks)]
+            lines[i] = f"{key}: {' '.join(kept)}"
+    return "\n".join(lines)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -94,7 +115,7 @@ def build_inputs() -> list[str]:
         f"cxx={cxx}",
         f"cxx_path={shutil.which(cxx) or ''}",
         f"cxx_version={compiler_version(cxx)}",
-        f"cflags={' '.join(CFLAGS)}",
+        f"cflags={' '.join(cflags())}",
         f"ldflags={' '.join(LDFLAGS)}",
         f"torch={torch.__version__} {torch.version.git_version}",
         *(f"include={path}" for path in cpp_extension.include_paths("cpu")),
@@ -148,7 +169,7 @@ def load(name: str) -> str | None:
         cpp_load(
             name=f"vlmserve_{name}",
             sources=[str(directory / source.name)],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=list(cflags()),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(directory),
             is_python_module=False,

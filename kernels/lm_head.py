@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import calibration, packed_linear, sampling_cpu
@@ -28,6 +27,8 @@ from kernels.packed_linear import (
     dtype_name,
     measure_ladder,
     measured_rows,
+    packable,
+    plain_gemm,
     skinny_available,
 )  # fmt: skip
 
@@ -51,13 +52,13 @@ def head_choice(dtype: torch.dtype, hidden: int, vocab: int) -> calibration.Head
     if skinny_available() is not None:
         return calibration.HeadChoice(0, "packed")
     out_m = measured_rows(vocab, hidden, dtype, HEAD_MAX_BYTES)
-    paths = ("skinny", "packed", "plain")
+    paths = ("skinny", "packed", "plain") if packable(dtype) else ("skinny", "plain")
     if amx_head_available(dtype, hidden, vocab):
         paths, out_m = (*paths, "amx"), max(16, out_m // 16 * 16)  # whole AMX tiles
     name = f"lm_head/{dtype_name(dtype)}/{hidden}x{out_m}"
     return calibration.calibrated(
         name,
-        lambda: measure_ladder(dtype, hidden, out_m, HEAD_LADDER, paths, HEAD_BUDGET_S),
+        lambda: measure_ladder(dtype, hidden, out_m, HEAD_LADDER, paths, HEAD_BUDGET_S, True),
         calibration.decide_head,
     )
 
@@ -116,7 +117,7 @@ def linear_float(layer: nn.Module | None, x: torch.Tensor, weight: torch.Tensor)
         choice = head_choice(x.dtype, plain.shape[1], plain.shape[0])
         packed = layer if isinstance(layer, PackedLinear) else None
         return _logits(x, plain, packed, getattr(layer, "bias", None), choice)
-    out = F.linear(x, weight) if layer is None else layer(x)
+    out = plain_gemm(x, weight) if layer is None else layer(x)
     return out.float()
 
 
@@ -149,7 +150,7 @@ def _logits(
     if choice.gemm == "packed" and packed is not None and below_plain:
         out = packed.forward_packed(x)
     else:
-        out = F.linear(x, plain, bias)
+        out = plain_gemm(x, plain, bias)
     return out.float() if widen else out
 
 

@@ -28,6 +28,7 @@ packed copy of the weight (`amx_linear`, and `amx_argmax` for greedy tokens).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Literal
 
@@ -82,16 +83,39 @@ def measured_rows(out_features: int, in_features: int, dtype: torch.dtype, cap: 
 
 def skinny_max_rows(dtype: torch.dtype, in_features: int, out_features: int) -> int:
     """The most rows the skinny kernel takes for an [out, in] weight in `dtype` (oneDNN's
-    packed GEMM above), calibrated on this CPU at that shape (0 where it cannot run)."""
+    packed GEMM above, or `plain_gemm` where oneDNN takes no `dtype`), calibrated on this
+    CPU at that shape (0 where it cannot run)."""
     if skinny_available() is not None:
         return 0
     out_m = measured_rows(out_features, in_features, dtype, LINEAR_MAX_BYTES)
     name = f"linear_skinny_max_rows/{dtype_name(dtype)}/{in_features}x{out_m}"
+    gemm = "onednn" if packable(dtype) else "plain"  # the GEMM this dtype gets above it
     return calibration.calibrated(
         name,
-        lambda: measure_ladder(dtype, in_features, out_m, LINEAR_LADDER, ("skinny", "onednn")),
-        lambda m: calibration.decide_max_rows(m, "skinny", "onednn"),
+        lambda: measure_ladder(dtype, in_features, out_m, LINEAR_LADDER, ("skinny", gemm)),
+        lambda m: calibration.decide_max_rows(m, "skinny", gemm),
     )
+
+
+@functools.cache
+def packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and multiplies a weight in `dtype` on this CPU: float32 where
+    torch has oneDNN; bfloat16 only where the CPU has AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+    (torch refuses it on an AVX2-only CPU: see `plain_gemm`)."""
+    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def plain_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear on the plain weight; in bfloat16 on a CPU whose oneDNN takes none (an
+    AVX2-only CPU), the float32 GEMM of x and the weight widened for the call, rounded back
+    once: torch's own bfloat16 GEMM there runs 4x slower (F.linear at 256-1,024 rows) to
+    400x (a square a @ b) on an AMD EPYC under VLMSERVE_ISA=avx2."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or packable(torch.bfloat16):
+        return F.linear(x, weight, bias)
+    wide_bias = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)
 
 
 def mkl_min_rows() -> int | None:
@@ -104,18 +128,19 @@ def mkl_min_rows() -> int | None:
 
 def measure_ladder(
     dtype: torch.dtype, in_features: int, out_features: int, ladder: tuple[int, ...],
-    paths: tuple[str, ...], budget_s: float = LADDER_BUDGET_S,
+    paths: tuple[str, ...], budget_s: float = LADDER_BUDGET_S, logits: bool = False,
 ) -> calibration.Measured:  # fmt: skip
     """Seconds per call of `paths` (of "skinny", "onednn" / "packed", "plain") for an
     [out, in] weight in `dtype` at each row count of `ladder`, interleaved; stops after the
     skinny kernel lost by MARGIN at two sizes in a row (larger sizes only widen the gap), or
-    after `budget_s`. The LM head's ladder ("plain" among the paths) goes on past the
-    skinny kernel's losses: its packed-or-plain choice is by rows, up to the largest."""
+    after `budget_s`. The LM head's ladder (`logits`: float32 out) goes on past the skinny
+    kernel's losses: its packed-or-plain choice is by rows, up to the largest."""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    onednn = "onednn" in paths or "packed" in paths
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn else None
     amx = torch.ops.vlmserve_skinny.amx_pack(weight) if "amx" in paths else None
-    out_dtype = torch.float32 if "plain" in paths else None  # the LM head: float32 logits
+    out_dtype = torch.float32 if logits else None
     measured, losses, start = [], 0, time.perf_counter()
     for rows in ladder:
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
@@ -123,14 +148,14 @@ def measure_ladder(
             "skinny": lambda x=x: skinny_linear(x, weight, None, out_dtype),
             "onednn": lambda x=x: _onednn(x, packed),
             "packed": lambda x=x: _onednn(x, packed).float(),
-            "plain": lambda x=x: F.linear(x, weight).float(),
+            "plain": lambda x=x: plain_gemm(x, weight).to(out_dtype or dtype),
             "amx": lambda x=x: amx_linear(x, amx),
         }
         seconds = calibration.time_paths({p: run[p] for p in paths})
         measured.append({"rows": rows, **seconds})
         best_gemm = min(seconds[p] for p in paths if p != "skinny")
         losses = losses + 1 if seconds["skinny"] > calibration.MARGIN * best_gemm else 0
-        if (losses == 2 and "plain" not in paths) or time.perf_counter() - start > budget_s:
+        if (losses == 2 and not logits) or time.perf_counter() - start > budget_s:
             break
     return measured
 
@@ -169,7 +194,9 @@ class PackedLinear(nn.Module):
     blocked layout: at decode-sized batches (tens of rows) the GEMM runs about 20% faster
     than MKL on the plain weight, and the same at prefill sizes. Float32: the same results
     as the plain layer (float32 GEMM either way, checked in tests); bfloat16: float32
-    accumulation, the output rounded once. Inputs may have any leading dims."""
+    accumulation, the output rounded once. Inputs may have any leading dims. Where oneDNN
+    takes no bfloat16 (an AVX2-only CPU: `packable`) a bfloat16 layer keeps its plain weight
+    only (`weight` None) and multiplies by `plain_gemm` above the skinny kernel's rows."""
 
     def __init__(self, linear: nn.Linear, plain: bool = False) -> None:
         """`plain`: keep the plain weight too, for the skinny kernel and MKL (see the module
@@ -177,10 +204,11 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        packs = packable(weight.dtype)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packs else None
         self.bias = None if linear.bias is None else linear.bias.detach()
         keep = plain and skinny_available() is None
-        self.plain = weight.contiguous() if keep else None
+        self.plain = weight.contiguous() if keep or not packs else None
         # Calibrated only where a plain weight is kept (the tower's layers never ask), at
         # construction: the step never measures.
         shape = (self.in_features, self.out_features)
@@ -193,20 +221,26 @@ class PackedLinear(nn.Module):
                 return skinny_linear(x, self.plain, self.bias)
             if self.plain_rows is not None and rows >= self.plain_rows:
                 return F.linear(x, self.plain, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return self.forward_packed(x)
 
     def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T + b on oneDNN's packed weight, whatever the rows."""
+        """x @ W.T + b on oneDNN's packed weight (`plain_gemm` where none), whatever the rows."""
+        if self.weight is None:
+            return plain_gemm(x, self.plain, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def forward_act(self, x: torch.Tensor, act: Activation) -> torch.Tensor:
         """act(x @ W.T + b), the activation applied by the GEMM as it writes its output."""
+        if self.weight is None:
+            return F.gelu(self.forward_packed(x), approximate=_GELU[act][0])
         return torch.ops.mkldnn._linear_pointwise(
             x, self.weight, self.bias, "gelu", [], _GELU[act][1]
         )
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x @ W.T + b + residual (a post-op add: `residual` is read, not modified)."""
+        if self.weight is None:
+            return self.forward_packed(x).add_(residual)
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
 
 
@@ -283,8 +317,8 @@ def skinny_linear(
 
 
 def pack_linears(module: nn.Module, plain: bool = False) -> int:
-    """Replace every float32 or bfloat16 CPU `nn.Linear` under `module` with a `PackedLinear` (where
-    torch has oneDNN); returns how many. `plain`: each keeps its plain weight too (a
+    """Replace every float32 or bfloat16 CPU `nn.Linear` under `module` with a `PackedLinear`
+    (where torch has oneDNN); returns how many. `plain`: each keeps its plain weight too (a
     second copy, see the module doc); otherwise the plain weights are dropped."""
     if not torch.backends.mkldnn.is_available():
         return 0

@@ -25,6 +25,8 @@ on a shared machine); none of this has any effect where torch is already loaded.
 import os
 import sys
 
+import kernels  # noqa: F401 - VLMSERVE_ISA's caps on torch's libraries, before torch loads
+
 ENGINE_COMMANDS = frozenset({"serve", "caption", "generate", "demo"})
 # The preprocessing pool's workers (one image each, beside the engine) still wait
 # passively: encoders/preprocess.py starts them so while VLMSERVE_SPIN_ENGINE_ONLY is set.

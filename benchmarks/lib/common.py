@@ -74,6 +74,7 @@ def environment(device: torch.device) -> dict:
 def machine() -> dict:
     """The CPU a result was measured on: machines of one kind differ between sessions
     (AVX-512 with AMX on one, AVX2 only on another), and the kernels with them."""
+    from kernels import isa_target
     from kernels.cpu_build import cpu_features
 
     pairs = (line.split(":", 1) for line in cpu_features().splitlines() if ":" in line)
@@ -81,12 +82,14 @@ def machine() -> dict:
     flags = set(fields.get("flags", "").split())
     isa = next((name for name in ("avx512f", "avx2") if name in flags), "other")
     flags |= set(fields.get("Features", "").split())  # an Arm CPU's list
+    target = isa_target()
     return {
         "cpu": fields.get("model name", platform.processor()),
         "vector_isa": isa.removesuffix("f"),
         "amx": "amx_tile" in flags,
         "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
         "cores": os.cpu_count(),
+        **({"isa_target": f"{target} (VLMSERVE_ISA on this CPU)"} if target else {}),
     }
 
 

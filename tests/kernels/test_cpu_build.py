@@ -76,4 +76,4 @@ def test_the_key_names_every_path_and_flag_torch_writes_into_the_build_file():
     libs = {flag[2:] for flag in shlex.split(lines["ldflags"]) if flag.startswith("-L")}
     assert libs == {item.removeprefix("lib=") for item in inputs if item.startswith("lib=")}
     assert f"cxx={lines['cxx']}" in inputs
-    assert all(flag in cflags for flag in cpu_build.CFLAGS)
+    assert all(flag in cflags for flag in cpu_build.cflags())

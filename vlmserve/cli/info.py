@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import ISA_TARGETS, isa_target
 from kernels.backends import choose_attention_paths, select_backend
 from kernels.cpu_attention import CpuPagedAttention
 from kernels.cpu_build import cpu_flags, native_bf16
@@ -19,6 +20,14 @@ from kernels.fused_ops import op_backends
 from vlmserve.config import checkpoint_dtype, choose_dtype, default_device
 from vlmserve.worker.models.gguf_weights import ARCHITECTURES as GGUF_ARCHITECTURES
 from vlmserve.worker.models.loader import SUPPORTED_FAMILIES
+
+
+def isa_line() -> str:
+    """The instruction sets this process compiles and runs for (VLMSERVE_ISA)."""
+    target = isa_target()
+    if target is None:
+        return "native (all this CPU has; VLMSERVE_ISA=avx2 runs as on an AVX2-only CPU)"
+    return f"{target} (VLMSERVE_ISA: -march={ISA_TARGETS[target]['march']} on this CPU)"
 
 
 def amx_kernels() -> str:
@@ -266,6 +275,7 @@ def collect(
         **{name: dist_version(name) for name in ("vlmserve", "torch", "transformers", "timm")},
         "pil": pil_variant(),
         "device": device,
+        "isa": isa_line(),
         "native_bf16": native_bf16() or "none (bfloat16 emulated: slower than float32)",
         "amx": amx_kernels() if device == "cpu" else "not on this device",
         "dtype": f"{str(choice.dtype).removeprefix('torch.')} ({choice.reason}"

@@ -26,6 +26,12 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
+def needs_packable(dtype: torch.dtype) -> None:
+    """Skip where oneDNN takes no `dtype` here (bfloat16 on an AVX2-only CPU)."""
+    if not packed_linear.packable(dtype):
+        pytest.skip(f"oneDNN takes no {dtype} on this CPU")
+
+
 @pytest.fixture
 def needs_skinny():
     if (why := packed_linear.skinny_available()) is not None:

@@ -13,7 +13,13 @@ from torch import nn
 
 from kernels import calibration, cpu_attention, packed_linear
 from kernels.backends import choose_attention_paths, select_backend
-from tests.kernels.choices.calibration_cache import BF16, count_paths, needs_onednn, store
+from tests.kernels.choices.calibration_cache import (
+    BF16,
+    count_paths,
+    needs_onednn,
+    needs_packable,
+    store,
+)
 
 
 def ladder(*rows_fast_slow, fast="skinny", slow="onednn"):
@@ -160,6 +166,7 @@ def test_recalibration_is_forced_by_the_env_var_and_by_forget(cache_dir, monkeyp
 @needs_onednn
 @pytest.mark.usefixtures("needs_skinny")
 def test_a_packed_linear_takes_the_skinny_rows_cached_for_its_shape(cache_dir, monkeypatch):
+    needs_packable(BF16)
     store("linear_skinny_max_rows/bfloat16/64x48", ladder((2, 1.0, 2.0), (4, 3.0, 1.0)))
     layer = packed_linear.PackedLinear(nn.Linear(64, 48).to(BF16), plain=True)
     assert layer.skinny_rows == 2 and layer.plain_rows is None

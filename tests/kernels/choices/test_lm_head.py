@@ -11,7 +11,13 @@ from torch import nn
 
 from kernels import calibration, lm_head, packed_linear
 from kernels.calibration import HeadChoice
-from tests.kernels.choices.calibration_cache import BF16, count_paths, needs_onednn, store
+from tests.kernels.choices.calibration_cache import (
+    BF16,
+    count_paths,
+    needs_onednn,
+    needs_packable,
+    store,
+)
 
 
 def ladder(*rows_fast_slow, fast="skinny", slow="onednn"):
@@ -30,6 +36,10 @@ def test_the_lm_head_picks_the_skinny_kernel_then_the_faster_gemm():
     assert amx == HeadChoice(1, "packed")
     # packed ahead, but within the margin: the plain weight (no second copy)
     assert head((1, 1, 2, 2), (256, 9, 1.0, 1.05)) == HeadChoice(1, "plain")
+    # oneDNN takes no such weight here (bfloat16 on an AVX2 CPU): the skinny kernel, then plain
+    keys = ("rows", "skinny", "plain")
+    no_onednn = [dict(zip(keys, r, strict=True)) for r in ((1, 1, 3), (16, 4, 3), (64, 16, 6))]
+    assert calibration.decide_head(no_onednn) == HeadChoice(1, "plain")
     # Zen 4 (AVX-512 BF16, no AMX; one 32 MB slice of the 262k head, ms): the packed GEMM
     # 4.6x the plain one at 16 rows, level at 256: packed up to 64 rows, plain above
     zen4 = ((1, 4.9, 6.5, 8.0), (4, 1.9, 3.7, 8.0), (16, 4.4, 2.4, 11.1),
@@ -87,6 +97,7 @@ HEAD_MEASURED = [
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_lm_head_runs_the_cached_choice(cache_dir, monkeypatch, dtype, tied):
+    needs_packable(dtype)
     torch.manual_seed(3)
     hidden, vocab = 96, 700
     store(f"lm_head/{str(dtype).removeprefix('torch.')}/{hidden}x{vocab}", HEAD_MEASURED)
@@ -107,6 +118,7 @@ def test_the_lm_head_runs_the_cached_choice(cache_dir, monkeypatch, dtype, tied)
 @needs_onednn
 @pytest.mark.usefixtures("needs_skinny")
 def test_the_lm_head_goes_back_to_the_plain_gemm_where_it_won(cache_dir, monkeypatch):
+    needs_packable(BF16)
     torch.manual_seed(5)
     hidden, vocab = 96, 700
     measured = [
@@ -234,6 +246,7 @@ def check_logits(logits, x, weight, rounded: bool) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_every_head_path_equals_f_linear(cache_dir, monkeypatch, dtype):
     """Each of the three paths, on the same weights, against float64 (and F.linear)."""
+    needs_packable(dtype)
     torch.manual_seed(4)
     linear = nn.Linear(128, 300, bias=False).to(dtype)
     x = torch.randn(24, 128).to(dtype)
@@ -254,9 +267,8 @@ def test_the_head_ladder_goes_on_after_the_skinny_kernel_lost(monkeypatch):
         calibration, "time_paths", lambda paths, rounds=0: {p: fixed[p] for p in paths}
     )
     ladder = lm_head.HEAD_LADDER
-    head = packed_linear.measure_ladder(
-        torch.float32, 64, 32, ladder, ("skinny", "packed", "plain")
-    )
-    assert [r["rows"] for r in head] == list(ladder)
+    for paths in (("skinny", "packed", "plain"), ("skinny", "plain")):  # no oneDNN: plain
+        head = packed_linear.measure_ladder(torch.float32, 64, 32, ladder, paths, logits=True)
+        assert [r["rows"] for r in head] == list(ladder)
     linear = packed_linear.measure_ladder(torch.float32, 64, 32, ladder, ("skinny", "onednn"))
     assert [r["rows"] for r in linear] == list(ladder[:2])
