@@ -394,19 +394,20 @@ class QuantLinear(nn.Module):
             self._biases[part, dtype] = self.bias[start:end].to(dtype).contiguous()
         return self._biases[part, dtype]
 
-    def describe(self) -> str:
-        """The block types, bits a weight, and the paths with their calibrated crossover."""
+    def describe(self, dtype: torch.dtype = torch.bfloat16) -> str:
+        """The block types, bits a weight, and the paths with their crossover calibrated for
+        activations in `dtype` (the engine's)."""
         types = "+".join(qtype_name(p.qtype) + " packed" * p.tiled for p in self.parts)
         bits = sum(p.bits_per_weight * p.out_features for p in self.parts) / self.out_features
         if self.triton:
             return f"{types} {bits:.3g} bits/weight, Triton dequant-tile GEMM"
         if kernel_available() is not None:
             return f"{types} {bits:.2g} bits/weight, dequant-tile GEMM (no C++ kernel)"
-        int_dot, amx = (sorted(set(f(torch.bfloat16))) for f in (self.max_rows, self.amx_rows))
+        int_dot, amx = (sorted(set(f(dtype))) for f in (self.max_rows, self.amx_rows))
         then = f", then AMX up to {'/'.join(map(str, amx))}" if amx_available() else ""
         return (
             f"{types} {bits:.3g} bits/weight, int-dot up to {'/'.join(map(str, int_dot))} rows"
-            f"{then} (calibrated, bfloat16), then dequant-tile GEMM"
+            f"{then} (calibrated, {str(dtype).removeprefix('torch.')}), then dequant-tile GEMM"
         )
 
 

@@ -230,7 +230,7 @@ def quantization_summary(model_path: str, quantization: str, dtype: torch.dtype)
         "weights": f"{fmt}: {size / 2**20:.1f} MiB for {weights / 1e6:.1f}M weights "
         f"({8 * size / weights:.2f} bits/weight)",
     }
-    for i, line in enumerate(quantized.describe(decoder)):
+    for i, line in enumerate(quantized.describe(decoder, dtype)):
         summary[f"layer{i}"] = line
     if device.type == "cpu":  # what adaptive γ takes where it is below the dtype's B*
         from vlmserve.sample.verify import quantized_ridge

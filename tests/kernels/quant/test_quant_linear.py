@@ -272,10 +272,14 @@ def test_amx_argmax_is_torch_argmax_of_the_amx_sums():
 
 
 def test_describe_names_types_bits_and_crossover(monkeypatch):
-    monkeypatch.setattr(ql, "int_dot_max_rows", lambda *args: 16)
+    rows = {torch.bfloat16: 16, torch.float32: 32}  # the engine's dtype's crossover is shown
+    monkeypatch.setattr(ql, "int_dot_max_rows", lambda qtype, dtype, *args: rows[dtype])
     layer = QuantLinear([weight(Q.Q5_0, 8, 256), weight(Q.Q8_0, 8, 256)])
     text = layer.describe()
     assert text.startswith("Q5_0+Q8_0 7 bits/weight") and "up to 16 rows" in text
+    assert "(calibrated, bfloat16)" in text
+    text = layer.describe(torch.float32)
+    assert "up to 32 rows" in text and "(calibrated, float32)" in text
 
 
 @pytest.mark.slow

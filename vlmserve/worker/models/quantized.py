@@ -219,13 +219,15 @@ class DenseView(TensorView):
         return tensor.dequantize() if isinstance(tensor, QuantWeight) else tensor
 
 
-def describe(decoder: nn.Module) -> list[str]:
+def describe(decoder: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """One line per kind of quantized module: its block types, bits per weight and kernel
-    paths (`vlmserve info`); empty for a dense decoder."""
+    paths for activations in `dtype` (`vlmserve info`); empty for a dense decoder."""
     lines: dict[str, int] = {}
     fp8 = _fp8_linear()
     for name, module in decoder.named_modules():
-        if isinstance(module, QuantLinear) or isinstance(module, fp8):
+        if isinstance(module, QuantLinear):
+            line = f"{name.split('.')[-1]}: {module.describe(dtype)}"
+        elif isinstance(module, fp8):
             line = f"{name.split('.')[-1]}: {module.describe()}"
         elif isinstance(module, QuantEmbedding):
             weight = module.weight_q
