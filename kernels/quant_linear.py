@@ -395,8 +395,7 @@ class QuantLinear(nn.Module):
         return self._biases[part, dtype]
 
     def describe(self, dtype: torch.dtype = torch.bfloat16) -> str:
-        """The block types, bits a weight, and the paths with their crossover calibrated for
-        activations in `dtype` (the engine's)."""
+        """Block types, bits a weight, paths and crossovers calibrated in `dtype` (the x's)."""
         types = "+".join(qtype_name(p.qtype) + " packed" * p.tiled for p in self.parts)
         bits = sum(p.bits_per_weight * p.out_features for p in self.parts) / self.out_features
         if self.triton:
