@@ -42,8 +42,13 @@ def isa_target() -> str | None:
 
 def cap_libraries() -> None:
     """Put the target's caps for torch's libraries in os.environ (a variable already set
-    wins); each library reads its own when first used, so this runs before any op."""
-    target = isa_target()
+    wins); each library reads its own when first used, so this runs before any op. An
+    unknown target caps nothing here: it is refused where it is read (`vlmserve` says so
+    before any command; kernels/cpu_build.py raises)."""
+    try:
+        target = isa_target()
+    except ValueError:
+        return
     for key, value in (ISA_TARGETS[target]["env"] if target else {}).items():
         os.environ.setdefault(key, value)
 

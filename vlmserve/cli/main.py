@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from kernels import isa_target
 from vlmserve.cli import caption_cli
 from vlmserve.cli import serve as serve_cli
 from vlmserve.cli.engine_args import add_engine_args, engine_config_from_args
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        isa_target()  # VLMSERVE_ISA: an unknown target refused before any work
         return int(args.func(args) or 0)
     except ValueError as e:  # bad input: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)

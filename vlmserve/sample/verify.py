@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import calibration
-from kernels.packed_linear import dtype_name, packable
+from kernels.packed_linear import dtype_name, plain_gemm
 from scheduler.config import DEFAULT_DRAFTS, SpeculativeConfig
 from scheduler.step_plan import ScheduledSeq
 from search.costmodel.cost_model import b_star
@@ -220,10 +220,9 @@ def measure_cpu_ridge(dtype: torch.dtype) -> calibration.Measured:
     in: bfloat16 on AMX tiles through oneDNN where the CPU has them, 6x its float32 on
     the AMX Xeon), β a copy's: a float32 peak would put bfloat16's B* at a sixth of it."""
     n = RIDGE_GEMM
-    if dtype == torch.bfloat16 and not packable(dtype):  # the layers widen it (plain_gemm)
-        dtype = torch.float32
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    seconds = calibration.time_paths({"gemm": lambda: a @ b})["gemm"]
+    # plain_gemm: where oneDNN takes no bfloat16 the layers multiply it widened to float32
+    seconds = calibration.time_paths({"gemm": lambda: plain_gemm(a, b)})["gemm"]
     return [{"gemm_flops": 2 * n**3 / seconds, "copy_bytes_per_s": copy_bandwidth()}]
 
 

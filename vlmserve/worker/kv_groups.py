@@ -67,7 +67,7 @@ def allocate_kv_caches(
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros, on a CPU on a mapping advised onto huge pages (`huge_page_area`) where
     the tensor is large enough, its pages faulted in now."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     area = huge_page_area(nbytes) if device.type == "cpu" else None
     if area is None:
         return torch.zeros(shape, dtype=dtype, device=device)

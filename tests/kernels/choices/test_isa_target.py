@@ -13,8 +13,11 @@ import pytest
 
 import kernels
 from kernels import cpu_build
+from vlmserve.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[3]
+CPUINFO = Path("/proc/cpuinfo")
+HAS_AVX2 = CPUINFO.exists() and "avx2" in CPUINFO.read_text()
 
 
 @pytest.fixture
@@ -29,17 +32,21 @@ def test_the_avx2_target_compiles_for_x86_64_v3_and_reads_its_flags(avx2):
     assert "-march=x86-64-v3" in cpu_build.cflags() and "-march=native" not in cpu_build.cflags()
     flags = cpu_build.cpu_flags()
     assert not any(f.startswith(("avx512", "amx", "avx_vnni")) for f in flags)
-    if "avx2" in Path("/proc/cpuinfo").read_text():
+    if HAS_AVX2:
         assert {"avx2", "fma"} <= flags
     assert cpu_build.native_bf16() is None  # so the auto dtype is float32
 
 
-def test_native_is_the_default_and_an_unknown_target_is_refused(monkeypatch):
+def test_native_is_the_default_and_an_unknown_target_is_refused(monkeypatch, capsys):
     monkeypatch.delenv(kernels.ISA_ENV, raising=False)
     assert kernels.isa_target() is None and cpu_build.cflags() == cpu_build.CFLAGS
     monkeypatch.setenv(kernels.ISA_ENV, "avx-512")
     with pytest.raises(ValueError, match="native, avx2"):
         kernels.isa_target()
+    kernels.cap_libraries()  # at import: caps nothing, raises nothing
+    # the command line refuses it before any work (estimate reads no CPU flags): a message
+    assert main(["estimate", "kv"]) == 2
+    assert "VLMSERVE_ISA='avx-512': use one of native, avx2" in capsys.readouterr().err
 
 
 def test_the_libraries_are_capped_unless_set(avx2, monkeypatch):
@@ -59,7 +66,7 @@ def test_the_libraries_are_capped_unless_set(avx2, monkeypatch):
 # above the skinny kernel's rows, and the speculation ridge times the GEMM the layers run
 # (before: a bfloat16 a @ b of 2,048 took 42 s a call). Float32 layers are packed as anywhere.
 SCRIPT = """
-import time, torch, vlmserve
+import pathlib, tempfile, time, torch, vlmserve
 from torch import nn
 from kernels import calibration, lm_head, packed_linear
 from vlmserve.sample import verify
@@ -75,7 +82,7 @@ for dtype in (torch.bfloat16, torch.float32):
     assert (model[0].weight is None) == (dtype == torch.bfloat16)
     torch.testing.assert_close(model(x), want.to(dtype))  # within a rounding of `dtype`
 embedding = torch.randn(500, 64).to(torch.bfloat16)
-calibration.CACHE_DIR = __import__("pathlib").Path(__import__("tempfile").mkdtemp())
+calibration.CACHE_DIR = pathlib.Path(tempfile.mkdtemp())  # a fresh calibration
 head = lm_head.logits_head(None, embedding)
 assert head.packed is None and head.choice.gemm == "plain", head.choice
 x = torch.randn(300, 64).to(torch.bfloat16)
@@ -89,7 +96,7 @@ print("ok")
 
 
 def test_an_avx2_process_runs_bfloat16_layers_widened():
-    if not Path("/proc/cpuinfo").exists() or "avx2" not in Path("/proc/cpuinfo").read_text():
+    if not HAS_AVX2:
         pytest.skip("not an x86 CPU with AVX2")
     env = {**os.environ, kernels.ISA_ENV: "avx2", "PYTHONPATH": str(ROOT)}
     for key in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
