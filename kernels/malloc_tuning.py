@@ -62,3 +62,29 @@ def huge_page_area(nbytes: int) -> mmap.mmap | None:
     except OSError:
         log.info("no transparent huge pages here: the KV cache is on small pages")
     return area
+
+
+def thp_mode() -> str:
+    """Transparent huge pages' setting ("always [madvise] never": the bracketed one holds;
+    "absent" where the kernel has none)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "absent"
+
+
+def huge_page_bytes(start: int, nbytes: int) -> int:
+    """The bytes on transparent huge pages (AnonHugePages, /proc/self/smaps) of the mappings
+    over [start, start + nbytes) of this process's memory: whole mappings (Linux merges
+    neighbours alike, so a change measures the range better than a single reading)."""
+    end, total, inside = start + nbytes, 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):  # a header: "lo-hi perms"
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                inside = lo < end and hi > start
+            elif inside and fields[0] == "AnonHugePages:":
+                total += int(fields[1]) << 10
+    return total

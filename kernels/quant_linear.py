@@ -33,14 +33,10 @@ from torch import nn
 from kernels import calibration, cpu_build
 from kernels.packed_linear import dtype_name, skinny_linear, skinny_max_rows
 
-__all__ = [
-    "SUPPORTED_QTYPES", "QuantLinear", "QuantWeight", "kernel_available",
-]  # fmt: skip
+__all__ = ["SUPPORTED_QTYPES", "QuantLinear", "QuantWeight", "kernel_available"]
 
 Q = GGMLQuantizationType
-SUPPORTED_QTYPES: frozenset[int] = frozenset(
-    int(t) for t in (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)
-)
+SUPPORTED_QTYPES = frozenset(int(t) for t in (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K))
 KQUANTS = frozenset(int(t) for t in (Q.Q4_K, Q.Q6_K))
 # The instruction sets the int-dot kernel can be told to use (`isa`): the best this build
 # has, or a fallback forced (tests, benchmarks).
@@ -85,7 +81,7 @@ def best_isa() -> int:  # the int-dot instruction set the built kernel uses (an 
 class QuantWeight:
     """One [out_features, in_features] weight stored as GGUF blocks, row by row."""
 
-    blocks: torch.Tensor  # uint8 [out_features, bytes per row], contiguous, owned
+    blocks: torch.Tensor  # uint8 [out_features, bytes per row], contiguous
     qtype: int
     in_features: int
     tiled: bool = False  # Q8_0 / Q5_0 repacked 16 rows at a time (`pack`)
@@ -136,18 +132,18 @@ class QuantWeight:
         return 8 * block_bytes / block
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray, qtype: int, shape: tuple[int, int]) -> QuantWeight:
-        """A copy of a GGUF tensor's stored bytes (`GGUFFile.raw`'s read-only view) of
-        `shape` (out, in); refuses a type the kernels do not run."""
+    def from_gguf(cls, raw: np.ndarray, qtype: int, shape: tuple, out=None) -> QuantWeight:
+        """A copy of a GGUF tensor's stored bytes (`GGUFFile.raw`'s view) of `shape` (out,
+        in), into `out` (as many uint8; None: a new tensor); refuses types not run here."""
         if int(qtype) not in SUPPORTED_QTYPES:
             cls(torch.empty(0, 0, dtype=torch.uint8), int(qtype), 0)  # raises, naming them
-        rows, in_features = shape
-        blocks = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).reshape(rows, -1)
-        return cls(blocks.contiguous(), int(qtype), int(in_features))
+        blocks = torch.empty(raw.size, dtype=torch.uint8) if out is None else out
+        blocks.numpy()[:] = raw.reshape(-1)
+        return cls(blocks.view(shape[0], -1), int(qtype), int(shape[1]))
 
-    def select_rows(self, index: torch.Tensor) -> QuantWeight:
-        """The rows `index` (a subset or a permutation), as a new weight."""
-        return QuantWeight(self.blocks.index_select(0, index.long()), self.qtype, self.in_features)
+    def permute_rows(self, index: torch.Tensor) -> None:
+        """The rows in the order `index` (a permutation) gives, in place."""
+        self.blocks.copy_(self.blocks[index.long()])
 
     def dequantize(
         self, rows: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
@@ -237,9 +233,8 @@ def _crossover(
                 break
         return measured
 
-    return calibration.calibrated(
-        name, measure, lambda m: calibration.decide_max_rows(m, fast, slow)
-    )
+    decide = lambda m: calibration.decide_max_rows(m, fast, slow)  # noqa: E731
+    return calibration.calibrated(name, measure, decide)
 
 
 def _above_int_dot(dtype: torch.dtype) -> Path:
@@ -263,8 +258,7 @@ def random_weight(qtype: int, out_features: int, in_features: int, seed: int = 0
         if qtype == Q.Q6_K:
             raw[..., 208:210] = scale16
         else:  # Q4_K: d and dmin
-            raw[..., 0:2] = scale16
-            raw[..., 2:4] = scale16
+            raw[..., 0:4] = scale16.repeat(1, 1, 2)
         blocks = raw.reshape(out_features, -1).contiguous()
         return QuantWeight(blocks, int(qtype), in_features)
     raw = quantize(dense.numpy(), Q(qtype))
@@ -411,12 +405,18 @@ class QuantLinear(nn.Module):
 
 
 def _merge_same_type(parts: list[QuantWeight]) -> list[QuantWeight]:
-    """Neighbouring parts of one block type as one weight (their rows stacked)."""
+    """Neighbouring parts of one block type as one weight (their rows stacked: a view where
+    the second's bytes follow the first's, as models/gguf_weights.py lays a file's out)."""
     merged: list[QuantWeight] = []
     for part in parts:
         if merged and merged[-1].qtype == part.qtype:
             assert not (part.tiled or merged[-1].tiled), "packed after merging"
-            rows = torch.cat([merged[-1].blocks, part.blocks])
+            a, b = merged[-1].blocks, part.blocks
+            shared = a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            if shared and a.data_ptr() + a.nbytes == b.data_ptr():  # no copy
+                rows = a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), a.stride())
+            else:
+                rows = torch.cat([a, b])
             merged[-1] = QuantWeight(rows, part.qtype, part.in_features)
         else:
             merged.append(part)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kernels.malloc_tuning import huge_page_area
+from kernels.malloc_tuning import huge_page_area, huge_page_bytes, thp_mode
 from vlmserve.worker.kv_groups import allocate_kv_caches, kv_layout
 
 # Prints the bytes glibc holds in mmapped chunks while a 24 MiB buffer is live.
@@ -50,30 +50,14 @@ def test_a_buffer_under_the_threshold_comes_from_the_heap() -> None:
     assert _mmapped_bytes("tuned") < 24 << 20  # from the heap (other chunks may be mapped)
 
 
-def _huge_bytes(tensor: torch.Tensor) -> int:
-    """AnonHugePages of the mappings over `tensor`'s bytes (advice splits a mapping)."""
-    begin, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
-    total, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        fields = line.split()
-        if "-" in fields[0] and not fields[0].endswith(":"):  # a header: "lo-hi perms ..."
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            inside = lo < end and hi > begin
-        elif inside and fields[0] == "AnonHugePages:":
-            total += int(fields[1]) << 10
-    return total
-
-
 def test_the_kv_cache_is_on_huge_pages_where_linux_grants_them() -> None:
-    try:
-        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        pytest.skip("no transparent huge pages here")
-    if "[madvise]" not in mode:  # "always": on them unasked; "never": not at all
-        pytest.skip(f"transparent huge pages are {mode.strip()!r}, not on request")
+    if "[madvise]" not in (mode := thp_mode()):  # "always": on them unasked; "never": none
+        pytest.skip(f"transparent huge pages are {mode!r}, not on request")
     shape = (2, 1, 16 << 10, 256)  # 16 MiB of bfloat16 a layer
     caches = allocate_kv_caches(kv_layout((), 2), shape, torch.bfloat16, torch.device("cpu"))
-    assert all(_huge_bytes(c) >= 8 << 20 for c in caches)  # most of each (alignment)
+    assert all(
+        huge_page_bytes(c.data_ptr(), c.nbytes) >= 8 << 20 for c in caches
+    )  # most of each (alignment)
     assert all(c.count_nonzero() == 0 for c in caches)
     assert huge_page_area(1 << 20) is None  # small buffers: malloc's
 

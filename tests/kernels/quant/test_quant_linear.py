@@ -74,8 +74,8 @@ def test_dequantize_is_bit_identical_to_gguf(qtype):
     assert torch.equal(w.dequantize(dtype=torch.bfloat16), ref.to(torch.bfloat16))
     rows = torch.tensor([36, 0, 5, 5, 17])
     assert torch.equal(w.dequantize(rows).view(torch.int32), ref[rows].view(torch.int32))
-    permuted = w.select_rows(torch.arange(36, -1, -1))
-    assert torch.equal(permuted.dequantize(), ref.flip(0))
+    w.permute_rows(torch.arange(36, -1, -1))
+    assert torch.equal(w.dequantize(), ref.flip(0))
 
 
 @pytest.mark.skipif(not REAL.exists(), reason="the real checkpoint is not fetched")

@@ -4,6 +4,7 @@ or any checkpoint quantized to int8 at load, against the same engine on the dequ
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from encoders.weights import CheckpointError
 from kernels.attention import TorchPagedAttention
+from kernels.malloc_tuning import huge_page_bytes, thp_mode
 from kernels.quant_linear import QuantLinear
 from tests.fixtures.gguf_files import gguf_names, write_gguf
 from tests.helpers import make_engine
@@ -19,6 +21,7 @@ from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
 from vlmserve.worker.models import quantized
 from vlmserve.worker.models.gguf_file import GGUFFile
+from vlmserve.worker.models.gguf_weights import _blocks_area
 from vlmserve.worker.models.loader import load_model
 from vlmserve.worker.models.quantized import QuantEmbedding
 from vlmserve.worker.models.random_checkpoint import make_gemma3_checkpoint, make_text_checkpoint
@@ -76,6 +79,34 @@ def test_the_files_blocks_are_what_runs(converted):
     # Qwen2's biases)
     dense = {n: p for n, p in decoder.named_parameters() if p.dim() > 1}
     assert not dense, sorted(dense)[:3]
+
+
+def test_the_files_blocks_share_one_area_and_fused_parts_are_views_of_it(tmp_path):
+    """Every kept block tensor is copied once into one area (on huge pages where Linux grants
+    them), laid out so that the parts a layer fuses (q|k|v, gate|up, one block type here)
+    join as views of it: no second copy of any weight."""
+    hf = make_text_checkpoint(tmp_path / "hf", "llama", hidden=64, kv_heads=2)
+    path = write_gguf(hf, tmp_path / "one_type.gguf", "llama", qtypes=("Q8_0",))
+    decoder = _load(path, hf, "gguf").decoder
+    weights = {id(p): p for m in decoder.modules() if isinstance(m, QuantLinear) for p in m.parts}
+    weights[id(decoder.embed_tokens.weight_q)] = decoder.embed_tokens.weight_q
+    blocks = sorted((w.blocks for w in weights.values()), key=lambda b: b.data_ptr())
+    assert len({b.untyped_storage().data_ptr() for b in blocks}) == 1
+    spans = [(b.data_ptr(), b.data_ptr() + b.nbytes) for b in blocks]
+    assert all(end <= begin for (_, end), (begin, _) in itertools.pairwise(spans))  # disjoint
+    kept = sum(i.num_bytes for i in GGUFFile(path).tensors if len(i.shape) == 2)
+    assert sum(b.nbytes for b in blocks) == kept == blocks[0].untyped_storage().nbytes()
+    layer = decoder.layers[0]
+    assert len(layer.self_attn.qkv_proj.parts) == len(layer.mlp.gate_up_proj.parts) == 1
+
+
+def test_the_blocks_area_is_on_huge_pages_where_linux_grants_them() -> None:
+    if "[madvise]" not in (mode := thp_mode()):
+        pytest.skip(f"transparent huge pages are {mode!r}, not on request")
+    area = _blocks_area(16 << 20)
+    before = huge_page_bytes(area.data_ptr(), area.nbytes)  # of a mapping it joined, if any
+    area.fill_(1)  # written as a file's blocks are
+    assert huge_page_bytes(area.data_ptr(), area.nbytes) - before >= 8 << 20  # most of it
 
 
 def _prompt_logprobs(engine) -> list[float]:
