@@ -8,7 +8,8 @@ from GGUF (llama, qwen2, gemma3):
   "normal" RoPE; HF's rotate-half layout takes them back apart (`_unpermute`);
 - Gemma's norms: the converter stored (1 + w) (ggml has no Gemma RMSNorm); w = stored - 1.
 Blocks (read by gguf_file.py) stay blocks where the quantized kernels run their type
-(`keep_blocks`, kernels/quant_linear.py), or are dequantized by `gguf.quants.dequantize`
+(`keep_blocks`, kernels/quant_linear.py: copied once into one area on huge pages, laid out
+for the layers' fused linears), or are dequantized by `gguf.quants.dequantize`
 (the reference llama.cpp's Python package ships; transformers' GGUF path uses it too),
 one tensor at a time, straight into float32 torch tensors.
 """
