@@ -1,7 +1,8 @@
 """Host memory tuning, in one place: glibc malloc for processes whose large buffers come
 and go (the engine's CPU activations, a preprocessing worker's decoded images), and huge
-pages for the large buffer that stays (the KV cache, `huge_page_area`). Torch-free: the
-preprocessing workers import it and never load torch.
+pages for the large buffers that stay (the KV cache, a GGUF file's blocks: `huge_page_area`;
+`huge_page_bytes` reads how much of a range is on them). Torch-free: the preprocessing
+workers import it and never load torch.
 
 By default glibc serves each allocation over its mmap threshold (dynamic, 128 KiB up to
 32 MiB) with fresh zeroed pages from the kernel and unmaps them on free, so a buffer
@@ -60,7 +61,7 @@ def huge_page_area(nbytes: int) -> mmap.mmap | None:
     try:
         area.madvise(mmap.MADV_HUGEPAGE)
     except OSError:
-        log.info("no transparent huge pages here: the KV cache is on small pages")
+        log.info("no transparent huge pages here: large buffers stay on small pages")
     return area
 
 

@@ -16,6 +16,7 @@ one tensor at a time, straight into float32 torch tensors.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,9 +119,10 @@ def read_gguf_tensors(
         name: info for name, info in named
         if keep_blocks and len(info.shape) == 2 and info.qtype in SUPPORTED_QTYPES
     }  # fmt: skip
-    area, offsets = _blocks_area(sum(i.num_bytes for i in kept.values())), {}
-    for name in sorted(kept, key=_layout_key):
-        offsets[name] = sum(kept[n].num_bytes for n in offsets)
+    order = sorted(kept, key=_layout_key)
+    starts = itertools.accumulate((kept[name].num_bytes for name in order), initial=0)
+    offsets = dict(zip(order, starts, strict=False))  # accumulate's last: the total
+    area = _blocks_area(sum(i.num_bytes for i in kept.values()))
     tensors: dict[str, torch.Tensor | QuantWeight] = {}
     for name, info in named:
         permuted = arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
@@ -144,10 +146,11 @@ def read_gguf_tensors(
 
 def _blocks_area(nbytes: int) -> torch.Tensor:
     """`nbytes` (uint8) for the blocks a file's weights keep: one mapping on huge pages
-    where Linux grants them (kernels/malloc_tuning.py), else malloc's. A decode step reads
-    every weight once from memory in calls of 10-50 us each; on 4 KiB pages each call
-    starts with TLB misses and a hardware prefetcher that stops at every page (Gemma 3
-    270M's Q4_K_M layers: 2-9% of a batch-1 step on a Zen 4)."""
+    where Linux grants them (kernels/malloc_tuning.py), else malloc's; it lives while any
+    weight in it does. A decode step reads every weight once from memory in calls of 10-50
+    us each; on 4 KiB pages each call starts with TLB misses and a hardware prefetcher that
+    stops at every page (Gemma 3 270M's Q4_K_M file at batch 1 on a Zen 4: a decode step
+    5-7% faster, benchmarks/engine/weight_layout.py)."""
     area = huge_page_area(nbytes)
     if area is None:
         return torch.empty(nbytes, dtype=torch.uint8)
