@@ -58,7 +58,9 @@ def head_choice(dtype: torch.dtype, hidden: int, vocab: int) -> calibration.Head
     name = f"lm_head/{dtype_name(dtype)}/{hidden}x{out_m}"
     return calibration.calibrated(
         name,
-        lambda: measure_ladder(dtype, hidden, out_m, HEAD_LADDER, paths, HEAD_BUDGET_S, True),
+        lambda: measure_ladder(
+            dtype, hidden, out_m, HEAD_LADDER, paths, HEAD_BUDGET_S, logits=True
+        ),
         calibration.decide_head,
     )
 

@@ -1,8 +1,7 @@
 """Host memory tuning, in one place: glibc malloc for processes whose large buffers come
 and go (the engine's CPU activations, a preprocessing worker's decoded images), and huge
-pages for the large buffers that stay (the KV cache, a GGUF file's blocks: `huge_page_area`;
-`huge_page_bytes` reads how much of a range is on them). Torch-free: the preprocessing
-workers import it and never load torch.
+pages for the large buffers that stay (the KV cache, a GGUF file's blocks: `huge_page_area`).
+Torch-free: the preprocessing workers import it and never load torch.
 
 By default glibc serves each allocation over its mmap threshold (dynamic, 128 KiB up to
 32 MiB) with fresh zeroed pages from the kernel and unmaps them on free, so a buffer
@@ -73,19 +72,3 @@ def thp_mode() -> str:
             return f.read().strip()
     except OSError:
         return "absent"
-
-
-def huge_page_bytes(start: int, nbytes: int) -> int:
-    """The bytes on transparent huge pages (AnonHugePages, /proc/self/smaps) of the mappings
-    over [start, start + nbytes) of this process's memory: whole mappings (Linux merges
-    neighbours alike, so a change measures the range better than a single reading)."""
-    end, total, inside = start + nbytes, 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields[0] and not fields[0].endswith(":"):  # a header: "lo-hi perms"
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                inside = lo < end and hi > start
-            elif inside and fields[0] == "AnonHugePages:":
-                total += int(fields[1]) << 10
-    return total

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from encoders.config import EncoderConfig
 from scheduler.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from vlmserve.config import EngineConfig, ModelConfig
@@ -76,3 +78,19 @@ def run_checked(engine: Engine, requests: list[Request]) -> list:
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks, "blocks leaked after the queue drained"
     return outputs
+
+
+def huge_page_bytes(tensor: torch.Tensor) -> int:
+    """AnonHugePages (/proc/self/smaps) of the mappings over `tensor`'s bytes: whole mappings
+    (advice splits one; Linux merges neighbours alike, so a change measures better)."""
+    begin, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):  # a header: "lo-hi perms"
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                inside = lo < end and hi > begin
+            elif inside and fields[0] == "AnonHugePages:":
+                total += int(fields[1]) << 10
+    return total

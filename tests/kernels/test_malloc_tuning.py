@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from kernels.malloc_tuning import huge_page_area, huge_page_bytes, thp_mode
+from kernels.malloc_tuning import huge_page_area, thp_mode
+from tests.helpers import huge_page_bytes
 from vlmserve.worker.kv_groups import allocate_kv_caches, kv_layout
 
 # Prints the bytes glibc holds in mmapped chunks while a 24 MiB buffer is live.
@@ -55,9 +56,7 @@ def test_the_kv_cache_is_on_huge_pages_where_linux_grants_them() -> None:
         pytest.skip(f"transparent huge pages are {mode!r}, not on request")
     shape = (2, 1, 16 << 10, 256)  # 16 MiB of bfloat16 a layer
     caches = allocate_kv_caches(kv_layout((), 2), shape, torch.bfloat16, torch.device("cpu"))
-    assert all(
-        huge_page_bytes(c.data_ptr(), c.nbytes) >= 8 << 20 for c in caches
-    )  # most of each (alignment)
+    assert all(huge_page_bytes(c) >= 8 << 20 for c in caches)  # most of each (alignment)
     assert all(c.count_nonzero() == 0 for c in caches)
     assert huge_page_area(1 << 20) is None  # small buffers: malloc's
 

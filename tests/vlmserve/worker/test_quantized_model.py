@@ -12,10 +12,10 @@ import torch
 
 from encoders.weights import CheckpointError
 from kernels.attention import TorchPagedAttention
-from kernels.malloc_tuning import huge_page_bytes, thp_mode
+from kernels.malloc_tuning import thp_mode
 from kernels.quant_linear import QuantLinear
 from tests.fixtures.gguf_files import gguf_names, write_gguf
-from tests.helpers import make_engine
+from tests.helpers import huge_page_bytes, make_engine
 from vlmserve.config import ModelConfig
 from vlmserve.inputs.processing import Request
 from vlmserve.sample.params import SamplingParams
@@ -104,9 +104,9 @@ def test_the_blocks_area_is_on_huge_pages_where_linux_grants_them() -> None:
     if "[madvise]" not in (mode := thp_mode()):
         pytest.skip(f"transparent huge pages are {mode!r}, not on request")
     area = _blocks_area(16 << 20)
-    before = huge_page_bytes(area.data_ptr(), area.nbytes)  # of a mapping it joined, if any
+    before = huge_page_bytes(area)  # of a mapping it joined, if any
     area.fill_(1)  # written as a file's blocks are
-    assert huge_page_bytes(area.data_ptr(), area.nbytes) - before >= 8 << 20  # most of it
+    assert huge_page_bytes(area) - before >= 8 << 20  # most of it
 
 
 def _prompt_logprobs(engine) -> list[float]:
